@@ -1,0 +1,28 @@
+# Two entry points that set up everything on a fresh machine:
+#   make demo   export a small Llama, rewrite it, diff it against the original
+#   make test   run the test suite (slow real-model tests included; `make test-fast` skips them)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch must stay at the CPU build on this machine's disk; an unpinned torch pulls CUDA (several GB).
+CONSTRAINTS := constraints.txt
+
+.PHONY: setup demo test test-fast
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow"

@@ -1,0 +1,5 @@
+import sys
+
+from onnx_nmm.cli import main
+
+sys.exit(main())

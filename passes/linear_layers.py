@@ -1,0 +1,237 @@
+"""Find the linear layers of an exported graph: products of an activation with a constant weight.
+
+Matched forms (all seen in real exports, ASSETS.md):
+
+    MatMul(X, W)                      W an initializer or Constant, stored [K, N]
+    MatMul(X, Transpose(W))           dynamo with optimize=False, tied lm_head: W stored [N, K]
+    MatMul(X, Identity(W)), Cast(W)   TorchScript dedup; a weight stored in another dtype
+    MatMul(X, W) → Add(·, b)          b a constant [N]: folded in as the layer's bias
+    Gemm(X, W, C, transA=0, transB)   GPT-2's Conv1D; alpha scales W, beta scales C
+
+A layer is `Y = X·W_eff + b` with W_eff = alpha·op(W) of shape K×N. Products of two activations (the
+attention scores) never match: the weight must be a constant. Only top-level graph nodes are scanned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_nmm.passes import roles
+
+# Ops allowed between a weight's storage and the MatMul that reads it.
+_WEIGHT_PATH_OPS = ("Identity", "Transpose", "Cast")
+
+
+@dataclass
+class WeightSource:
+    """Where W comes from: a stored constant, seen through Identity/Transpose/Cast nodes."""
+
+    storage: ir.Value  # initializer, or output of a Constant node
+    path: list[ir.Node] = field(default_factory=list)  # from storage towards the consumer
+    transposed: bool = False  # storage is [N, K]
+    cast_to: ir.DataType | None = None
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        return ir.convenience.get_const_tensor(self.storage)
+
+    @property
+    def name(self) -> str:
+        return self.storage.name or "<unnamed>"
+
+    @property
+    def is_initializer(self) -> bool:
+        return self.storage.is_initializer()
+
+    @property
+    def is_external(self) -> bool:
+        return isinstance(self.tensor, ir.ExternalTensor)
+
+    def other_consumers(self, layer_nodes: set[ir.Node]) -> list[ir.Node]:
+        """Nodes outside this layer that also read the stored weight (e.g. a tied embedding's Gather)."""
+        own = set(self.path) | layer_nodes
+        return [use.node for use in self.storage.uses() if use.node not in own]
+
+
+@dataclass
+class LinearLayer:
+    """One matched linear layer, Y = X·W_eff (+ bias), W_eff of shape K×N."""
+
+    node: ir.Node  # the MatMul or Gemm
+    x: ir.Value
+    weight: WeightSource
+    k: int
+    n: int
+    output: ir.Value  # the value whose uses the rewrite takes over (the Add's, when a bias is folded)
+    bias: ir.Value | None = None
+    bias_node: ir.Node | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    module_path: str = ""
+    group: str = roles.OTHER
+    role: str = roles.OTHER
+    shared_with: list[str] = field(default_factory=list)  # names of other consumers of the weight
+
+    @property
+    def name(self) -> str:
+        return self.node.name or self.module_path
+
+    @property
+    def nodes(self) -> list[ir.Node]:
+        return [self.node] + ([self.bias_node] if self.bias_node is not None else [])
+
+    @property
+    def dtype(self) -> ir.DataType:
+        """W's storage dtype (what the factors are stored in)."""
+        return self.weight.tensor.dtype
+
+    @property
+    def parameters(self) -> int:
+        return self.k * self.n
+
+    def weight_matrix(self) -> np.ndarray:
+        """W_eff [K, N] as float32 (float64 if stored so): transpose and alpha applied."""
+        array = self.weight.tensor.numpy()
+        array = array.astype(np.float64 if array.dtype == np.float64 else np.float32)
+        if self.weight.transposed:
+            array = array.T
+        if self.alpha != 1.0:
+            array = array * np.asarray(self.alpha, dtype=array.dtype)
+        return np.ascontiguousarray(array)
+
+    def bias_vector(self) -> np.ndarray | None:
+        """The bias [N] with beta applied, or None."""
+        if self.bias is None:
+            return None
+        tensor = ir.convenience.get_const_tensor(self.bias).numpy().reshape(-1)
+        return tensor * np.asarray(self.beta, dtype=tensor.dtype) if self.beta != 1.0 else tensor
+
+
+def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
+    """Every linear layer of the main graph, in graph order, with its role."""
+    graph = model.graph
+    layers = []
+    for node in graph:
+        layer = _match(node, graph)
+        if layer is not None:
+            layers.append(layer)
+    for layer in layers:
+        _assign_role(layer, graph)
+        layer.shared_with = [other.name or other.op_type for other in layer.weight.other_consumers(set(layer.nodes))]
+    return layers
+
+
+def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
+    if node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    if x is None or w is None or x.shape is not None and len(x.shape) < 2:
+        return None
+    source = _resolve_weight(w)
+    if source is None:
+        return None
+    shape = source.tensor.shape
+    if len(shape) != 2 or not all(isinstance(d, int) for d in shape.dims):
+        return None
+    rows, cols = shape.dims
+    if node.op_type == "Gemm":
+        return _match_gemm(node, x, source, rows, cols)
+    k, n = (cols, rows) if source.transposed else (rows, cols)
+    layer = LinearLayer(node=node, x=x, weight=source, k=k, n=n, output=node.outputs[0])
+    _fold_bias_add(layer, graph)
+    return layer
+
+
+def _match_gemm(node: ir.Node, x: ir.Value, source: WeightSource, rows: int, cols: int) -> LinearLayer | None:
+    if _int_attribute(node, "transA", 0) != 0:
+        return None
+    if _int_attribute(node, "transB", 0):
+        source.transposed = not source.transposed
+    k, n = (cols, rows) if source.transposed else (rows, cols)
+    layer = LinearLayer(node=node, x=x, weight=source, k=k, n=n, output=node.outputs[0],
+                        alpha=_float_attribute(node, "alpha", 1.0), beta=_float_attribute(node, "beta", 1.0))
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        if not _is_bias(node.inputs[2], n):
+            return None  # a C that is not a per-output bias: not a plain linear layer
+        layer.bias = node.inputs[2]
+    return layer
+
+
+def _resolve_weight(value: ir.Value) -> WeightSource | None:
+    """Follow Identity/Transpose/Cast back to a stored constant; None if W is computed."""
+    path: list[ir.Node] = []
+    transposed = False
+    cast_to = None
+    while True:
+        if value.is_graph_input():
+            return None  # an initializer that is also an input can be overridden: not a constant
+        if ir.convenience.get_const_tensor(value) is not None:
+            return WeightSource(storage=value, path=path[::-1], transposed=transposed, cast_to=cast_to)
+        producer = value.producer()
+        if producer is None or producer.domain != "" or producer.op_type not in _WEIGHT_PATH_OPS:
+            return None
+        if producer.op_type == "Transpose":
+            perm = producer.attributes.get("perm")
+            if perm is not None and list(perm.as_ints()) != [1, 0]:
+                return None
+            transposed = not transposed
+        elif producer.op_type == "Cast" and cast_to is None:
+            cast_to = ir.DataType(producer.attributes["to"].as_int())
+        path.append(producer)
+        value = producer.inputs[0]
+
+
+def _fold_bias_add(layer: LinearLayer, graph: ir.Graph) -> None:
+    """MatMul → Add(constant [N]): the Add becomes part of the layer."""
+    output = layer.node.outputs[0]
+    uses = list(output.uses())
+    if len(uses) != 1 or output in graph.outputs:
+        return
+    add = uses[0].node
+    if add.op_type != "Add" or add.domain != "" or len(add.inputs) != 2:
+        return
+    other = add.inputs[1] if add.inputs[0] is output else add.inputs[0]
+    if other is None or other is output or not _is_bias(other, layer.n):
+        return
+    layer.bias, layer.bias_node, layer.output = other, add, add.outputs[0]
+
+
+def _is_bias(value: ir.Value, n: int) -> bool:
+    """A constant broadcastable as a per-output-feature bias: shape [N] or [1, ..., 1, N]."""
+    if value.is_graph_input():
+        return False
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return False
+    dims = list(tensor.shape.dims)
+    return bool(dims) and dims[-1] == n and all(d == 1 for d in dims[:-1])
+
+
+def _assign_role(layer: LinearLayer, graph: ir.Graph) -> None:
+    layer.module_path = roles.module_path(layer.node)
+    named = roles.classify(layer.module_path)
+    if named is None and layer.weight.name:
+        named = roles.classify(layer.weight.name.removesuffix(".weight"))
+    if named is not None and named[1] != roles.OTHER:
+        layer.group, layer.role = named
+        return
+    structural = roles.structural_mlp_role(layer.output, layer.x)
+    if structural is not None:
+        layer.group, layer.role = roles.MLP, structural
+    elif roles.feeds_graph_output(layer.output, graph):
+        layer.group, layer.role = roles.LM_HEAD, "lm_head"
+    elif named is not None:
+        layer.group, layer.role = named
+
+
+def _int_attribute(node: ir.Node, name: str, default: int) -> int:
+    attribute = node.attributes.get(name)
+    return attribute.as_int() if attribute is not None else default
+
+
+def _float_attribute(node: ir.Node, name: str, default: float) -> float:
+    attribute = node.attributes.get(name)
+    return attribute.as_float() if attribute is not None else default

@@ -1,0 +1,29 @@
+import shutil
+from pathlib import Path
+
+import pytest
+
+from exported_models import CACHE, exported_model
+
+
+def pytest_configure(config):
+    CACHE.mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture
+def export():
+    """export(architecture, exporter, external_data=False) -> path of a cached export."""
+    return exported_model
+
+
+@pytest.fixture
+def copied_export(tmp_path):
+    """A private copy of a cached export (model and external data), for tests that write beside it."""
+
+    def copy(architecture: str, exporter: str, external_data: bool = False) -> Path:
+        source = exported_model(architecture, exporter, external_data).parent
+        target = tmp_path / f"{architecture}-{exporter}"
+        shutil.copytree(source, target)
+        return target / "model.onnx"
+
+    return copy

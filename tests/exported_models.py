@@ -1,0 +1,37 @@
+"""Real exported graphs for the tests, cached on disk across test sessions and xdist workers.
+
+Each model is a tiny random-weight transformers model (noise on every parameter, see
+onnx_nmm.export) exported with one of the three exporters. The cache key holds the torch and
+transformers versions, so an upgrade re-exports.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+CACHE = Path(os.environ.get("ONNX_NMM_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
+
+
+def exported_model(architecture: str, exporter: str, external_data: bool = False, seed: int = 0) -> Path:
+    """The path of `architecture` exported with `exporter` (see onnx_nmm.export), exporting on first use."""
+    import torch
+    import transformers
+
+    from onnx_nmm.export import build_model, export_causal_lm
+
+    key = f"{architecture}-{exporter}{'-external' if external_data else ''}-s{seed}-torch{torch.__version__}-tf{transformers.__version__}"
+    folder = CACHE / key
+    path = folder / "model.onnx"
+    with FileLock(str(CACHE / f"{key}.lock")):
+        if not path.exists():
+            staging = CACHE / f"{key}.partial"
+            if staging.exists():
+                for leftover in staging.iterdir():
+                    leftover.unlink()
+            export_causal_lm(build_model(architecture, seed=seed), staging / "model.onnx", exporter,
+                             external_data=external_data)
+            staging.rename(folder)
+    return path
