@@ -1,0 +1,36 @@
+"""NKI kernels for the factorized linear layers, a NumPy emulator of NKI, and a Trainium cost model.
+
+Kernels (`@nki.jit`, HBM tensors in and out; x is row-major [tokens, features], weights in ONNX layout):
+    dense_matmul(x [M,K], w [K,N]) -> y [M,N]
+    dense_matmul_lhsT(lhsT [K,M], w [K,N]) -> y [M,N]           (the AWS tutorial's calling convention)
+    fused_xuv(x [M,K], u [K,r], v [r,N]) -> y [M,N]
+    fused_svd_mlp(x [M,H], ug, vg, uu, vu, ud, vd) -> y [M,H]
+    silu_mul(gate [M,I], up [M,I]) -> act [M,I]
+and lowrank_unfused(x, u, v), which launches dense_matmul twice.
+
+On a CPU: `run(kernel, *arrays, target=...)` executes on the emulator; `estimate(kernel, *shapes,
+dtype=..., target=...)` returns a modelled KernelCost without doing the arithmetic.
+"""
+
+from onnx_nmm.kernels.cost_model import KernelCost
+from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
+from onnx_nmm.kernels.nki_api import USING_EMULATOR
+from onnx_nmm.kernels.runner import estimate, run, trace
+
+__all__ = [
+    "USING_EMULATOR",
+    "KernelCost",
+    "dense_matmul",
+    "dense_matmul_lhsT",
+    "estimate",
+    "fused_svd_mlp",
+    "fused_xuv",
+    "lowrank_unfused",
+    "run",
+    "silu_mul",
+    "trace",
+]

@@ -1,0 +1,267 @@
+"""Modelled benchmark of the kernels on the MLPs of four small LLMs: dense vs low-rank.
+
+For each model, token count and target, four ways to run one gated MLP
+y = (silu(x·Wg) * (x·Wu)) · Wd, each W of K×N replaced by U [K, r] · V [r, N] in the low-rank ones:
+
+  dense      dense_matmul for gate, up and down, silu_mul between (4 launches)
+  unfused    lowrank_unfused (2 dense launches) per projection, silu_mul between (7 launches)
+  fused_xuv  fused_xuv per projection, silu_mul between (4 launches)
+  fused_mlp  fused_svd_mlp (1 launch)
+
+Every time and byte count is the cost model's (modelled), from trace-only emulation: nothing is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from onnx_nmm.kernels.cost_model import KernelCost, model_trace
+from onnx_nmm.kernels.dense_matmul import dense_matmul
+from onnx_nmm.kernels.emulator import Placeholder, emulation
+from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
+
+
+@dataclass(frozen=True)
+class MlpShape:
+    model: str
+    hidden: int
+    intermediate: int
+    rank: int  # of gate, up and down alike
+
+    @property
+    def parameter_ratio(self) -> float:
+        """Dense parameters over low-rank parameters of the MLP."""
+        return self.hidden * self.intermediate / (self.rank * (self.hidden + self.intermediate))
+
+
+MODELS = (
+    MlpShape("Llama-3.2-1B", 2048, 8192, 1280),
+    MlpShape("Llama-3.2-3B", 3072, 8192, 1792),
+    MlpShape("Qwen3-1.7B", 2048, 6144, 1280),
+    MlpShape("Qwen3-4B", 2560, 9728, 1664),
+)
+TOKENS = (1, 32, 128, 512, 2048)
+TARGETS = ("trn1", "trn2")
+VARIANTS = ("dense", "unfused", "fused_xuv", "fused_mlp")
+PROJECTIONS = ("gate", "up", "down")
+XUV_BAR = 1.35  # NeuronMM's kernel-level average speed-up
+
+
+def dense_mlp(x, wg, wu, wd):
+    gate = dense_matmul(x, wg)
+    up = dense_matmul(x, wu)
+    return dense_matmul(silu_mul(gate, up), wd)
+
+
+def unfused_mlp(x, ug, vg, uu, vu, ud, vd):
+    gate = lowrank_unfused(x, ug, vg)
+    up = lowrank_unfused(x, uu, vu)
+    return lowrank_unfused(silu_mul(gate, up), ud, vd)
+
+
+def xuv_mlp(x, ug, vg, uu, vu, ud, vd):
+    gate = fused_xuv(x, ug, vg)
+    up = fused_xuv(x, uu, vu)
+    return fused_xuv(silu_mul(gate, up), ud, vd)
+
+
+PROGRAMS = {"dense": dense_mlp, "unfused": unfused_mlp, "fused_xuv": xuv_mlp, "fused_mlp": fused_svd_mlp}
+# Which launches of the unfused and fused-XUV programs compute each projection (in launch order).
+PROJECTION_LAUNCHES = {
+    "unfused": {"gate": (0, 1), "up": (2, 3), "down": (5, 6)},
+    "fused_xuv": {"gate": (0,), "up": (1,), "down": (3,)},
+}
+
+
+@dataclass
+class BenchmarkRow:
+    shape: MlpShape
+    tokens: int
+    target: str
+    costs: dict[str, KernelCost]  # per variant, all launches
+    launches: dict[str, list[KernelCost]] = field(repr=False)  # per variant, one cost per launch
+
+    def seconds(self, variant: str) -> float:
+        return self.costs[variant].total_s
+
+    def speedup(self, baseline: str, variant: str) -> float:
+        return self.seconds(baseline) / self.seconds(variant)
+
+    def projection_seconds(self, variant: str, projection: str) -> float:
+        return sum(self.launches[variant][i].total_s for i in PROJECTION_LAUNCHES[variant][projection])
+
+    def xuv_kernel_speedups(self) -> list[float]:
+        """fused_xuv over lowrank_unfused for each projection: the kernel-level comparison."""
+        return [self.projection_seconds("unfused", p) / self.projection_seconds("fused_xuv", p) for p in PROJECTIONS]
+
+    def xuv_vs_dense_kernel_speedups(self) -> list[float]:
+        """fused_xuv over dense_matmul for each projection (launches 0, 1 and 3 of the dense program)."""
+        dense = [self.launches["dense"][i].total_s for i in (0, 1, 3)]
+        return [d / self.projection_seconds("fused_xuv", p) for d, p in zip(dense, PROJECTIONS)]
+
+
+def mlp_shapes(shape: MlpShape, tokens: int, variant: str) -> list[tuple[int, int]]:
+    H, I, r = shape.hidden, shape.intermediate, shape.rank
+    if variant == "dense":
+        return [(tokens, H), (H, I), (H, I), (I, H)]
+    return [(tokens, H), (H, r), (r, I), (H, r), (r, I), (I, r), (r, H)]
+
+
+def launch_costs(variant: str, shape: MlpShape, tokens: int, target: str, dtype: str) -> list[KernelCost]:
+    """Modelled cost of each kernel launch of one variant, in launch order (trace-only emulation)."""
+    with emulation(target, trace_only=True) as session:
+        PROGRAMS[variant](*(Placeholder(s, dtype) for s in mlp_shapes(shape, tokens, variant)))
+    return [model_trace(trace, target) for trace in session.traces]
+
+
+def run_benchmark(models=MODELS, tokens=TOKENS, targets=TARGETS, dtype="bfloat16", on_row=None) -> list[BenchmarkRow]:
+    """Every (model, tokens, target) of the grid; `on_row(row)` is called as each one is done."""
+    rows = []
+    for target in targets:
+        for shape in models:
+            for count in tokens:
+                launches = {v: launch_costs(v, shape, count, target, dtype) for v in VARIANTS}
+                costs = {v: _sequence(launches[v]) for v in VARIANTS}
+                row = BenchmarkRow(shape, count, target, costs, launches)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def summarize(rows: list[BenchmarkRow]) -> dict:
+    """The two bars and the averages behind them."""
+    kernel = [s for row in rows for s in row.xuv_kernel_speedups()]
+    versus_dense = [s for row in rows for s in row.xuv_vs_dense_kernel_speedups()]
+    mlp = [row.speedup("unfused", "fused_xuv") for row in rows]
+    decode = [
+        {
+            "model": row.shape.model,
+            "target": row.target,
+            "fused_mlp_vs_dense": row.speedup("dense", "fused_mlp"),
+            "parameter_ratio": row.shape.parameter_ratio,
+            "met": row.speedup("dense", "fused_mlp") >= row.shape.parameter_ratio,
+        }
+        for row in rows
+        if row.tokens == 1
+    ]
+    return {
+        "xuv_vs_unfused_kernel_mean": _mean(kernel),
+        "xuv_vs_unfused_kernel_geomean": _geomean(kernel),
+        "xuv_vs_unfused_kernel_range": [min(kernel), max(kernel)] if kernel else [],
+        "xuv_vs_unfused_mlp_mean": _mean(mlp),
+        "xuv_vs_dense_kernel_mean": _mean(versus_dense),
+        "xuv_bar": XUV_BAR,
+        "xuv_bar_met": _mean(kernel) >= XUV_BAR,
+        "decode": decode,
+        "decode_bar_met": bool(decode) and all(item["met"] for item in decode),
+    }
+
+
+def to_json(rows: list[BenchmarkRow], command: str, dtype: str) -> dict:
+    return {
+        "note": "all times and bytes are modelled by onnx-nmm's Trainium cost model, not measured",
+        "command": command,
+        "dtype": dtype,
+        "rows": [
+            {
+                "model": row.shape.model,
+                "hidden": row.shape.hidden,
+                "intermediate": row.shape.intermediate,
+                "rank": row.shape.rank,
+                "tokens": row.tokens,
+                "target": row.target,
+                "parameter_ratio": row.shape.parameter_ratio,
+                "modelled_us": {v: row.seconds(v) * 1e6 for v in VARIANTS},
+                "hbm_mb": {v: row.costs[v].hbm_bytes / 1e6 for v in VARIANTS},
+                "pe_utilization": {v: row.costs[v].pe_utilization for v in VARIANTS},
+                "xuv_vs_unfused_per_projection": dict(zip(PROJECTIONS, row.xuv_kernel_speedups())),
+            }
+            for row in rows
+        ],
+        "summary": summarize(rows),
+    }
+
+
+def markdown(rows: list[BenchmarkRow], command: str, dtype: str) -> str:
+    """The table and the bars as Markdown (times in µs, HBM traffic in MB, both modelled)."""
+    lines = [
+        f"Modelled on onnx-nmm's Trainium cost model ({dtype}); produced by `{command}`.",
+        "",
+        "| target | model | tokens | dense µs | unfused µs | fused XUV µs | fused MLP µs | XUV vs unfused "
+        "| fused MLP vs dense | params dense/low-rank | HBM MB dense / unfused / XUV / fused MLP |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        times = " | ".join(f"{row.seconds(v) * 1e6:,.1f}" for v in VARIANTS)
+        megabytes = " / ".join(f"{row.costs[v].hbm_bytes / 1e6:,.1f}" for v in VARIANTS)
+        lines.append(
+            f"| {row.target} | {row.shape.model} | {row.tokens} | {times} | {row.speedup('unfused', 'fused_xuv'):.2f}× "
+            f"| {row.speedup('dense', 'fused_mlp'):.2f}× | {row.shape.parameter_ratio:.2f}× | {megabytes} |"
+        )
+    lines += ["", *summary_lines(summarize(rows))]
+    return "\n".join(lines) + "\n"
+
+
+def summary_lines(summary: dict) -> list[str]:
+    low, high = summary["xuv_vs_unfused_kernel_range"]
+    lines = [
+        f"- fused XUV vs unfused, per projection (kernel level), mean over the grid: "
+        f"{summary['xuv_vs_unfused_kernel_mean']:.3f}× (geometric {summary['xuv_vs_unfused_kernel_geomean']:.3f}×, "
+        f"range {low:.2f}–{high:.2f}×); bar {summary['xuv_bar']}×: "
+        f"{'met' if summary['xuv_bar_met'] else 'NOT met'} (modelled)",
+        f"- fused XUV vs unfused, whole MLP (silu_mul in both), mean: {summary['xuv_vs_unfused_mlp_mean']:.3f}× (modelled)",
+        f"- fused XUV vs dense matmul of the full weight, per projection, mean: "
+        f"{summary['xuv_vs_dense_kernel_mean']:.3f}× (modelled)",
+    ]
+    for item in summary["decode"]:
+        lines.append(
+            f"- 1 token, {item['target']}, {item['model']}: fused MLP vs dense {item['fused_mlp_vs_dense']:.2f}× "
+            f"against parameter ratio {item['parameter_ratio']:.2f}×: {'met' if item['met'] else 'NOT met'} (modelled)"
+        )
+    return lines
+
+
+def plot(rows: list[BenchmarkRow], path, dtype: str) -> None:
+    """Speed-up of each variant over dense, per target, as grouped bars (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = sorted({row.target for row in rows})
+    figure, axes = plt.subplots(len(targets), 1, figsize=(14, 4.2 * len(targets)), squeeze=False)
+    for ax, target in zip(axes[:, 0], targets):
+        selected = [row for row in rows if row.target == target]
+        width = 0.27
+        for offset, variant in enumerate(("unfused", "fused_xuv", "fused_mlp")):
+            ax.bar([i + (offset - 1) * width for i in range(len(selected))],
+                   [row.speedup("dense", variant) for row in selected], width, label=variant.replace("_", " "))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(selected)))
+        ax.set_xticklabels([f"{row.shape.model}\n{row.tokens} tok" for row in selected], fontsize=7)
+        ax.set_ylabel("speed-up over dense (modelled)")
+        ax.set_title(f"{target}, {dtype}: modelled MLP time, dense / variant")
+        ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _sequence(costs: list[KernelCost]) -> KernelCost:
+    total = costs[0]
+    for cost in costs[1:]:
+        total = total.then(cost)
+    return total
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

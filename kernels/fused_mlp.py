@@ -1,0 +1,117 @@
+"""Fused SVD MLP: y = (silu(x·Ug·Vg) * (x·Uu·Vu)) · Ud · Vd in one kernel (NeuronMM's fused MLP).
+
+For each block of tokens:
+  1. gate and up strips (x·Ug)ᵀ and (x·Uu)ᵀ — stage 1 of the XUV kernel, sharing one x^T;
+  2. for each block of the intermediate dimension I: Vg and Vu are the stationary operands, so the
+     gate and up products come out as [I, tokens] — already transposed; SiLU is applied as the gate
+     leaves PSUM and the product with up as up leaves PSUM, giving actᵀ with I on partitions;
+  3. actᵀ is exactly the moving operand the down projection's stage 1 needs: (act · Ud)ᵀ accumulates over
+     the I blocks in fp32 with no transpose and no trip through HBM;
+  4. y = (act · Ud) · Vd, stage 2 of the XUV kernel, stored in natural [tokens, H] layout.
+Block sizes come from blocking.plan_mlp.
+"""
+
+from onnx_nmm.kernels.blocking import plan_mlp
+from onnx_nmm.kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, project_tokens
+from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks, load_row_tiles
+
+
+@nki.jit
+def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None):
+    """y = (silu(x · ug · vg) * (x · uu · vu)) · ud · vd.
+
+    Args:
+        x: [M, H] activations, row-major.
+        ug: [H, rg], vg: [rg, I]  gate projection factors;
+        uu: [H, ru], vu: [ru, I]  up projection factors;
+        ud: [I, rd], vd: [rd, H]  down projection factors (ranks may differ).
+        plan: a blocking.MlpPlan; None asks blocking.plan_mlp for this shape and target.
+    Returns:
+        y: [M, H] in x's dtype, in shared HBM.
+    """
+    M, H = x.shape
+    intermediate = vg.shape[1]
+    assert ug.shape[0] == H and uu.shape[0] == H and vd.shape[1] == H, "Ug, Uu rows and Vd columns must be H"
+    assert ug.shape[1] == vg.shape[0] and uu.shape[1] == vu.shape[0] and ud.shape[1] == vd.shape[0], "ranks"
+    assert vu.shape[1] == intermediate and ud.shape[0] == intermediate, "Vg, Vu columns and Ud rows must be I"
+    for factor in (ug, vg, uu, vu, ud, vd):
+        assert factor.dtype == x.dtype, f"factors must have x's dtype {x.dtype}, not {factor.dtype}"
+    if plan is None:
+        plan = plan_mlp(M, H, intermediate, ug.shape[1], uu.shape[1], ud.shape[1], x.dtype)
+    y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    for row0 in range(0, M, plan.token_block):
+        token_block(x, ug, vg, uu, vu, ud, vd, y, row0, min(plan.token_block, M - row0), plan)
+    return y
+
+
+def token_block(x, ug, vg, uu, vu, ud, vd, y, row0, tokens, plan):
+    down_strip = act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan)  # steps 1-3
+    expand_strip(down_strip, vd, y, row0, tokens, plan.n_block)  # step 4
+
+
+def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan):
+    """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions."""
+    gate_strip, up_strip = project_tokens(x, (ug, uu), row0, tokens, plan.k_tiles)
+    intermediate, rank_d = ud.shape
+    down_strip = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf)
+    blocks = k_blocks(intermediate, plan.i_tiles)
+    steps = 0  # Ud sub-blocks: the contraction blocks of the down projection
+    for _, _, t in blocks:
+        steps += cdiv(t, plan.down_tiles)
+    partial = None
+    if steps > 1:
+        partial = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=nl.float32, buffer=nl.sbuf)
+
+    step = 0
+    for i0, P, t in blocks:
+        actT = gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens)
+        # Stage 1 of the down projection, actᵀ as the moving operand, Ud rows in sub-blocks of down_tiles.
+        ud_rows = ud[i0 : i0 + P * t, 0:rank_d].reshape((P, t, rank_d))
+        for j0 in range(0, t, plan.down_tiles):
+            tc = min(plan.down_tiles, t - j0)
+            ud_block = nl.ndarray((PMAX, tc, rank_d), dtype=ud.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=ud_block[0:P, 0:tc, 0:rank_d], src=ud_rows[0:P, j0 : j0 + tc, 0:rank_d])
+            accumulate_strip(down_strip, partial, ud_block, actT[0:PMAX, j0 : j0 + tc, 0:tokens], P, tc, tokens,
+                             step == 0, step == steps - 1)
+            step += 1
+    return down_strip
+
+
+def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens):
+    """actᵀ[p, j, :] = silu(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
+
+    Vg (then Vu) is stationary, so each PSUM tile is [I rows, tokens]. SiLU is applied as the gate leaves
+    PSUM (ScalarE, kept in fp32) and the product as up leaves PSUM (VectorE), written in x's dtype.
+    """
+    columns = P * t
+    gate = nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
+    actT = nl.ndarray((PMAX, t, tokens), dtype=gate_strip.dtype, buffer=nl.sbuf)
+
+    vg_block = nl.ndarray((PMAX, gate_strip.shape[1], columns), dtype=vg.dtype, buffer=nl.sbuf)
+    load_row_tiles(vg_block, vg, 0, vg.shape[0], i0, i0 + columns)
+    for j in range(t):
+        for c0 in range(0, tokens, TILE_N):
+            cw = min(TILE_N, tokens - c0)
+            acc = project_columns(vg_block, gate_strip, vg.shape[0], j, t, P, c0, cw)
+            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=nl.silu, data=acc[0:P, 0:cw])
+
+    vu_block = nl.ndarray((PMAX, up_strip.shape[1], columns), dtype=vu.dtype, buffer=nl.sbuf)
+    load_row_tiles(vu_block, vu, 0, vu.shape[0], i0, i0 + columns)
+    for j in range(t):
+        for c0 in range(0, tokens, TILE_N):
+            cw = min(TILE_N, tokens - c0)
+            acc = project_columns(vu_block, up_strip, vu.shape[0], j, t, P, c0, cw)
+            nisa.tensor_tensor(dst=actT[0:P, j, c0 : c0 + cw], data1=gate[0:P, j, c0 : c0 + cw],
+                               data2=acc[0:P, 0:cw], op=nl.multiply)
+    return actT
+
+
+def project_columns(v_block, strip, rank, j, t, P, c0, cw):
+    """PSUM [P, cw] = V[:, columns p*t + j]ᵀ · strip[:, tokens c0..]: the tile's P columns as stationary."""
+    acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+    for rt in range(v_block.shape[1]):
+        rr = min(PMAX, rank - rt * PMAX)
+        nisa.nc_matmul(acc[0:P, 0:cw], stationary=v_block[0:rr, rt, j : P * t : t],
+                       moving=strip[0:rr, rt, c0 : c0 + cw], accumulate=rt > 0)
+    return acc

@@ -1,0 +1,165 @@
+"""One NeuronCore of Trainium1 and Trainium2, as the AWS Neuron documentation describes it.
+
+Every number here comes from the Neuron SDK documentation (github.com/aws-neuron/aws-neuron-sdk, snapshot of
+SDK 2.32 / NKI 0.6.0); the comment beside it names the file. The emulator uses the memory sizes to enforce
+capacity, the block-size model uses everything to choose tiles, and the cost model turns the emulator's
+instruction trace into a modelled time with it. Nothing here is measured by this project.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KIB = 1024
+
+ARCH_TRN1 = "nki/guides/architecture/trainium_inferentia2_arch.rst"
+ARCH_TRN2 = "nki/guides/architecture/trainium2_arch.rst"
+DMA_GUIDE = "nki/deep-dives/nki-dma-bandwidth-guide.rst"
+DMA_OVERVIEW = "nki/get-started/about/nki-dma-overview.rst"
+
+# Fraction of peak DMA throughput against contiguous bytes per partition (per DMA descriptor), read off the
+# figure "DMA Throughput varying Bytes per Partition for p_dim = 128" (nki/img/overviews/nki-dma-intro-1.jpg,
+# shown in nki-dma-overview.rst), normalised to its 32 KiB plateau; readings are good to about ±2 %.
+# The bandwidth guide states the same shape in words: < 256 B "severely overhead-bound", >= 2 KiB
+# "approaches peak", >= 4 KiB "fully amortizes per-packet overhead".
+DMA_EFFICIENCY_CURVE = (
+    (32, 0.014),
+    (64, 0.026),
+    (128, 0.050),
+    (256, 0.103),
+    (512, 0.209),
+    (1024, 0.424),
+    (2048, 0.813),
+    (4096, 0.966),
+    (8192, 0.983),
+    (16384, 0.993),
+    (32768, 1.000),
+)
+
+
+@dataclass(frozen=True)
+class NeuronCore:
+    """The parameters of one NeuronCore that the emulator, the block-size model and the cost model use."""
+
+    name: str
+    nc_version: int  # nki.isa.nc_version: gen2 = Trn1/Inf2, gen3 = Trn2 (nki/api/nki/isa/__init__.py)
+
+    # On-chip memories: 128 partitions each.
+    partitions: int  # both archs: 128 partitions
+    sbuf_partition_bytes: int
+    psum_partition_bytes: int  # 16 KiB = 8 banks of 2 KiB (512 fp32), same on trn1 and trn2
+    psum_bank_bytes: int
+
+    # Tensor Engine: a 128x128 systolic array; one MultiplyMoving with moving free size N issues every
+    # max(N, MM_INIT_LATENCY) cycles, and FP32 inputs cost about 4x ("Cost Model", ARCH_TRN1).
+    pe_hz: float
+    pe_min_cycles: int
+    pe_fp32_factor: int
+    pe_fp32_transpose_factor: int
+
+    # Vector and Scalar engines: ~N cycles per input tile of N elements per partition, plus a static
+    # overhead of ~100 cycles for short instructions ("Cost Model" of VectorE, ARCH_TRN1; the same notes
+    # apply to ScalarE).
+    dve_hz: float
+    act_hz: float
+    pool_hz: float
+    short_instruction_overhead_cycles: int
+    vector_perf_mode: bool  # trn2: 2-4x VectorE throughput for BF16/FP16 copies and tensor_tensor
+    psum_shared_by_act_and_dve: bool  # trn1: VectorE and ScalarE cannot access PSUM in parallel
+
+    # DMA: 16 engines per NeuronCore, each with a peak rate; every transfer waits ~1300 ns from its
+    # semaphore to its start (DMA_GUIDE).
+    dma_engines: int
+    dma_engine_bytes_per_s: float
+    dma_fixed_latency_s: float
+
+    @property
+    def dma_bytes_per_s(self) -> float:
+        return self.dma_engines * self.dma_engine_bytes_per_s
+
+    @property
+    def pe_bf16_flops(self) -> float:
+        """Peak dense BF16 FLOP/s: 128x128 MACs per cycle (92 TFLOPS on trn1, 79 on trn2 in the arch guides)."""
+        return 2 * self.partitions * self.partitions * self.pe_hz
+
+    @property
+    def psum_banks(self) -> int:
+        return self.psum_partition_bytes // self.psum_bank_bytes
+
+
+TRN1 = NeuronCore(
+    name="trn1",
+    nc_version=2,
+    partitions=128,
+    sbuf_partition_bytes=192 * KIB,  # "a 24MiB SBUF ... one SBUF partitions has 192KiB" (ARCH_TRN1)
+    psum_partition_bytes=16 * KIB,  # "a 2MiB PSUM ... one PSUM partition has 16KiB" (ARCH_TRN1)
+    psum_bank_bytes=2 * KIB,  # one matmul output fits one 2 KiB bank per partition (ARCH_TRN1)
+    pe_hz=2.8e9,  # Tensor engine 2.8 GHz (ARCH_TRN1 engine table)
+    pe_min_cycles=64,  # MM_INIT_LATENCY = 64 TensorE cycles on NeuronCore-v2 (ARCH_TRN1 "Cost Model")
+    pe_fp32_factor=4,  # "For FP32 input data type, the instruction cost is roughly 4x higher" (ARCH_TRN1)
+    pe_fp32_transpose_factor=4,  # a transpose is a matmul against identity on NeuronCore-v2 (ARCH_TRN1)
+    dve_hz=1.12e9,  # Vector engine 1.12 GHz (ARCH_TRN1 engine table)
+    act_hz=1.4e9,  # Scalar engine 1.4 GHz (ARCH_TRN1 engine table)
+    pool_hz=1.4e9,  # GpSimd engine 1.4 GHz (ARCH_TRN1 engine table)
+    short_instruction_overhead_cycles=100,  # "static instruction overhead of 100 engine cycles" (ARCH_TRN1)
+    vector_perf_mode=False,
+    psum_shared_by_act_and_dve=True,  # "VectorE and ScalarE can access PSUM in parallel ... disallowed in
+    # NeuronCore-v2" (ARCH_TRN2, "Data Movement Updates")
+    dma_engines=16,  # "16 parallel DMA engines" per NeuronCore-v2 (ARCH_TRN1)
+    dma_engine_bytes_per_s=17e9,  # TRN1 "17 B/ns" per engine, 272 GB/s aggregate (DMA_GUIDE table)
+    dma_fixed_latency_s=1.3e-6,  # "semaphore-to-start latency (~1300 ns cross-engine)" (DMA_GUIDE)
+)
+
+TRN2 = NeuronCore(
+    name="trn2",
+    nc_version=3,
+    partitions=128,
+    sbuf_partition_bytes=224 * KIB,  # "28MiB (or, 128 partitions of 224KiB)" (ARCH_TRN2)
+    psum_partition_bytes=16 * KIB,  # "PSUM capacity remains the same at 2MiB" (ARCH_TRN2)
+    psum_bank_bytes=2 * KIB,
+    pe_hz=2.4e9,  # Tensor engine 2.4 GHz (ARCH_TRN2 engine table); 79 BF16 TFLOPS
+    pe_min_cycles=64,  # documented for NeuronCore-v2 only; assumed unchanged on v3
+    pe_fp32_factor=4,  # 20 FP32 vs 79 BF16 dense TFLOPS (ARCH_TRN2 "Tensor Engine")
+    pe_fp32_transpose_factor=2,  # transpose mode: "2x speedup in FP32 transpose" (ARCH_TRN2)
+    dve_hz=0.96e9,  # Vector engine 0.96 GHz (ARCH_TRN2 engine table)
+    act_hz=1.2e9,  # Scalar engine 1.2 GHz (ARCH_TRN2 engine table)
+    pool_hz=1.2e9,  # GpSimd engine 1.2 GHz (ARCH_TRN2 engine table)
+    short_instruction_overhead_cycles=100,  # ARCH_TRN1 notes, which ARCH_TRN2 keeps for NeuronCore-v3
+    vector_perf_mode=True,  # "Vector Engine Performance Mode" (ARCH_TRN2)
+    psum_shared_by_act_and_dve=False,
+    dma_engines=16,  # "each NeuronCore-v3 is typically paired with 16x DMA engines" (ARCH_TRN2)
+    dma_engine_bytes_per_s=23e9,  # TRN2 "23 B/ns" per engine, 368 GB/s aggregate (DMA_GUIDE table)
+    dma_fixed_latency_s=1.3e-6,  # DMA_GUIDE (not given per generation)
+)
+
+TARGETS = {"trn1": TRN1, "trn2": TRN2}
+
+
+def neuron_core(target: str | NeuronCore) -> NeuronCore:
+    """The NeuronCore description for a target name ("trn1", "trn2") or a description itself."""
+    if isinstance(target, NeuronCore):
+        return target
+    try:
+        return TARGETS[target]
+    except KeyError:
+        raise ValueError(f"unknown Trainium target {target!r}; use one of {sorted(TARGETS)}") from None
+
+
+def dma_efficiency(contiguous_bytes: float) -> float:
+    """Fraction of peak DMA bandwidth reached when each descriptor moves `contiguous_bytes` bytes.
+
+    Interpolated in log2(bytes) between the readings of DMA_EFFICIENCY_CURVE; proportional to the size
+    below the first reading (the overhead-bound regime) and 1 above the plateau.
+    """
+    points = DMA_EFFICIENCY_CURVE
+    if contiguous_bytes <= points[0][0]:
+        return points[0][1] * contiguous_bytes / points[0][0]
+    if contiguous_bytes >= points[-1][0]:
+        return points[-1][1]
+    position = math.log2(contiguous_bytes)
+    for (size_lo, eff_lo), (size_hi, eff_hi) in zip(points, points[1:]):
+        if contiguous_bytes <= size_hi:
+            fraction = (position - math.log2(size_lo)) / (math.log2(size_hi) - math.log2(size_lo))
+            return eff_lo + fraction * (eff_hi - eff_lo)
+    raise AssertionError("unreachable: the curve covers every size")

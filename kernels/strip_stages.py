@@ -1,0 +1,94 @@
+"""The two stages of a fused low-rank product, shared by fused_xuv and fused_mlp.
+
+Stage 1 computes a strip (x_blk · U)ᵀ for a block of tokens: U is the stationary operand and x^T the
+moving one, so TensorE writes the product transposed — rank on partitions, tokens in the free dimension —
+with no transpose instruction. The strip stays in SBUF.
+
+Stage 2 multiplies the cached strip by V one block of output columns at a time: the strip is the
+stationary operand (rank on partitions = the contraction), V streams as the moving one, and the result
+comes out in natural [tokens, columns] layout, ready to store.
+"""
+
+from onnx_nmm.kernels.nki_api import nisa, nl
+from onnx_nmm.kernels.tiles import (
+    PMAX,
+    TILE_M,
+    TILE_N,
+    cdiv,
+    evict_partial_sum,
+    k_blocks,
+    load_interleaved_rows,
+    load_row_tiles,
+    transpose_tokens,
+)
+
+
+def project_tokens(x, us, row0, tokens, k_tiles):
+    """Stage 1 for several U sharing x: returns one strip (x[row0:row0+tokens] · U)ᵀ per U.
+
+    Each strip is [128, ceil(r/128), tokens] in x's dtype: rank r = 128*tile + partition. The contraction
+    over K streams in blocks of k_tiles tiles; a block's x^T is transposed once and used by every U.
+    """
+    K = x.shape[1]
+    blocks = k_blocks(K, k_tiles)
+    strips = [nl.ndarray((PMAX, cdiv(u.shape[1], PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf) for u in us]
+    # fp32 partial sums across contraction blocks (none when one block covers K).
+    partials = [None for u in us]
+    if len(blocks) > 1:
+        partials = [nl.ndarray((PMAX, cdiv(u.shape[1], PMAX), tokens), dtype=nl.float32, buffer=nl.sbuf) for u in us]
+
+    for b, (k0, P, t) in enumerate(blocks):
+        xT = nl.ndarray((PMAX, t, tokens), dtype=x.dtype, buffer=nl.sbuf)
+        for tok0 in range(0, tokens, PMAX):
+            transpose_tokens(xT, x, row0 + tok0, min(PMAX, tokens - tok0), k0, P, t, tok0)
+        for i in range(len(us)):
+            u = us[i]
+            u_block = nl.ndarray((PMAX, t, u.shape[1]), dtype=u.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(u_block, u, k0, P, t, 0, u.shape[1])
+            accumulate_strip(strips[i], partials[i], u_block, xT, P, t, tokens, b == 0, b == len(blocks) - 1)
+    return strips
+
+
+def accumulate_strip(strip, partial, u_block, xT, P, t, tokens, first, last):
+    """strip (+)= (x_blk · U_blk)ᵀ for one contraction block of t tiles of P partitions.
+
+    U_blk [P, t, r] is stationary, so the PSUM result is [rank tile, tokens]: the transposed product.
+    """
+    rank = u_block.shape[2]
+    for rt in range(cdiv(rank, PMAX)):
+        r0 = rt * PMAX
+        rr = min(PMAX, rank - r0)
+        for c0 in range(0, tokens, TILE_N):
+            cw = min(TILE_N, tokens - c0)
+            acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+            for j in range(t):
+                nisa.nc_matmul(acc[0:rr, 0:cw], stationary=u_block[0:P, j, r0 : r0 + rr],
+                               moving=xT[0:P, j, c0 : c0 + cw], accumulate=j > 0)
+            part = None if partial is None else partial[0:rr, rt, c0 : c0 + cw]
+            evict_partial_sum(strip[0:rr, rt, c0 : c0 + cw], part, acc[0:rr, 0:cw], first, last)
+
+
+def expand_strip(strip, v, y, row0, tokens, n_block):
+    """Stage 2: y[row0:row0+tokens, :] = stripᵀ · V, one block of n_block columns of V at a time.
+
+    The strip is reused for every column block (no recomputation of stage 1, no HBM round trip); the
+    V block is loaded once per token block and reused by every 128-token tile.
+    """
+    rank, N = v.shape
+    rank_tiles = cdiv(rank, PMAX)
+    for n0 in range(0, N, n_block):
+        cols = min(n_block, N - n0)
+        v_block = nl.ndarray((PMAX, rank_tiles, cols), dtype=v.dtype, buffer=nl.sbuf)
+        load_row_tiles(v_block, v, 0, rank, n0, n0 + cols)
+        for tok0 in range(0, tokens, TILE_M):
+            T = min(TILE_M, tokens - tok0)
+            result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
+            for nt0 in range(0, cols, TILE_N):
+                nt = min(TILE_N, cols - nt0)
+                acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+                for rt in range(rank_tiles):
+                    rr = min(PMAX, rank - rt * PMAX)
+                    nisa.nc_matmul(acc[0:T, 0:nt], stationary=strip[0:rr, rt, tok0 : tok0 + T],
+                                   moving=v_block[0:rr, rt, nt0 : nt0 + nt], accumulate=rt > 0)
+                nisa.activation(dst=result[0:T, nt0 : nt0 + nt], op=nl.copy, data=acc[0:T, 0:nt])
+            nisa.dma_copy(dst=y[row0 + tok0 : row0 + tok0 + T, n0 : n0 + cols], src=result[0:T, 0:cols])

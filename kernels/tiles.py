@@ -1,0 +1,106 @@
+"""Tile sizes and the small data-movement steps every kernel here shares.
+
+Contraction blocks are row-interleaved: within a block of P*t rows starting at k0, partition p and tile j
+hold row k0 + p*t + j. Each partition then reads t consecutive rows, so one DMA descriptor carries t whole
+rows of a weight (long contiguous runs, hardware.dma_efficiency), and the contraction still pairs the same
+row of both operands. Only the order of the fp32 sum over k changes.
+"""
+
+from onnx_nmm.kernels.nki_api import nisa, nl
+
+PMAX = nl.tile_size.pmax  # 128 partitions: the contraction tile and the largest on-chip tile
+TILE_M = nl.tile_size.gemm_stationary_fmax  # 128: stationary free size = result partitions
+TILE_N = nl.tile_size.gemm_moving_fmax  # 512: moving free size = fp32 elements in one PSUM bank
+PSUM_BANK_BYTES = nl.tile_size.psum_bank_fmax_bytes  # 2 KiB per partition per bank
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def dtype_bytes(dtype):
+    """Bytes per element of the input dtypes the kernels take (bfloat16, float16, float32)."""
+    if dtype == nl.float32:
+        return 4
+    assert dtype == nl.bfloat16 or dtype == nl.float16, f"kernels take float32, bfloat16 or float16, not {dtype}"
+    return 2
+
+
+def k_blocks(rows, tiles):
+    """Contraction blocks (k0, P, t) covering `rows`: blocks of `tiles` full tiles, then the full tiles that
+    are left as one block, then the last rows % 128 as a block of one partial tile."""
+    blocks = []
+    full_tiles = rows // PMAX
+    for first in range(0, full_tiles, tiles):
+        t = min(tiles, full_tiles - first)
+        blocks.append((first * PMAX, PMAX, t))
+    if rows % PMAX:
+        blocks.append((full_tiles * PMAX, rows % PMAX, 1))
+    return blocks
+
+
+def load_interleaved_rows(block, src, k0, partitions, tiles, col0, col1):
+    """block[p, j, :] = src[k0 + p*tiles + j, col0:col1].
+
+    Whole rows make one contiguous run of tiles*cols elements per partition: one DMA. Part rows are separate
+    runs anyway, so each tile gets its own DMA and TensorE can start on the first while the rest arrive.
+    """
+    cols = col1 - col0
+    rows = src[k0 : k0 + partitions * tiles, col0:col1].reshape((partitions, tiles, cols))
+    if cols == src.shape[1]:
+        nisa.dma_copy(dst=block[0:partitions, 0:tiles, 0:cols], src=rows)
+    else:
+        for j in range(tiles):
+            nisa.dma_copy(dst=block[0:partitions, j, 0:cols], src=rows[0:partitions, j, 0:cols])
+
+
+def load_row_tiles(block, src, row0, rows, col0, col1):
+    """block[p, j, :] = src[row0 + j*128 + p, col0:col1]: plain 128-row tiles (the last may be partial), one
+    DMA per tile so TensorE can start on the first while the rest arrive."""
+    cols = col1 - col0
+    for j in range(cdiv(rows, PMAX)):
+        first = row0 + j * PMAX
+        count = min(PMAX, row0 + rows - first)
+        nisa.dma_copy(dst=block[0:count, j, 0:cols], src=src[first : first + count, col0:col1])
+
+
+def transpose_tokens(xT, x, row0, tokens, k0, partitions, tiles, col):
+    """xT[p, j, col + i] = x[row0 + i, k0 + p*tiles + j] for i < tokens (<= 128), by TensorE transposes.
+
+    The rows arrive with one contiguous DMA (partitions*tiles elements per token); TensorE transposes each
+    [tokens, partitions] slice into PSUM, several to a bank, and ScalarE copies each bank back to SBUF.
+    PE transposes work on trn1 and trn2 alike (DMA transposes are trn2-only and run below full DMA
+    throughput); a 128x128 transpose costs TensorE 128 cycles against the 512 of each matmul it feeds,
+    and leaves the DMA queues, which bound the small-token cases, to the weights.
+    """
+    row_elements = partitions * tiles
+    rows = nl.ndarray((PMAX, row_elements), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows[0:tokens, 0:row_elements], src=x[row0 : row0 + tokens, k0 : k0 + row_elements])
+    per_bank = PSUM_BANK_BYTES // (PMAX * dtype_bytes(x.dtype))
+    for j0 in range(0, tiles, per_bank):
+        group = min(per_bank, tiles - j0)
+        bank = nl.ndarray((PMAX, per_bank, PMAX), dtype=x.dtype, buffer=nl.psum)
+        for j in range(group):
+            nisa.nc_transpose(
+                dst=bank[0:partitions, j, 0:tokens],
+                data=rows[0:tokens, j0 + j : row_elements : tiles],
+                engine=nisa.engine.tensor,
+            )
+        nisa.activation(dst=xT[0:partitions, j0 : j0 + group, col : col + tokens], op=nl.copy,
+                        data=bank[0:partitions, 0:group, 0:tokens])
+
+
+def evict_partial_sum(result, partial, psum, first, last):
+    """Move one PSUM accumulation group out, combining contraction blocks in fp32.
+
+    The only block goes straight to `result`; the first of several starts the fp32 `partial` in SBUF;
+    middle blocks add onto it; the last adds it to PSUM while writing `result` in its own dtype.
+    """
+    if first and last:
+        nisa.activation(dst=result, op=nl.copy, data=psum)
+    elif first:
+        nisa.activation(dst=partial, op=nl.copy, data=psum)
+    elif last:
+        nisa.tensor_tensor(dst=result, data1=partial, data2=psum, op=nl.add)
+    else:
+        nisa.tensor_tensor(dst=partial, data1=partial, data2=psum, op=nl.add)

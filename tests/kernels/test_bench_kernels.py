@@ -1,0 +1,71 @@
+"""The kernel benchmark: its rows, its bars, and `onnx-nmm bench-kernels`."""
+
+import json
+
+import pytest
+
+from onnx_nmm.cli import main
+from onnx_nmm.kernels import benchmark
+
+LLAMA_1B = benchmark.MODELS[0]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return benchmark.run_benchmark(models=(LLAMA_1B,), tokens=(1, 128), targets=("trn1",))
+
+
+def test_each_row_models_all_four_variants(rows):
+    assert [(row.tokens, row.target) for row in rows] == [(1, "trn1"), (128, "trn1")]
+    for row in rows:
+        assert set(row.costs) == set(benchmark.VARIANTS)
+        assert [len(row.launches[v]) for v in benchmark.VARIANTS] == [4, 7, 4, 1]
+        # Low-rank variants move fewer bytes than dense; the fused MLP keeps act in SBUF.
+        hbm = {v: row.costs[v].hbm_bytes for v in benchmark.VARIANTS}
+        assert hbm["fused_mlp"] < hbm["fused_xuv"] <= hbm["unfused"] < hbm["dense"]
+        assert all(s > 0.95 for s in row.xuv_kernel_speedups())
+
+
+def test_the_summary_states_both_bars(rows):
+    summary = benchmark.summarize(rows)
+    assert summary["xuv_bar"] == 1.35
+    assert summary["xuv_vs_unfused_kernel_mean"] == pytest.approx(
+        sum(s for row in rows for s in row.xuv_kernel_speedups()) / 6
+    )
+    (decode,) = summary["decode"]
+    assert decode["parameter_ratio"] == pytest.approx(2048 * 8192 / (1280 * (2048 + 8192)))
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_at_one_token_the_fused_mlp_beats_dense_by_at_least_the_parameter_ratio(target):
+    for shape in benchmark.MODELS:
+        dense = benchmark.launch_costs("dense", shape, 1, target, "bfloat16")
+        fused = benchmark.launch_costs("fused_mlp", shape, 1, target, "bfloat16")
+        speedup = sum(c.total_s for c in dense) / fused[0].total_s
+        assert speedup >= shape.parameter_ratio, shape.model
+
+
+def test_the_table_says_modelled_and_how_it_was_made(rows):
+    text = benchmark.markdown(rows, "onnx-nmm bench-kernels --tokens 1,128", "bfloat16")
+    assert "Modelled" in text and "`onnx-nmm bench-kernels --tokens 1,128`" in text
+    assert text.count("| trn1 | Llama-3.2-1B |") == 2
+
+
+def test_the_command_writes_the_table_json_and_chart(tmp_path, capsys):
+    code = main(["bench-kernels", "--models", "Llama-3.2-1B", "--tokens", "1", "--target", "trn2", "--out", str(tmp_path)])
+    assert code == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"bench-kernels.md", "bench-kernels.json", "bench-kernels.png"}
+    report = json.loads((tmp_path / "bench-kernels.json").read_text())
+    assert "modelled" in report["note"] and report["rows"][0]["target"] == "trn2"
+    assert "(modelled)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [(["--tokens", "0"], "between 1 and 8192"), (["--tokens", "a"], "comma-separated"), (["--models", "GPT-5"], "unknown GPT-5")],
+)
+def test_bad_options_get_a_one_line_error(tmp_path, capsys, option, message):
+    assert main(["bench-kernels", "--out", str(tmp_path), *option]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+    assert not any(tmp_path.iterdir())

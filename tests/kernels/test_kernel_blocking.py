@@ -1,0 +1,77 @@
+"""The analytical block-size model: its plans fit SBUF, cache the strip, and read weights once when they can."""
+
+import pytest
+
+from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
+from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, plan_dense, plan_mlp, plan_xuv
+from onnx_nmm.kernels.hardware import neuron_core
+from onnx_nmm.kernels.runner import estimate, trace
+
+# Llama-3.2-3B's MLP: the largest rank of the benchmark grid.
+H, I, R = 3072, 8192, 1792
+
+
+def mlp_shapes(M):
+    return (M, H), (H, R), (R, I), (H, R), (R, I), (I, R), (R, H)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+@pytest.mark.parametrize(("M", "dtype"), [(1, "bfloat16"), (512, "bfloat16"), (128, "float32")])
+def test_planned_kernels_fit_sbuf_with_the_compilers_reserve(M, dtype, target):
+    budget = neuron_core(target).sbuf_partition_bytes - SBUF_RESERVE_BYTES
+    launches = [
+        trace(dense_matmul, (M, I), (I, H), dtype=dtype, target=target),
+        trace(fused_xuv, (M, I), (I, R), (R, H), dtype=dtype, target=target),
+        trace(fused_svd_mlp, *mlp_shapes(M), dtype=dtype, target=target),
+    ]
+    for (launch,) in launches:
+        assert launch.sbuf_peak_bytes <= budget, launch.kernel
+        assert launch.psum_peak_bytes <= neuron_core(target).psum_partition_bytes
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_at_one_token_every_weight_is_read_once(target):
+    xuv = estimate(fused_xuv, (1, H), (H, R), (R, I), target=target)
+    assert xuv.hbm_read_bytes == 2 * (H + H * R + R * I)
+    assert xuv.hbm_write_bytes == 2 * I
+    mlp = estimate(fused_svd_mlp, *mlp_shapes(1), target=target)
+    assert mlp.hbm_read_bytes == 2 * (H + 3 * R * (H + I))
+
+
+def test_the_strip_is_cached_so_u_and_v_are_read_once_per_token_block():
+    M = 512
+    plan = plan_xuv(M, H, R, I, "bfloat16", target="trn2")
+    blocks = -(-M // plan.token_block)
+    cost = estimate(fused_xuv, (M, H), (H, R), (R, I), target="trn2", plan=plan)
+    assert cost.hbm_read_bytes == 2 * (M * H + blocks * (H * R + R * I))
+    assert cost.hbm_write_bytes == 2 * M * I
+
+
+def test_plans_respect_the_shape_and_the_hardware_tiles():
+    dense = plan_dense(700, 300, 9000, "bfloat16", target="trn1")
+    assert dense.n_block % 512 == 0 or dense.n_block == 9000
+    assert dense.m_block <= dense.m_stripe <= 700
+    xuv = plan_xuv(1, 4096, 1000, 4096, "float32", target="trn2")
+    assert xuv.token_block == 1 and 1 <= xuv.k_tiles <= 16
+    mlp = plan_mlp(8192, H, I, R, R, R, "bfloat16", target="trn1")
+    assert mlp.token_block % 128 == 0 and mlp.down_tiles <= mlp.i_tiles
+
+
+def test_the_model_adapts_the_blocking_to_the_target():
+    """The same shape gets a different blocking where SBUF and engine speeds differ."""
+    assert plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn1") != plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn2")
+
+
+def test_a_rank_too_large_for_sbuf_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="no blocking of shape .* fits SBUF"):
+        plan_xuv(1, 128, 100_000, 512, "float32", target="trn1")
+
+
+def test_8192_tokens_trace_within_sbuf():
+    """The longest prompt the kernels take (trace-only; Qwen3-1.7B's MLP, trn1's smaller SBUF)."""
+    budget = neuron_core("trn1").sbuf_partition_bytes - SBUF_RESERVE_BYTES
+    M, hidden, inter, rank = 8192, 2048, 6144, 1280
+    (xuv,) = trace(fused_xuv, (M, hidden), (hidden, rank), (rank, inter), target="trn1")
+    (mlp,) = trace(fused_svd_mlp, (M, hidden), (hidden, rank), (rank, inter), (hidden, rank), (rank, inter),
+                   (inter, rank), (rank, hidden), target="trn1")
+    assert max(xuv.sbuf_peak_bytes, mlp.sbuf_peak_bytes) <= budget

@@ -1,0 +1,106 @@
+"""Each kernel against a float64 NumPy reference, on shapes with partial tiles, one token, odd ranks.
+
+Small explicit blocks make the same small shapes go through several token blocks, contraction blocks
+(fp32 partial sums) and column blocks.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from onnx_nmm.kernels import (
+    dense_matmul,
+    dense_matmul_lhsT,
+    fused_svd_mlp,
+    fused_xuv,
+    lowrank_unfused,
+    run,
+    silu_mul,
+)
+from onnx_nmm.kernels.blocking import DensePlan, MlpPlan, XuvPlan
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+# Error relative to the output's largest magnitude: bf16 rounds the intermediates and the output
+# (2^-9 each), fp32 only sums in a different order.
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-5}
+SMALL_DENSE = DensePlan(m_stripe=128, m_block=128, n_block=512, k_tiles=1)
+SMALL_XUV = XuvPlan(token_block=128, k_tiles=1, n_block=512)
+SMALL_MLP = MlpPlan(token_block=128, k_tiles=1, i_tiles=2, down_tiles=1, n_block=512)
+
+
+def arrays(seed, dtype, *shapes):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) / np.sqrt(shape[0] if i else 1)).astype(DTYPES[dtype]) for i, shape in enumerate(shapes)]
+
+
+def f64(*values):
+    return [np.asarray(v, dtype=np.float64) for v in values]
+
+
+def silu(z):
+    return z / (1 + np.exp(-z))
+
+
+def check(result, reference, dtype):
+    assert result.dtype == DTYPES[dtype] and result.shape == reference.shape
+    assert not np.isnan(result.astype(np.float32)).any(), "the kernel left output elements unwritten"
+    error = np.abs(result.astype(np.float64) - reference).max() / np.abs(reference).max()
+    assert error <= TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 200, 300), (37, 300, 700), (130, 384, 1030)])
+def test_dense_matmul(M, K, N, plan, dtype):
+    x, w = arrays(0, dtype, (M, K), (K, N))
+    X, W = f64(x, w)
+    check(run(dense_matmul, x, w, target="trn1", plan=plan), X @ W, dtype)
+    check(run(dense_matmul_lhsT, np.ascontiguousarray(x.T), w, target="trn2", plan=plan), X @ W, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_XUV], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(
+    ("M", "K", "r", "N"), [(1, 200, 64, 300), (37, 300, 200, 700), (130, 256, 130, 600), (300, 384, 256, 512)]
+)
+def test_fused_xuv(M, K, r, N, plan, dtype):
+    x, u, v = arrays(1, dtype, (M, K), (K, r), (r, N))
+    X, U, V = f64(x, u, v)
+    check(run(fused_xuv, x, u, v, target="trn2", plan=plan), X @ U @ V, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "K", "r", "N"), [(1, 200, 64, 300), (130, 256, 130, 600)])
+def test_lowrank_unfused(M, K, r, N, dtype):
+    x, u, v = arrays(2, dtype, (M, K), (K, r), (r, N))
+    X, U, V = f64(x, u, v)
+    check(run(lowrank_unfused, x, u, v, target="trn1"), X @ U @ V, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(
+    ("M", "H", "I", "ranks"),
+    [(1, 200, 300, (64, 96, 80)), (37, 256, 700, (200, 130, 128)), (130, 300, 520, (130, 128, 200))],
+)
+def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
+    rg, ru, rd = ranks
+    x, ug, vg, uu, vu, ud, vd = arrays(3, dtype, (M, H), (H, rg), (rg, I), (H, ru), (ru, I), (I, rd), (rd, H))
+    X, UG, VG, UU, VU, UD, VD = f64(x, ug, vg, uu, vu, ud, vd)
+    reference = (silu(X @ UG @ VG) * (X @ UU @ VU)) @ UD @ VD
+    target = "trn1" if M % 2 else "trn2"
+    check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, target=target, plan=plan), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "I"), [(1, 5000), (130, 700)])
+def test_silu_mul(M, I, dtype):
+    gate, up = arrays(4, dtype, (M, I), (M, I))
+    G, U = f64(gate, up)
+    check(run(silu_mul, gate, up), silu(G) * U, dtype)
+
+
+def test_inputs_of_different_dtypes_are_refused():
+    x = np.ones((4, 128), dtype=np.float32)
+    with pytest.raises(AssertionError, match="x is float32 but w is bfloat16"):
+        run(dense_matmul, x, np.ones((128, 8), dtype=ml_dtypes.bfloat16))
