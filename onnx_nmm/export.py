@@ -79,6 +79,20 @@ def randomize(model, seed: int, scale: float = 0.02) -> None:
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
+def load_gguf_causal_lm(path: str | os.PathLike):
+    """A transformers causal LM from a GGUF file (dequantized to float32), offline."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
 class LogitsOnly:
     """Wraps a causal LM as `forward(input_ids, attention_mask) -> logits` (no cache, no dict)."""
 

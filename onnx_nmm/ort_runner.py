@@ -21,20 +21,22 @@ _NUMPY_OF_ORT = {
 }
 
 
-def create_session(path: str | os.PathLike, threads: int | None = None,
-                   extra_config: dict[str, str] | None = None) -> ort.InferenceSession:
-    """A CPU session for the model at `path`; a UserError if onnxruntime refuses it."""
+def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
+                   extra_config: dict[str, str] | None = None, label: str | os.PathLike | None = None
+                   ) -> ort.InferenceSession:
+    """A CPU session for a model file, or for serialized bytes (`label` names it in errors)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
     for key, value in (extra_config or {}).items():
         options.add_session_config_entry(key, value)
+    source = model if isinstance(model, bytes) else str(model)
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"onnxruntime cannot load {path}: {message}") from None
+        raise UserError(f"onnxruntime cannot load {label or model}: {message}") from None
 
 
 def vocabulary_size(session: ort.InferenceSession, path: str | os.PathLike) -> int:
@@ -54,6 +56,14 @@ def vocabulary_size(session: ort.InferenceSession, path: str | os.PathLike) -> i
 def random_inputs(session: ort.InferenceSession, path: str | os.PathLike, batch: int, seq_len: int,
                   seed: int) -> dict[str, np.ndarray]:
     """Inputs for a causal LM: random token ids, a full attention mask, positions 0..S-1."""
+    vocab = vocabulary_size(session, path)
+    tokens = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq_len), dtype=np.int64)
+    return token_inputs(session, tokens, seed)
+
+
+def token_inputs(session: ort.InferenceSession, tokens: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
+    """The feeds of a causal LM for these token ids [B, S]: a full attention mask, positions 0..S-1."""
+    batch, seq_len = tokens.shape
     rng = np.random.default_rng(seed)
     inputs = {}
     for spec in session.get_inputs():
@@ -70,8 +80,7 @@ def random_inputs(session: ort.InferenceSession, path: str | os.PathLike, batch:
             elif "type" in name:
                 inputs[spec.name] = np.zeros(shape, dtype)
             else:
-                vocab = vocabulary_size(session, path)
-                inputs[spec.name] = rng.integers(0, vocab, size=shape, dtype=dtype)
+                inputs[spec.name] = tokens.astype(dtype).reshape(shape)
         elif dtype == np.bool_:
             inputs[spec.name] = np.ones(shape, dtype)
         else:

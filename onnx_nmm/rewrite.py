@@ -1,7 +1,10 @@
 """The rewrite: find linear layers, choose ranks, factorize, swap in SvdMatMul ops.
 
-    model ─ find_linear_layers ─ select_layers ─┬─ per layer: rank rule → SVD → factors
+    model ─ find_linear_layers ─ select_layers ─┬─ per layer: rank rule → (whitened) SVD → factors
                                                 └─ SvdFactorizationPass(factors) ─ model'
+
+With `--budget global` the ranks come from a first pass over every layer's spectrum
+(onnx_nmm.rank_allocation); the factors from a second.
 
 Weights are read one at a time and their memory-mapped storage released right after factorization,
 so the process never holds two full copies of the weights: the original stays on disk, the factors
@@ -17,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import lowrank
+from onnx_nmm import lowrank, rank_allocation, whitening
+from onnx_nmm.activation_stats import GramStatistics
 from onnx_nmm.errors import UserError
-from onnx_nmm.passes import FactorizedLayer, LinearLayer, Selection, SvdFactorizationPass, find_linear_layers, select_layers
+from onnx_nmm.passes import (FactorizedLayer, LinearLayer, Selection, SvdFactorizationPass, find_linear_layers,
+                             select_layers)
 
 FULL_RANK = "full"
 
@@ -98,6 +103,8 @@ class LayerOutcome:
     parameters_before: int = 0
     parameters_after: int = 0
     relative_error: float | None = None  # ‖W − UV‖_F / ‖W‖_F
+    whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set
+    conditioning: str = ""  # how XᵀX was factorized: cholesky, damped ε=…, eigendecomposition
     seconds: float = 0.0
 
 
@@ -105,7 +112,8 @@ class LayerOutcome:
 class RewriteReport:
     rule: str
     selection: str
-    svd: str
+    method: str
+    calibration: str = ""
     layers: list[LayerOutcome] = field(default_factory=list)
 
     @property
@@ -125,33 +133,46 @@ class RewriteReport:
         }
 
     def to_dict(self) -> dict:
-        return {"rule": self.rule, "selection": self.selection, "svd": self.svd, "totals": self.totals(),
+        return {"rule": self.rule, "selection": self.selection, "method": self.method,
+                "calibration": self.calibration, "totals": self.totals(),
                 "layers": [asdict(layer) for layer in self.layers]}
 
 
+METHODS = ("svd", "whiten")
+BUDGETS = ("uniform", "global")
+
+
 @dataclass(frozen=True)
-class SvdOptions:
-    method: str = "exact"  # lowrank.SVD_METHODS
+class FactorizationOptions:
+    """method: plain SVD of W, or SVD-LLM whitening (needs calibration statistics);
+    svd: how the inner SVD is computed (lowrank.SVD_METHODS); budget: one keep fraction per matrix
+    (uniform) or one parameter budget for all targets spent where it removes most loss (global)."""
+
+    method: str = "svd"
+    svd: str = "exact"
     power_iterations: int = 2
     oversample: int = 64
     seed: int = 0
+    budget: str = "uniform"
 
     def describe(self) -> str:
-        if self.method == "randomized":
-            return f"randomized(power_iterations={self.power_iterations}, oversample={self.oversample})"
-        return self.method
+        inner = self.svd
+        if self.svd == "randomized":
+            inner = f"randomized(power_iterations={self.power_iterations}, oversample={self.oversample})"
+        return f"{self.method}, {inner} SVD, {self.budget} budget"
 
 
-def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Selection(), svd: SvdOptions = SvdOptions(),
+def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Selection(),
+                  options: FactorizationOptions = FactorizationOptions(), statistics: GramStatistics | None = None,
                   on_layer: Callable[[LayerOutcome], None] | None = None,
                   on_start: Callable[[int], None] | None = None) -> RewriteReport:
     """Factorize the selected linear layers of `model` in place; return what was done to each.
 
-    `on_start(n)` is told how many layers will be factorized, `on_layer` hears about each one as it
-    finishes (for progress bars). Raises UserError when nothing can be targeted.
+    `statistics` (XᵀX of each target's input) drive whitening and let plain SVD report its
+    activation loss. `on_start(n)` is told how many steps follow, `on_layer` hears about each
+    finished one (for progress bars). Raises UserError when nothing can be targeted.
     """
-    if svd.method == "randomized" and rule.energy is not None:
-        raise UserError("--energy needs every singular value: use it with --svd exact")
+    _check_options(rule, options, statistics)
     layers = find_linear_layers(model)
     if not layers:
         raise UserError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "
@@ -161,16 +182,24 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
         raise UserError(f"none of the {len(layers)} linear layers matches {selection.describe()}; "
                         "see `onnx-nmm inspect` for their names and roles")
     _check_explicit_rank(chosen, rule)
-    report = RewriteReport(rule=rule.describe(), selection=selection.describe(), svd=svd.describe())
-    if on_start is not None:
+    report = RewriteReport(rule=rule.describe(), selection=selection.describe(), method=options.describe(),
+                           calibration=statistics.description if statistics else "")
+    factorizer = _Factorizer(rule, options, statistics)
+    global_ranks = None
+    if options.budget == "global":
+        if on_start is not None:
+            on_start(2 * len(chosen))
+        global_ranks = factorizer.allocate(chosen, on_layer)
+    elif on_start is not None:
         on_start(len(chosen))
     factorized: list[FactorizedLayer] = []
-    chosen_set = {id(layer) for layer in chosen}
+    chosen_ids = {id(layer) for layer in chosen}
     for layer in layers:
-        if id(layer) not in chosen_set:
+        if id(layer) not in chosen_ids:
             report.layers.append(_outcome(layer, "skipped", skipped[layer.name]))
             continue
-        outcome, factors = _factorize(layer, rule, svd)
+        forced = global_ranks[layer.name] if global_ranks is not None else None
+        outcome, factors = factorizer.factorize(layer, forced, use_forced=global_ranks is not None)
         report.layers.append(outcome)
         if factors is not None:
             factorized.append(factors)
@@ -180,26 +209,85 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
     return report
 
 
-def _factorize(layer: LinearLayer, rule: RankRule, svd: SvdOptions) -> tuple[LayerOutcome, FactorizedLayer | None]:
-    start = time.perf_counter()
-    rank, reason = rule.rank_before_svd(layer.k, layer.n)
-    if rank is None and reason is not None:
-        return _outcome(layer, "dense", reason, parameters_after=layer.parameters), None
-    weight = layer.weight_matrix()
-    _release(layer)
-    decomposition = lowrank.decompose(weight, svd.method, rank_hint=rank, oversample=svd.oversample,
-                                      power_iterations=svd.power_iterations, seed=svd.seed)
-    del weight
-    if rank is None:
-        rank, reason = rule.rank_from_spectrum(layer.k, layer.n, decomposition.singular_values)
-        if rank is None:
+class _Factorizer:
+    """Turns one layer into factors (or a reason to stay dense) under the rule and options."""
+
+    def __init__(self, rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None):
+        self.rule, self.options, self.statistics = rule, options, statistics
+
+    def decompose(self, layer: LinearLayer, weight: np.ndarray, rank_hint: int | None):
+        o = self.options
+        if o.method == "whiten":
+            return whitening.whitened_decomposition(weight, self.statistics.gram(layer.x.name), o.svd, rank_hint,
+                                                    o.power_iterations, o.oversample, o.seed)
+        return lowrank.decompose(weight, o.svd, rank_hint=rank_hint, oversample=o.oversample,
+                                 power_iterations=o.power_iterations, seed=o.seed)
+
+    def allocate(self, layers: list[LinearLayer], on_layer) -> dict[str, int | None]:
+        """First pass of --budget global: every layer's spectrum, then ranks for the same total
+        parameter count as the uniform rule would give."""
+        spectra, budget = [], 0
+        for layer in layers:
+            rank, _ = self.rule.rank_before_svd(layer.k, layer.n)
+            budget += layer.parameters if rank is None else rank * (layer.k + layer.n)
+            weight = layer.weight_matrix()
+            _release(layer)
+            spectra.append(rank_allocation.LayerSpectrum(layer.name, layer.k, layer.n,
+                                                         self.decompose(layer, weight, None).singular_values))
+            if on_layer is not None:
+                on_layer(_outcome(layer, "analysed"))
+        return rank_allocation.allocate_ranks(spectra, budget, self.rule.align)
+
+    def factorize(self, layer: LinearLayer, forced_rank: int | None,
+                  use_forced: bool) -> tuple[LayerOutcome, FactorizedLayer | None]:
+        start = time.perf_counter()
+        if use_forced:
+            rank, reason = forced_rank, None if forced_rank is not None else "the global budget keeps it dense"
+        else:
+            rank, reason = self.rule.rank_before_svd(layer.k, layer.n)
+        if rank is None and reason is not None:
             return _outcome(layer, "dense", reason, parameters_after=layer.parameters), None
-    u, v = decomposition.factors(rank, dtype=np.float64)
-    outcome = _outcome(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
-                       relative_error=decomposition.relative_error(rank), seconds=time.perf_counter() - start)
-    if rank >= lowrank.break_even_rank(layer.k, layer.n):
-        outcome.reason = "explicit rank saves nothing"
-    return outcome, FactorizedLayer(layer=layer, u=u, v=v, align=rule.align, method=svd.method)
+        weight = layer.weight_matrix()
+        _release(layer)
+        decomposition = self.decompose(layer, weight, rank)
+        if rank is None:
+            rank, reason = self.rule.rank_from_spectrum(layer.k, layer.n, decomposition.singular_values)
+            if rank is None:
+                return _outcome(layer, "dense", reason, parameters_after=layer.parameters), None
+        u, v = decomposition.factors(rank, dtype=np.float64)
+        if not (np.all(np.isfinite(u)) and np.all(np.isfinite(v))):
+            raise UserError(f"factorizing {layer.name} gave non-finite factors; nothing was written "
+                            "(please report this with the model)")
+        outcome = _outcome(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
+                           relative_error=decomposition.relative_error(rank))
+        if isinstance(decomposition, whitening.WhitenedDecomposition):
+            outcome.whitened_loss = decomposition.whitened_loss(rank)
+            outcome.conditioning = decomposition.conditioning
+        elif self.statistics is not None and layer.x.name in self.statistics.grams:
+            outcome.whitened_loss = whitening.activation_loss(self.statistics.grams[layer.x.name], weight, u, v)
+        if rank >= lowrank.break_even_rank(layer.k, layer.n):
+            outcome.reason = "explicit rank saves nothing"
+        outcome.seconds = time.perf_counter() - start
+        return outcome, FactorizedLayer(layer=layer, u=u, v=v, align=self.rule.align,
+                                        method=f"{self.options.method}/{self.options.svd}")
+
+
+def target_inputs(model: ir.Model, selection: Selection) -> dict[str, int]:
+    """The distinct input values of the selected layers (name → width K): what calibration observes.
+    Layers reading the same input (gate and up) share one entry."""
+    chosen, _ = select_layers(find_linear_layers(model), selection)
+    return {layer.x.name: layer.k for layer in chosen}
+
+
+def _check_options(rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None) -> None:
+    if options.method not in METHODS:
+        raise UserError(f"--method must be one of {', '.join(METHODS)}")
+    if options.method == "whiten" and statistics is None:
+        raise UserError("--method whiten needs calibration data: pass --calib")
+    if options.svd == "randomized" and rule.energy is not None:
+        raise UserError("--energy needs every singular value: use it with --svd exact")
+    if options.budget == "global" and rule.keep is None:
+        raise UserError("--budget global spends the parameters --keep would keep: use it with --keep")
 
 
 def _check_explicit_rank(layers: list[LinearLayer], rule: RankRule) -> None:

@@ -59,7 +59,7 @@ def test_the_op_carries_its_function_attributes_and_origin():
     assert node.op_type == svd_ops.SVD_MATMUL and node.overload == svd_ops.BIAS_OVERLOAD
     assert node.name == "mm" and len(node.input) == 4
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    assert attributes == {"rank": 4, "align": 128, "method": b"exact", "original_weight": b"W"}
+    assert attributes == {"rank": 4, "align": 128, "method": b"svd/exact", "original_weight": b"W"}
     metadata = {entry.key: entry.value for entry in node.metadata_props}
     assert metadata[svd_ops.ORIGINAL_NODE_KEY] == "mm,add"
     functions = {(f.domain, f.name, f.overload): f for f in rewritten.functions}

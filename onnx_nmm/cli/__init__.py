@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from onnx_nmm import __version__
 from onnx_nmm.errors import UserError
@@ -18,6 +19,8 @@ COMMAND_MODULES = [
     "inspect",
     "rewrite",
     "diff",
+    "eval",
+    "bench_kernels",
 ]
 
 
@@ -36,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = lambda message, *_, **__: f"onnx-nmm {args.command}: warning: {message}\n"
     try:
         return args.handler(args)
     except UserError as error:

@@ -98,3 +98,27 @@ def selection_from(args):
             except re.error as error:
                 raise UserError(f"{flag} {pattern!r} is not a valid regular expression: {error}") from None
     return Selection(targets=args.targets, include=args.include, exclude=args.exclude, lm_head=args.lm_head)
+
+
+def add_text_options(parser, required: bool) -> None:
+    """--text/--tokenizer/--window/--stride/--max-windows, shared by eval and diff."""
+    group = parser.add_argument_group("text")
+    group.add_argument("--text", metavar="FILE", required=required, help="a UTF-8 text file to score")
+    group.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file")
+    group.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    group.add_argument("--stride", type=int, help="tokens between window starts (default: the window, disjoint)")
+    group.add_argument("--max-windows", type=int, help="score only the first N windows (default: the whole text)")
+
+
+def text_windows_from(args):
+    """(token ids of --text, Windows) from the parsed text options."""
+    from onnx_nmm.calibration_data import load_tokenizer, text_tokens
+    from onnx_nmm.errors import UserError
+    from onnx_nmm.perplexity import Windows
+
+    if args.tokenizer is None:
+        raise UserError("--text needs --tokenizer (a tokenizer folder or a .gguf file)")
+    if args.max_windows is not None and args.max_windows < 1:
+        raise UserError("--max-windows must be a positive integer")
+    windows = Windows(window=args.window, stride=args.stride or args.window, max_windows=args.max_windows)
+    return text_tokens(args.text, load_tokenizer(args.tokenizer)), windows

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from rich.progress import Progress
+
 from onnx_nmm import metrics, ort_runner
 from onnx_nmm.cli import _common
 from onnx_nmm.errors import UserError
 from onnx_nmm.model_io import load_model
+from onnx_nmm.perplexity import compare_on_text, window_count
 
 
 def register(subparsers) -> None:
@@ -21,6 +24,7 @@ def register(subparsers) -> None:
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
     parser.add_argument("--rtol", type=float, help="see --atol")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _common.add_text_options(parser, required=False)
     parser.set_defaults(handler=run)
 
 
@@ -31,6 +35,8 @@ def run(args) -> int:
         load_model(path)  # same one-line errors as every command for missing files or data
     reference = ort_runner.create_session(args.reference)
     candidate = ort_runner.create_session(args.candidate)
+    if args.text:
+        return _diff_on_text(args, reference, candidate)
     if args.inputs:
         inputs = ort_runner.load_inputs(args.inputs, reference)
     else:
@@ -50,6 +56,25 @@ def run(args) -> int:
     else:
         _print_table(args, inputs, comparisons)
     return 1 if failed else 0
+
+
+def _diff_on_text(args, reference, candidate) -> int:
+    """Both perplexities, top-1 agreement and KL over the windows of a real text."""
+    tokens, windows = _common.text_windows_from(args)
+    with Progress(console=_common.stderr, transient=True, disable=args.json) as progress:
+        task = progress.add_task("scoring windows", total=window_count(len(tokens), windows))
+        result = compare_on_text(reference, candidate, tokens, windows, on_window=lambda: progress.update(task, advance=1))
+    if args.json:
+        _common.print_json({"reference": args.reference, "candidate": args.candidate, "text": args.text,
+                            **result.to_dict()})
+        return 0
+    a, b = result.reference, result.candidate
+    _common.stdout.print(
+        f"on {args.text}: {a.tokens_scored} tokens in {a.windows} windows of {a.window} (stride {a.stride})\n"
+        f"  perplexity  {args.reference}: {a.perplexity:.4f}   {args.candidate}: {b.perplexity:.4f} "
+        f"({b.perplexity / a.perplexity - 1:+.1%})\n"
+        f"  next-token top-1 agreement {result.top1_agreement:.2%}, mean KL {result.mean_kl:.4f} nats")
+    return 0
 
 
 def _print_table(args, inputs, comparisons) -> None:

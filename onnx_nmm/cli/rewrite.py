@@ -7,12 +7,14 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from onnx_nmm import calibration_data
+from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import _common
 from onnx_nmm.errors import UserError
 from onnx_nmm.lowrank import SVD_METHODS
 from onnx_nmm.model_io import (PROTOBUF_LIMIT, check_model_file, check_output_path, load_model, save_model,
                                uses_external_data, weight_bytes)
-from onnx_nmm.rewrite import SvdOptions, rewrite_model
+from onnx_nmm.rewrite import BUDGETS, METHODS, FactorizationOptions, rewrite_model, target_inputs
 
 
 def register(subparsers) -> None:
@@ -22,6 +24,22 @@ def register(subparsers) -> None:
     parser.add_argument("--force", action="store_true", help="allow the output to replace the input model")
     _common.add_rank_options(parser)
     _common.add_selection_options(parser)
+    parser.add_argument("--method", choices=METHODS,
+                        help="svd: truncated SVD of W; whiten: SVD-LLM activation-aware SVD, minimising the error of "
+                             "the layer's outputs on the calibration data (default: whiten with --calib, else svd)")
+    parser.add_argument("--budget", choices=BUDGETS, default="uniform",
+                        help="uniform: every matrix keeps --keep of its parameters; global: the same total, spent "
+                             "per layer where it removes the most truncation loss")
+    calibration = parser.add_argument_group("calibration (activation-aware SVD)")
+    calibration.add_argument("--calib", metavar="SOURCE",
+                             help="a text file (with --tokenizer), an .npz with input_ids [samples, seq], "
+                                  "statistics saved by --save-calib-stats, or 'random' (tests only)")
+    calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
+    calibration.add_argument("--calib-samples", type=int, default=128, help="sequences to use (default 128)")
+    calibration.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    calibration.add_argument("--calib-batch", type=int, default=4, help="sequences per onnxruntime run (default 4)")
+    calibration.add_argument("--save-calib-stats", metavar="FILE.npz",
+                             help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
     parser.add_argument("--svd", choices=SVD_METHODS, default="exact",
                         help="exact (float64 Gram eigendecomposition) or randomized (faster for low ranks; "
                              "its error is in the report)")
@@ -30,6 +48,7 @@ def register(subparsers) -> None:
     parser.add_argument("--external-data", choices=("auto", "yes", "no"), default="auto",
                         help="write weights to OUT.data: auto = if the input did or the model exceeds 2 GB")
     parser.add_argument("--report", metavar="FILE.json", help="write the per-layer report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot rank and error of every targeted layer")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     parser.set_defaults(handler=run)
 
@@ -39,7 +58,13 @@ def run(args) -> int:
     selection = _common.selection_from(args)
     if args.power_iterations < 0:
         raise UserError(f"--power-iterations must be ≥ 0, got {args.power_iterations}")
-    svd = SvdOptions(method=args.svd, power_iterations=args.power_iterations, seed=args.seed)
+    for flag, value in (("--calib-samples", args.calib_samples), ("--seq-len", args.seq_len),
+                        ("--calib-batch", args.calib_batch)):
+        if value < 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    method = args.method or ("whiten" if args.calib else "svd")
+    options = FactorizationOptions(method=method, svd=args.svd, power_iterations=args.power_iterations,
+                                   seed=args.seed, budget=args.budget)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".nmm.onnx")
     check_output_path(source, output, args.force)
@@ -49,9 +74,10 @@ def run(args) -> int:
         external = uses_external_data(model)
 
     with _progress(args.quiet) as progress:
+        statistics = _calibrate(args, source, model, selection, progress) if args.calib else None
         task = progress.add_task("factorizing", total=None)
         report = rewrite_model(
-            model, rule, selection, svd,
+            model, rule, selection, options, statistics,
             on_start=lambda total: progress.update(task, total=total),
             on_layer=lambda outcome: progress.update(task, advance=1, description=outcome.module_path or outcome.name),
         )
@@ -62,9 +88,39 @@ def run(args) -> int:
 
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})
+    if args.plot:
+        from onnx_nmm.report_plot import plot_report
+
+        plot_report(report, args.plot, title=f"{source.name}: {report.rule}; {report.method}")
     if not args.quiet:
         _print_summary(report, output)
     return 0
+
+
+def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics:
+    """XᵀX of every target's input: loaded from a statistics file, or gathered in onnxruntime."""
+    if args.calib.endswith(".npz") and GramStatistics.is_statistics_file(args.calib):
+        return GramStatistics.load(args.calib)
+    vocab = _vocabulary(model) if args.calib == calibration_data.RANDOM else None
+    windows = calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab)
+    task = progress.add_task(f"calibrating ({windows.description})", total=windows.token_count)
+    statistics = collect_gram_matrices(source, target_inputs(model, selection), windows.batches(args.calib_batch),
+                                       windows.description, on_batch=lambda rows: progress.update(task, advance=rows))
+    progress.update(task, visible=False)
+    if args.save_calib_stats:
+        statistics.save(args.save_calib_stats)
+    return statistics
+
+
+def _vocabulary(model) -> int:
+    """Rows of the embedding table: a Gather on a graph input reading a 2-D initializer."""
+    inputs = set(model.graph.inputs)
+    for node in model.graph:
+        if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[1] in inputs:
+            table = node.inputs[0]
+            if table is not None and table.const_value is not None and len(table.const_value.shape) == 2:
+                return table.const_value.shape[0]
+    raise UserError("cannot tell the vocabulary size for random calibration; give --calib TEXT or .npz")
 
 
 def _progress(quiet: bool) -> Progress:
@@ -74,10 +130,11 @@ def _progress(quiet: bool) -> Progress:
 
 def _print_summary(report, output: Path) -> None:
     prefix = _common.common_module_prefix([layer.module_path for layer in report.layers])
-    table = Table(title=f"Rewrite ({report.rule}; {report.selection}; svd {report.svd})"
+    table = Table(title=f"Rewrite ({report.rule}; {report.selection}; {report.method})"
                   + (f", module paths under {prefix}" if prefix else ""), title_justify="left")
     for column, justify in (("layer", "left"), ("role", "left"), ("K×N", "right"), ("rank", "right"),
-                            ("params before", "right"), ("after", "right"), ("rel. error", "right"), ("note", "left")):
+                            ("params before", "right"), ("after", "right"), ("‖W−UV‖/‖W‖", "right"),
+                            ("‖X(W−UV)‖/‖XW‖", "right"), ("note", "left")):
         table.add_column(column, justify=justify)
     for layer in report.layers:
         if layer.status == "skipped":
@@ -85,8 +142,16 @@ def _print_summary(report, output: Path) -> None:
         table.add_row(layer.module_path.removeprefix(prefix) or layer.name, layer.role, f"{layer.k}×{layer.n}",
                       str(layer.rank) if layer.rank else "dense", _common.millions(layer.parameters_before),
                       _common.millions(layer.parameters_after),
-                      f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—", layer.reason)
+                      f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—",
+                      f"{layer.whitened_loss:.4f}" if layer.whitened_loss is not None else "—",
+                      ", ".join(filter(None, [layer.reason, layer.conditioning if layer.conditioning != "cholesky" else ""])))
     _common.stdout.print(table)
+    conditioned = [layer for layer in report.factorized if layer.conditioning not in ("", "cholesky")]
+    if conditioned:
+        _common.stdout.print(f"XᵀX was singular or ill-conditioned for {len(conditioned)} layer(s) "
+                             f"({', '.join(layer.module_path or layer.name for layer in conditioned[:5])}"
+                             f"{', …' if len(conditioned) > 5 else ''}): see the note column; more calibration "
+                             "tokens than the layer's input width avoid it")
     totals = report.totals()
     skipped = totals["layers_found"] - sum(1 for layer in report.layers if layer.status != "skipped")
     _common.stdout.print(

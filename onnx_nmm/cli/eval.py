@@ -1,0 +1,36 @@
+"""`onnx-nmm eval MODEL --text FILE --tokenizer T`: token-level perplexity in onnxruntime."""
+
+from __future__ import annotations
+
+from rich.progress import Progress
+
+from onnx_nmm import ort_runner
+from onnx_nmm.cli import _common
+from onnx_nmm.model_io import load_model
+from onnx_nmm.perplexity import perplexity, window_count
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("eval", help="perplexity of a model on a text, in onnxruntime")
+    parser.add_argument("model", help="an .onnx causal LM with logits as its first output")
+    _common.add_text_options(parser, required=True)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    load_model(args.model)
+    tokens, windows = _common.text_windows_from(args)
+    session = ort_runner.create_session(args.model)
+    with Progress(console=_common.stderr, transient=True, disable=args.json) as progress:
+        task = progress.add_task("scoring windows", total=window_count(len(tokens), windows))
+        result = perplexity(session, tokens, windows, on_window=lambda: progress.update(task, advance=1))
+    if args.json:
+        _common.print_json({"model": args.model, "text": args.text, "text_tokens": int(len(tokens)),
+                            **result.to_dict()})
+    else:
+        _common.stdout.print(
+            f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f} nats) on {args.text}: "
+            f"{result.tokens_scored} tokens scored in {result.windows} windows of {result.window} "
+            f"(stride {result.stride}; the text has {len(tokens)} tokens)")
+    return 0

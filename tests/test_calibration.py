@@ -1,0 +1,124 @@
+"""Calibration statistics gathered in onnxruntime, and the calibrated rewrite end to end."""
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+import graphs
+from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.cli import main
+from onnx_nmm.errors import UserError
+from onnx_nmm.passes import Selection
+from onnx_nmm.rewrite import target_inputs
+
+
+def _float_feeds(session, x):
+    return {"X": x}
+
+
+def test_grams_equal_numpy_on_the_layer_inputs(tmp_path):
+    """The MLP's first layers read X itself, the down projection reads silu(X·Wg)·(X·Wu)."""
+    path = tmp_path / "mlp.onnx"
+    onnx.save(graphs.swiglu_mlp(hidden=32, intermediate=64), path)
+    inputs = target_inputs(ir.load(path), Selection())
+    assert inputs == {"X": 32, "act": 64}  # gate and up share one entry
+    batches = [np.random.default_rng(seed).standard_normal((2, 7, 32)).astype(np.float32) for seed in range(3)]
+    stats = collect_gram_matrices(path, inputs, batches, make_feeds=_float_feeds)
+    x = np.concatenate([batch.reshape(-1, 32) for batch in batches]).astype(np.float64)
+    np.testing.assert_allclose(stats.grams["X"], x.T @ x, rtol=1e-5, atol=1e-4)
+    wg, wu = graphs.weight(32, 64, 1).astype(np.float64), graphs.weight(32, 64, 2).astype(np.float64)
+    gate = x @ wg
+    act = gate / (1 + np.exp(-gate)) * (x @ wu)
+    np.testing.assert_allclose(stats.grams["act"], act.T @ act, rtol=1e-4, atol=1e-4)
+    assert stats.tokens == 42
+
+
+def test_non_finite_activations_are_an_error(tmp_path):
+    """sqrt of negative inputs makes NaN before the layer: refused, naming the value."""
+    nodes = [helper.make_node("Sqrt", ["X"], ["root"]), helper.make_node("MatMul", ["root", "W"], ["Y"], name="mm")]
+    path = tmp_path / "nan.onnx"
+    onnx.save(graphs.model(nodes, {"W": graphs.weight(16, 24)}), path)
+    batches = [-np.ones((1, 3, 16), np.float32)]
+    with pytest.raises(UserError, match="non-finite activations at 'root'"):
+        collect_gram_matrices(path, {"root": 16}, batches, make_feeds=_float_feeds)
+
+
+def test_statistics_round_trip(tmp_path):
+    stats = GramStatistics({"a": np.eye(3), "b": np.ones((2, 2))}, tokens=17, description="test")
+    stats.save(tmp_path / "sub" / "stats.npz")
+    assert GramStatistics.is_statistics_file(tmp_path / "sub" / "stats.npz")
+    loaded = GramStatistics.load(tmp_path / "sub" / "stats.npz")
+    assert loaded.tokens == 17 and loaded.description == "test"
+    np.testing.assert_array_equal(loaded.grams["b"], np.ones((2, 2)))
+    np.savez(tmp_path / "inputs.npz", input_ids=np.zeros((2, 3)))
+    assert not GramStatistics.is_statistics_file(tmp_path / "inputs.npz")
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    return code, *capsys.readouterr()
+
+
+def test_calibrated_full_rank_rewrite_is_exact(capsys, export, tmp_path):
+    from rewriting import assert_logits_close, run_both
+
+    source = export("llama", "dynamo")
+    out = tmp_path / "whitened.onnx"
+    with pytest.warns(UserWarning, match="random token ids"):
+        code, _, _ = _run(capsys, "rewrite", source, "-o", out, "--rank", "full", "--targets", "all", "--calib", "random",
+                          "--calib-samples", "4", "--seq-len", "32", "--quiet")
+    assert code == 0
+    expected, actual = run_both(source, out, batch=2, seq_len=9, seed=3)
+    assert_logits_close(expected, actual)
+
+
+def test_whitening_lowers_the_output_error_of_a_real_export(capsys, export, tmp_path):
+    source = export("qwen3", "dynamo")
+    stats = tmp_path / "stats.npz"
+    reports = {}
+    for method in ("svd", "whiten"):
+        report = tmp_path / f"{method}.json"
+        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{method}.onnx", "--keep", "0.5", "--align", "32",
+                          "--method", method, "--calib", stats if stats.exists() else "random", "--calib-samples", "8",
+                          "--seq-len", "64", "--save-calib-stats", stats, "--report", report, "--quiet")
+        assert code == 0
+        reports[method] = json.loads(report.read_text())
+    for plain, whitened in zip(reports["svd"]["layers"], reports["whiten"]["layers"]):
+        if plain["status"] == "factorized":
+            assert whitened["rank"] == plain["rank"]
+            assert whitened["whitened_loss"] < plain["whitened_loss"]
+            assert whitened["relative_error"] >= plain["relative_error"] - 1e-9  # plain SVD is optimal for W itself
+
+
+def test_global_budget_spends_the_same_parameters(capsys, export, tmp_path):
+    source = export("llama", "dynamo")
+    totals = {}
+    for budget in ("uniform", "global"):
+        report = tmp_path / f"{budget}.json"
+        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{budget}.onnx", "--keep", "0.5", "--align", "32",
+                          "--calib", "random", "--calib-samples", "8", "--seq-len", "32", "--budget", budget,
+                          "--report", report, "--quiet")
+        assert code == 0
+        totals[budget] = json.loads(report.read_text())
+    assert totals["global"]["totals"]["parameters_after"] <= totals["uniform"]["totals"]["parameters_after"]
+    ranks = {layer["rank"] for layer in totals["global"]["layers"] if layer["status"] == "factorized"}
+    assert all(rank % 32 == 0 for rank in ranks)
+    loss = {budget: sum(layer["whitened_loss"] ** 2 for layer in data["layers"] if layer["status"] == "factorized")
+            for budget, data in totals.items()}
+    assert loss["global"] <= loss["uniform"] + 1e-9
+
+
+def test_whiten_without_calibration_is_an_error(capsys, export, tmp_path):
+    code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--method", "whiten")
+    assert code == 2 and "needs calibration data" in err and list(tmp_path.iterdir()) == []
+
+
+def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("some words")
+    code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text)
+    assert code == 2 and "--tokenizer" in err and not (tmp_path / "o.onnx").exists()

@@ -1,0 +1,63 @@
+"""Perplexity windows and scoring, checked against a model whose probabilities are known exactly."""
+
+import math
+
+import numpy as np
+import pytest
+
+from onnx_nmm.perplexity import Windows, compare_on_text, perplexity
+
+
+class _Spec:
+    def __init__(self, name, shape, type_):
+        self.name, self.shape, self.type = name, shape, type_
+
+
+class BigramSession:
+    """Stands in for an onnxruntime session: p(next | current) from a fixed table."""
+
+    def __init__(self, table: np.ndarray):
+        self.log_table = np.log(table)
+
+    def get_inputs(self):
+        return [_Spec("input_ids", ["batch", "sequence"], "tensor(int64)"),
+                _Spec("attention_mask", ["batch", "sequence"], "tensor(int64)")]
+
+    def get_outputs(self):
+        return [_Spec("logits", ["batch", "sequence", self.log_table.shape[0]], "tensor(float)")]
+
+    def run(self, names, feeds):
+        return [self.log_table[feeds["input_ids"]].astype(np.float32)]
+
+
+def _table(vocab, seed):
+    rng = np.random.default_rng(seed)
+    table = rng.random((vocab, vocab)) + 0.1
+    return table / table.sum(axis=1, keepdims=True)
+
+
+def test_each_token_is_scored_once():
+    assert list(Windows(4, 4).spans(10)) == [(0, 4, 1), (4, 8, 5), (8, 10, 9)]
+    assert list(Windows(4, 2).spans(10)) == [(0, 4, 1), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
+    assert list(Windows(4, 4, max_windows=2).spans(100)) == [(0, 4, 1), (4, 8, 5)]
+
+
+def test_bigram_perplexity_is_exact():
+    table = _table(7, 0)
+    tokens = np.random.default_rng(1).integers(0, 7, 50)
+    result = perplexity(BigramSession(table), tokens, Windows(window=8, stride=8))
+    scored = [t for begin, end, first in Windows(8, 8).spans(50) for t in range(first, end)]
+    expected = -np.mean([math.log(table[tokens[t - 1], tokens[t]]) for t in scored])
+    assert result.tokens_scored == len(scored) == 50 - 7  # the first token of every window has no context
+    assert result.mean_nll == pytest.approx(expected, rel=1e-6)
+    overlapping = perplexity(BigramSession(table), tokens, Windows(window=8, stride=3))
+    assert overlapping.tokens_scored == 49  # sliding windows score every token after the first
+
+
+def test_comparing_a_model_with_itself():
+    session = BigramSession(_table(5, 2))
+    tokens = np.random.default_rng(3).integers(0, 5, 40)
+    comparison = compare_on_text(session, session, tokens, Windows(10, 10))
+    assert comparison.top1_agreement == 1.0 and comparison.mean_kl == pytest.approx(0.0, abs=1e-12)
+    other = compare_on_text(session, BigramSession(_table(5, 9)), tokens, Windows(10, 10))
+    assert other.mean_kl > 0 and other.reference.perplexity == pytest.approx(comparison.reference.perplexity)

