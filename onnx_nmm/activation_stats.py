@@ -5,11 +5,13 @@ one — accumulate the Gram matrix G = XᵀX in float64, batch by batch:
 
     G  +=  float64(X_bᵀ X_b)          X_b: one batch's activations, never kept
 
-The per-batch products run inside onnxruntime: the graph is augmented with Reshape → MatMul(Xᵀ, X)
-for each input and its outputs are replaced by those K×K matrices, so neither the activations nor
-the logits leave the runtime (and nothing after the last target, the lm_head included, runs). The
-augmented graph is built on the model's protobuf without loading its weights; onnxruntime reads the
-external data from the original folder, so calibration never copies a multi-GB model.
+The per-batch products run inside onnxruntime. The graph is augmented, for each input, with the
+upper blocks of its Gram matrix — X is split into column blocks X_a of ~512 and Gemm(X_a, X_b,
+transA=1) computes X_aᵀX_b for a ≤ b only, since G is symmetric — and its outputs are replaced by
+those blocks; every node the blocks do not depend on is pruned (onnxruntime would still run the
+lm_head otherwise). Neither the activations nor the logits leave the runtime. The augmented graph is
+built on the model's protobuf without loading its weights; onnxruntime reads the external data from
+the original folder, so calibration never copies a multi-GB model.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ class GramStatistics:
             return cls(grams=grams, tokens=int(archive[_STATS_MARKER][0]), description=str(archive["__description__"]))
 
 
+# Column blocks of X for the symmetric Gram: big enough for efficient GEMMs, small enough that
+# skipping the blocks below the diagonal saves work (a third of it at K = 1536).
+GRAM_BLOCK = 512
+
+
 def collect_gram_matrices(model_path: str | os.PathLike, inputs: dict[str, int], batches: Iterable,
                           description: str = "", make_feeds: Callable = ort_runner.token_inputs,
                           on_batch: Callable[[int], None] | None = None) -> GramStatistics:
@@ -75,63 +82,125 @@ def collect_gram_matrices(model_path: str | os.PathLike, inputs: dict[str, int],
     causal LM). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
     Raises UserError if an activation is not finite.
     """
-    session, rows_output = _gram_session(Path(model_path), inputs)
-    names = list(inputs)
-    stats = GramStatistics(description=description)
+    plan = _GramPlan(inputs)
+    session = _gram_session(Path(model_path), plan)
+    sums: list[np.ndarray] | None = None
+    tokens = 0
     for index, batch in enumerate(batches):
         try:
-            *products, rows = session.run([*_gram_outputs(names), rows_output], make_feeds(session, batch))
+            *blocks, rows = session.run(None, make_feeds(session, batch))
         except Exception as error:
             raise UserError(f"onnxruntime failed on calibration batch {index}: {str(error).splitlines()[0]}") from None
-        for name, product in zip(names, products):
-            if not np.all(np.isfinite(product)):
-                raise UserError(f"calibration batch {index} gives non-finite activations at '{name}' (NaN or Inf): the "
-                                "model overflows on these inputs; check the calibration data, or run in float32")
-            if name in stats.grams:
-                stats.grams[name] += product  # fp32 within a batch, float64 across batches
-            else:
-                stats.grams[name] = product.astype(np.float64)
-        stats.tokens += int(rows)
+        bad = plan.non_finite_input(blocks)
+        if bad is not None:
+            raise UserError(f"calibration batch {index} gives non-finite activations at '{bad}' (NaN or Inf): the "
+                            "model overflows on these inputs; check the calibration data, or run in float32")
+        if sums is None:
+            sums = [block.astype(np.float64) for block in blocks]
+        else:
+            for total, block in zip(sums, blocks):
+                total += block  # fp32 within a batch, float64 across batches
+        tokens += int(rows)
         if on_batch is not None:
             on_batch(int(rows))
-    if stats.tokens == 0:
+    if sums is None or tokens == 0:
         raise UserError("the calibration set is empty")
-    return stats
+    return GramStatistics(plan.assemble(sums), tokens, description)
 
 
-def _gram_outputs(names: list[str]) -> list[str]:
-    return [f"onnx_nmm_gram_{index}" for index in range(len(names))]
+class _GramPlan:
+    """Which column blocks each input is split into, and which block products the graph outputs."""
+
+    def __init__(self, inputs: dict[str, int]):
+        self.inputs = inputs
+        self.edges = {name: np.linspace(0, width, max(1, round(width / GRAM_BLOCK)) + 1).astype(int)
+                      for name, width in inputs.items()}
+
+    def products(self, name: str) -> list[tuple[int, int]]:
+        blocks = len(self.edges[name]) - 1
+        return [(a, b) for a in range(blocks) for b in range(a, blocks)]
+
+    def non_finite_input(self, blocks: list[np.ndarray]) -> str | None:
+        """The first input whose Gram diagonal (Σx² per feature) is not finite: NaN or Inf in X shows there."""
+        position = 0
+        for name in self.inputs:
+            for a, b in self.products(name):
+                if a == b and not np.all(np.isfinite(np.diagonal(blocks[position]))):
+                    return name
+                position += 1
+        return None
+
+    def assemble(self, blocks: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The upper blocks, in graph-output order, as full symmetric float64 Gram matrices."""
+        grams, position = {}, 0
+        for name, width in self.inputs.items():
+            edges = self.edges[name]
+            gram = np.empty((width, width), np.float64)
+            for a, b in self.products(name):
+                block = blocks[position]
+                position += 1
+                gram[edges[a]:edges[a + 1], edges[b]:edges[b + 1]] = block
+                gram[edges[b]:edges[b + 1], edges[a]:edges[a + 1]] = block.T
+            grams[name] = gram
+        return grams
 
 
-def _gram_session(model_path: Path, inputs: dict[str, int]):
-    """An onnxruntime session whose outputs are X_bᵀX_b (float32) for every named value, plus the
-    number of rows; the original outputs are dropped, so nothing after the last target runs."""
+def _gram_session(model_path: Path, plan: _GramPlan):
+    """An onnxruntime session whose outputs are the Gram blocks X_aᵀX_b (float32) of every planned
+    input, then the number of rows; nodes the blocks do not need are pruned."""
     proto = onnx.load(str(model_path), load_external_data=False)
     graph = proto.graph
     types = _value_types(proto)
-    del graph.output[:]
-    helper = onnx.helper
-    rows_output = "onnx_nmm_gram_rows"
-    for index, ((name, width), output) in enumerate(zip(inputs.items(), _gram_outputs(list(inputs)))):
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+    outputs, nodes = [], []
+    for index, (name, width) in enumerate(plan.inputs.items()):
         if name not in types:
             raise UserError(f"cannot observe '{name}': the model declares no type for it")
-        shape = f"onnx_nmm_gram_shape_{index}"
-        graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, width], np.int64), shape))
-        flat = f"{output}_rows"
-        nodes = [helper.make_node("Reshape", [name, shape], [flat])]
+        prefix = f"onnx_nmm_gram_{index}"
+        graph.initializer.append(numpy_helper.from_array(np.array([-1, width], np.int64), f"{prefix}_shape"))
+        rows = f"{prefix}_rows"
+        nodes.append(helper.make_node("Reshape", [name, f"{prefix}_shape"], [rows]))
         if types[name] != onnx.TensorProto.FLOAT:  # fp16/bf16 activations: square them in fp32
-            nodes.append(helper.make_node("Cast", [flat], [f"{flat}_fp32"], to=onnx.TensorProto.FLOAT))
-            flat = f"{flat}_fp32"
-        nodes += [helper.make_node("Transpose", [flat], [f"{flat}_t"], perm=[1, 0]),
-                  helper.make_node("MatMul", [f"{flat}_t", flat], [output])]
+            nodes.append(helper.make_node("Cast", [rows], [f"{rows}_fp32"], to=onnx.TensorProto.FLOAT))
+            rows = f"{rows}_fp32"
+        edges = plan.edges[name]
+        blocks = [rows]
+        if len(edges) > 2:
+            graph.initializer.append(numpy_helper.from_array(np.diff(edges).astype(np.int64), f"{prefix}_split"))
+            blocks = [f"{prefix}_block_{a}" for a in range(len(edges) - 1)]
+            nodes.append(helper.make_node("Split", [rows, f"{prefix}_split"], blocks, axis=1))
+        for a, b in plan.products(name):
+            output = f"{prefix}_{a}_{b}"
+            nodes.append(helper.make_node("Gemm", [blocks[a], blocks[b]], [output], transA=1))
+            outputs.append(helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT,
+                                                         [int(edges[a + 1] - edges[a]), int(edges[b + 1] - edges[b])]))
         if index == 0:
-            nodes += [helper.make_node("Shape", [flat], [f"{flat}_shape"], start=0, end=1),
-                      helper.make_node("Squeeze", [f"{flat}_shape"], [rows_output])]
-        graph.node.extend(nodes)
-        graph.output.append(helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, [width, width]))
-    graph.output.append(helper.make_tensor_value_info(rows_output, onnx.TensorProto.INT64, []))
+            nodes += [helper.make_node("Shape", [rows], [f"{prefix}_row_shape"], start=0, end=1),
+                      helper.make_node("Squeeze", [f"{prefix}_row_shape"], ["onnx_nmm_gram_row_count"])]
+    graph.node.extend(nodes)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    graph.output.append(helper.make_tensor_value_info("onnx_nmm_gram_row_count", onnx.TensorProto.INT64, []))
+    _prune(graph)
     config = {"session.model_external_initializers_file_folder_path": str(model_path.parent.resolve())}
-    return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=model_path), rows_output
+    return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=model_path)
+
+
+def _prune(graph: onnx.GraphProto) -> None:
+    """Drop every node the graph outputs do not depend on."""
+    producers = {output: node for node in graph.node for output in node.output}
+    needed, stack = set(), [output.name for output in graph.output]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack.extend(value for value in node.input if value)
+            for attribute in node.attribute:  # values captured by subgraphs (If/Loop bodies)
+                for subgraph in [attribute.g, *attribute.graphs]:
+                    stack.extend(value for inner in subgraph.node for value in inner.input if value)
+    kept = [node for node in graph.node if id(node) in needed]
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def _value_types(proto: onnx.ModelProto) -> dict[str, int]:

@@ -115,6 +115,8 @@ class RewriteReport:
     method: str
     calibration: str = ""
     layers: list[LayerOutcome] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase, filled by the caller
+    fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP nodes made by --fuse-mlp
 
     @property
     def factorized(self) -> list[LayerOutcome]:
@@ -134,7 +136,8 @@ class RewriteReport:
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "selection": self.selection, "method": self.method,
-                "calibration": self.calibration, "totals": self.totals(),
+                "calibration": self.calibration, "totals": self.totals(), "seconds": self.seconds,
+                "fused_mlps": self.fused_mlps,
                 "layers": [asdict(layer) for layer in self.layers]}
 
 

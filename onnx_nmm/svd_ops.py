@@ -6,6 +6,9 @@ kernel instead. Functions cannot hold weights: U and V are graph initializers pa
 
     SvdMatMul(X, U, V)            = MatMul(MatMul(X, U), V)
     SvdMatMul:bias(X, U, V, b)    = MatMul(MatMul(X, U), V) + b
+    SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)
+                                  = MatMul(MatMul(silu(X·Ug·Vg) * (X·Uu·Vu), Ud), Vd)
+                                    with silu(g) = g · Sigmoid(g)
 
 The optional bias is a function *overload* (IR version 10): one body cannot test whether an input was
 given, and a zero bias would cost an Add on every call.
@@ -22,8 +25,13 @@ BIAS_OVERLOAD = "bias"
 # Function overloads need IR version 10 (onnx 1.16).
 MIN_IR_VERSION = 10
 
+SVD_GATED_MLP = "SvdGatedMLP"
+
 # Attributes every SvdMatMul carries: what a reader needs to know about the factorization.
 SVD_MATMUL_ATTRIBUTES = ("rank", "align", "method", "original_weight")
+# SvdGatedMLP: the activation, and the rank of each projection (gate, up, down).
+SVD_GATED_MLP_ATTRIBUTES = ("activation", "ranks")
+GATED_ACTIVATIONS = ("silu",)
 # Node metadata key holding the name of the node the op replaced.
 ORIGINAL_NODE_KEY = "onnx_nmm.original_node"
 
@@ -57,6 +65,37 @@ def register_svd_matmul(model: ir.Model, with_bias: bool) -> str:
     if key not in model.functions:
         model.functions[key] = svd_matmul_function(model.opset_imports[""], with_bias)
     return overload
+
+
+def svd_gated_mlp_function(opset: int) -> ir.Function:
+    """The function body of SvdGatedMLP (SiLU gating, as in Llama, Qwen and Mistral)."""
+    x = ir.Value(name="X")
+    factors = [ir.Value(name=name) for name in ("Ug", "Vg", "Uu", "Vu", "Ud", "Vd")]
+    nodes: list[ir.Node] = []
+
+    def op(op_type, *inputs, name):
+        node = ir.Node("", op_type, list(inputs), num_outputs=1, name=name)
+        nodes.append(node)
+        return node.outputs[0]
+
+    ug, vg, uu, vu, ud, vd = factors
+    gate = op("MatMul", op("MatMul", x, ug, name="x_ug"), vg, name="gate")
+    silu = op("Mul", gate, op("Sigmoid", gate, name="sigmoid"), name="silu")
+    up = op("MatMul", op("MatMul", x, uu, name="x_uu"), vu, name="up")
+    act = op("Mul", silu, up, name="act")
+    output = op("MatMul", op("MatMul", act, ud, name="act_ud"), vd, name="down")
+    output.name = "Y"
+    graph = ir.Graph([x, *factors], [output], nodes=nodes, opset_imports={"": opset}, name=SVD_GATED_MLP)
+    declared = [ir.Attr(name, ir.AttributeType.UNDEFINED, None) for name in SVD_GATED_MLP_ATTRIBUTES]
+    return ir.Function(DOMAIN, SVD_GATED_MLP, "", graph=graph, attributes=declared)
+
+
+def register_svd_gated_mlp(model: ir.Model) -> None:
+    model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
+    model.ir_version = max(model.ir_version, MIN_IR_VERSION)
+    key = (DOMAIN, SVD_GATED_MLP, "")
+    if key not in model.functions:
+        model.functions[key] = svd_gated_mlp_function(model.opset_imports[""])
 
 
 def svd_matmul_node(x: ir.Value, u: ir.Value, v: ir.Value, bias: ir.Value | None, *, rank: int, align: int,

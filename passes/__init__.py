@@ -1,5 +1,6 @@
 """Graph passes: small, pure steps over an onnx-ir model (no file I/O of their own)."""
 
+from onnx_nmm.passes.gated_mlp_fusion import FuseGatedMlpPass
 from onnx_nmm.passes.linear_layers import LinearLayer, WeightSource, find_linear_layers
 from onnx_nmm.passes.selection import TARGETS, Selection, select_layers
 from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
@@ -7,6 +8,7 @@ from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationP
 __all__ = [
     "TARGETS",
     "FactorizedLayer",
+    "FuseGatedMlpPass",
     "LinearLayer",
     "Selection",
     "SvdFactorizationPass",

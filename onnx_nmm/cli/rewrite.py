@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,6 +13,7 @@ from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import _common
 from onnx_nmm.errors import UserError
 from onnx_nmm.lowrank import SVD_METHODS
+from onnx_nmm.passes import FuseGatedMlpPass
 from onnx_nmm.model_io import (PROTOBUF_LIMIT, check_model_file, check_output_path, load_model, save_model,
                                uses_external_data, weight_bytes)
 from onnx_nmm.rewrite import BUDGETS, METHODS, FactorizationOptions, rewrite_model, target_inputs
@@ -37,9 +39,12 @@ def register(subparsers) -> None:
     calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     calibration.add_argument("--calib-samples", type=int, default=128, help="sequences to use (default 128)")
     calibration.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    calibration.add_argument("--calib-batch", type=int, default=4, help="sequences per onnxruntime run (default 4)")
+    calibration.add_argument("--calib-batch", type=int, default=1, help="sequences per onnxruntime run (default 1)")
     calibration.add_argument("--save-calib-stats", metavar="FILE.npz",
                              help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
+    parser.add_argument("--fuse-mlp", action="store_true",
+                        help="fuse each SiLU-gated gate/up/down triple into one SvdGatedMLP (what `compile` does "
+                             "for Trainium; onnxruntime still runs it)")
     parser.add_argument("--svd", choices=SVD_METHODS, default="exact",
                         help="exact (float64 Gram eigendecomposition) or randomized (faster for low ranks; "
                              "its error is in the report)")
@@ -73,18 +78,28 @@ def run(args) -> int:
     if external is None:
         external = uses_external_data(model)
 
+    clock = time.perf_counter()
+    seconds = {}
     with _progress(args.quiet) as progress:
         statistics = _calibrate(args, source, model, selection, progress) if args.calib else None
+        seconds["calibration"], clock = time.perf_counter() - clock, time.perf_counter()
         task = progress.add_task("factorizing", total=None)
         report = rewrite_model(
             model, rule, selection, options, statistics,
             on_start=lambda total: progress.update(task, total=total),
             on_layer=lambda outcome: progress.update(task, advance=1, description=outcome.module_path or outcome.name),
         )
+        if args.fuse_mlp:
+            fusion = FuseGatedMlpPass()
+            fusion(model)
+            report.fused_mlps = fusion.fused
+        seconds["factorization"], clock = time.perf_counter() - clock, time.perf_counter()
         progress.update(task, description="writing")
         if not external and weight_bytes(model) > PROTOBUF_LIMIT:
             external = True
         save_model(model, output, external_data=external, validate=check_model_file)
+        seconds["writing"] = time.perf_counter() - clock
+    report.seconds = seconds
 
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})
@@ -157,4 +172,6 @@ def _print_summary(report, output: Path) -> None:
     _common.stdout.print(
         f"{totals['layers_factorized']} layers factorized, {skipped} left alone (not targeted); targeted parameters "
         f"{_common.millions(totals['parameters_before'])} → {_common.millions(totals['parameters_after'])} "
-        f"({totals['kept_fraction']:.1%} kept). Wrote {output}")
+        f"({totals['kept_fraction']:.1%} kept)"
+        + (f"; {len(report.fused_mlps)} gated MLPs fused into SvdGatedMLP" if report.fused_mlps else "")
+        + f". Wrote {output}")

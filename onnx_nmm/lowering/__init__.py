@@ -1,0 +1,75 @@
+"""Lower a (rewritten) ONNX graph to a PyTorch module: onnx2torch for the standard ops, converters of
+our own for the `ai.onnx_nmm` ops, which call a kernel backend (kernel_backends.BACKENDS).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+
+from onnx_nmm.errors import UserError
+from onnx_nmm.lowering.kernel_backends import BACKENDS, EmulatorKernels, KernelCall, TorchMath, backend_named
+from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain
+from onnx_nmm.lowering.svd_converters import set_backend, svd_ops_of
+
+
+def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
+    """The model as a torch.fx module (inputs and outputs as in the ONNX graph), its custom ops on `backend`.
+
+    Raises UserError naming every node whose op the lowering does not cover.
+    """
+    proto = _with_lowering_domains(_load_with_shapes(model))
+    unsupported = unsupported_nodes(proto)
+    if unsupported:
+        shown = "; ".join(unsupported[:5]) + (f"; and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
+        raise UserError(f"the lowering to PyTorch does not cover: {shown}")
+    try:
+        module = convert(proto)
+    except NotImplementedError as error:
+        raise UserError(f"the lowering to PyTorch failed: {error}") from None
+    set_backend(module, backend or TorchMath())
+    return module.eval()
+
+
+def _load_with_shapes(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """The model with inferred value shapes (some converters read them), weights loaded after inference
+    so a model over 2 GB never has to be serialized whole."""
+    if isinstance(model, onnx.ModelProto):
+        return onnx.shape_inference.infer_shapes(model)
+    path = Path(model)
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    onnx.load_external_data_for_model(proto, str(path.parent))
+    return proto
+
+
+def _with_lowering_domains(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A shallow copy whose custom domains carry no dots (the names onnx2torch can use)."""
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(proto)
+    for node in renamed.graph.node:
+        node.domain = lowering_domain(node.domain)
+    for entry in renamed.opset_import:
+        entry.domain = lowering_domain(entry.domain)
+    return renamed
+
+
+def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
+    """'node (domain::Op version v)' for every node no converter is registered for."""
+    from onnx2torch.node_converters.registry import get_converter
+
+    opsets = {entry.domain: entry.version for entry in proto.opset_import}
+    missing = []
+    for node in proto.graph.node:
+        version = opsets.get(node.domain, 1)
+        try:
+            get_converter(operation_type=node.op_type, version=version, domain=node.domain)
+        except NotImplementedError:
+            op = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+            missing.append(f"node '{node.name or node.output[0]}' ({op}, opset {version})")
+    return missing
+
+
+__all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "TorchMath", "backend_named", "lower", "set_backend",
+           "svd_ops_of", "unsupported_nodes"]

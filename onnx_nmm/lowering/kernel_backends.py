@@ -1,0 +1,111 @@
+"""Who computes the `ai.onnx_nmm` ops of a lowered model.
+
+    torch      plain PyTorch math in the model's dtype: the reference for the lowering itself;
+    emulator   the NKI kernels of onnx_nmm.kernels on the NumPy emulator, in bfloat16, as on Trainium;
+    neuron     the same @nki.jit kernels on XLA tensors, for torch_neuronx.trace (needs the Neuron SDK).
+
+Kernels take x as [tokens, features]: leading dimensions are flattened on the way in and restored
+on the way out; a bias is added after the kernel, in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+BACKENDS = ("torch", "emulator", "neuron")
+
+
+@dataclass
+class KernelCall:
+    """One kernel launch, kept for the report: which kernel, on which shapes."""
+
+    node: str
+    kernel: str
+    shapes: tuple[tuple[int, ...], ...]
+
+
+class TorchMath:
+    name = "torch"
+
+    def svd_matmul(self, node: str, x, u, v, bias=None):
+        y = torch.matmul(torch.matmul(x, u), v)
+        return y + bias if bias is not None else y
+
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+        gate = torch.matmul(torch.matmul(x, ug), vg)
+        up = torch.matmul(torch.matmul(x, uu), vu)
+        return torch.matmul(torch.matmul(torch.nn.functional.silu(gate) * up, ud), vd)
+
+
+@dataclass
+class EmulatorKernels:
+    """The fused kernels on the emulator, in bfloat16; `calls` records every launch."""
+
+    target: str = "trn2"
+    name: str = "emulator"
+    calls: list[KernelCall] = field(default_factory=list)
+
+    def svd_matmul(self, node: str, x, u, v, bias=None):
+        from onnx_nmm.kernels import fused_xuv
+
+        y = self._launch(node, "fused_xuv", fused_xuv, x, u, v)
+        return y + bias if bias is not None else y
+
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+        from onnx_nmm.kernels import fused_svd_mlp
+
+        return self._launch(node, "fused_svd_mlp", fused_svd_mlp, x, ug, vg, uu, vu, ud, vd)
+
+    def _launch(self, node, name, kernel, x, *factors):
+        import ml_dtypes
+
+        from onnx_nmm.kernels import run
+
+        rows = x.reshape(-1, x.shape[-1])
+        arrays = [t.detach().to(torch.float32).cpu().numpy().astype(ml_dtypes.bfloat16) for t in (rows, *factors)]
+        self.calls.append(KernelCall(node, name, tuple(a.shape for a in arrays)))
+        y = run(kernel, *arrays, target=self.target)
+        return torch.from_numpy(y.astype("float32")).to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+@dataclass
+class NeuronKernels:
+    """The @nki.jit kernels called on XLA tensors inside a torch_neuronx trace (bfloat16 inside).
+
+    Block sizes are planned on the host from the static shapes, so the kernel body runs no planning code.
+    """
+
+    target: str = "trn2"
+    name: str = "neuron"
+
+    def svd_matmul(self, node: str, x, u, v, bias=None):
+        from onnx_nmm.kernels import fused_xuv
+        from onnx_nmm.kernels.blocking import plan_xuv
+
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        plan = plan_xuv(rows.shape[0], u.shape[0], u.shape[1], v.shape[1], "bfloat16", target=self.target)
+        y = fused_xuv(rows, u.to(torch.bfloat16), v.to(torch.bfloat16), plan=plan)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], v.shape[1])
+        return y + bias if bias is not None else y
+
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+        from onnx_nmm.kernels import fused_svd_mlp
+        from onnx_nmm.kernels.blocking import plan_mlp
+
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        plan = plan_mlp(rows.shape[0], ug.shape[0], vg.shape[1], ug.shape[1], uu.shape[1], ud.shape[1], "bfloat16",
+                        target=self.target)
+        factors = [t.to(torch.bfloat16) for t in (ug, vg, uu, vu, ud, vd)]
+        return fused_svd_mlp(rows, *factors, plan=plan).to(x.dtype).reshape(x.shape)
+
+
+def backend_named(name: str, target: str = "trn2"):
+    if name == "torch":
+        return TorchMath()
+    if name == "emulator":
+        return EmulatorKernels(target=target)
+    if name == "neuron":
+        return NeuronKernels(target=target)
+    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -1,0 +1,212 @@
+"""onnx2torch, made to convert what today's exporters write.
+
+Why onnx2torch: it converts an ONNX graph into a torch.fx module with one converter per (domain, op,
+version), and `add_converter` is an extension point for custom domains — exactly what the
+`ai.onnx_nmm` ops need. onnx2pytorch converts the Llama exports too, but has no extension point and
+fails on GPT-2's Gemm. onnx2torch 1.5.15 (its latest release, 2024) is stale in two ways, fixed here:
+
+1. It imports torchvision at start-up for two converters (NMS, RoIAlign) no LLM uses, and there is
+   no CPU build of torchvision for the pinned torch (pip's one fails to load its operators). When
+   torchvision cannot be imported, a placeholder stands in; those two converters then fail if used.
+2. It knows ONNX ops only up to the versions of 2024: dynamo exports use Shape-19, ReduceMean-18,
+   CastLike; TorchScript exports LessOrEqual-16. Where a newer version only added element types
+   (ONNX's Changelog.md), the previous converter is registered for it unchanged; the versions that
+   changed semantics get converters of their own below.
+3. Two of its converters are wrong for what exporters write, and are replaced: Reshape refuses
+   `allowzero=1` (the dynamo exporter's default), and Flatten fails on a 1-D input.
+4. It names modules `domain/node`, and torch refuses dots in module names: custom-domain ops are
+   converted under a dot-free alias of their domain (`lowering_domain`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import torch
+from torch import nn
+
+
+def _ensure_torchvision_importable() -> None:
+    try:
+        importlib.import_module("torchvision.ops")
+        return
+    except Exception:  # not installed, or a build that cannot load its operators
+        for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
+            del sys.modules[name]
+
+    def unavailable(*_args, **_kwargs):
+        raise RuntimeError("this ONNX op needs torchvision, which is not installed")
+
+    package, ops = types.ModuleType("torchvision"), types.ModuleType("torchvision.ops")
+    ops.nms = ops.roi_align = ops.box_convert = unavailable
+    package.ops = ops
+    sys.modules.update({"torchvision": package, "torchvision.ops": ops})
+
+
+_ensure_torchvision_importable()
+
+import onnx2torch  # noqa: E402
+from onnx2torch.node_converters.reduce import OnnxReduceStaticAxes  # noqa: E402
+from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription, add_converter  # noqa: E402
+from onnx2torch.onnx_graph import OnnxGraph  # noqa: E402
+from onnx2torch.onnx_node import OnnxNode  # noqa: E402
+from onnx2torch.utils.common import (OnnxMapping, OnnxToTorchModule, OperationConverterResult,  # noqa: E402
+                                     get_const_value, onnx_mapping_from_node)
+
+# Op versions that only widened the element types (float8, int4, bfloat16, strings) over the one
+# before them, per ONNX's Changelog.md.
+TYPE_ONLY_VERSIONS = {
+    "Cast": (19, 21), "Constant": (19, 21), "ConstantOfShape": (20, 21), "Equal": (19,), "Flatten": (21,),
+    "Identity": (19, 21), "IsInf": (20,), "IsNaN": (20,), "LessOrEqual": (16,), "GreaterOrEqual": (16,),
+    "Pad": (19, 21), "Reshape": (19, 21), "Shape": (19, 21), "Size": (19, 21), "Squeeze": (21,),
+    "Transpose": (21,), "Unsqueeze": (21,), "Where": (16,),
+    # Split-18 added `num_outputs`, the number of outputs; the Split-13 converter splits evenly by them.
+    "Split": (18,),
+}
+# Reductions whose `axes` moved from an attribute to an input in opset 18 (ReduceSum did in 13).
+AXES_INPUT_REDUCTIONS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                         "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+
+def _register_type_only_versions() -> None:
+    for op, versions in TYPE_ONLY_VERSIONS.items():
+        for version in versions:
+            known = sorted(d.version for d in _CONVERTER_REGISTRY if d.domain == "" and d.operation_type == op)
+            older = [v for v in known if v < version]
+            if older and version not in known:
+                previous = next(d for d in _CONVERTER_REGISTRY
+                                if d.domain == "" and d.operation_type == op and d.version == older[-1])
+                add_converter(op, version)(_CONVERTER_REGISTRY[previous])
+
+
+def lowering_domain(domain: str) -> str:
+    """The name a custom domain is converted under: onnx2torch puts it into torch module names."""
+    return domain.replace(".", "_")
+
+
+def _reduce_with_axes_input(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Reduce*-18: `axes` is an optional input, constant (read now) or computed (read at run time)."""
+    keepdims = node.attributes.get("keepdims", 1)
+    data_only = OnnxMapping(inputs=node.input_values[:1], outputs=node.output_values)
+    if len(node.input_values) > 1 and node.input_values[1]:
+        try:
+            axes = [int(axis) for axis in get_const_value(node.input_values[1], graph).tolist()]
+        except KeyError:
+            return OperationConverterResult(torch_module=_ReduceWithAxesInput(node.operation_type, keepdims),
+                                            onnx_mapping=onnx_mapping_from_node(node))
+    else:
+        axes = None
+    if not axes and node.attributes.get("noop_with_empty_axes", 0):
+        return OperationConverterResult(torch_module=nn.Identity(), onnx_mapping=data_only)
+    return OperationConverterResult(torch_module=OnnxReduceStaticAxes(node.operation_type, axes, keepdims),
+                                    onnx_mapping=data_only)
+
+
+class _ReduceWithAxesInput(nn.Module, OnnxToTorchModule):
+    def __init__(self, operation_type: str, keepdims: int):
+        super().__init__()
+        self.operation_type, self.keepdims = operation_type, keepdims
+
+    def forward(self, x: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+        return OnnxReduceStaticAxes(self.operation_type, [int(a) for a in axes.tolist()], self.keepdims)(x)
+
+
+class _Reshape(nn.Module, OnnxToTorchModule):
+    """ONNX Reshape: a 0 in `shape` copies the input's dimension unless allowzero=1 (then it means 0)."""
+
+    def __init__(self, allowzero: bool):
+        super().__init__()
+        self.allowzero = allowzero
+
+    def forward(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        dims = [int(d) for d in shape.tolist()]
+        if not self.allowzero:
+            dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+        return torch.reshape(x, dims)
+
+
+class _Flatten(nn.Module, OnnxToTorchModule):
+    """ONNX Flatten: [d0·…·d(axis-1), d(axis)·…·dn], for any rank (1-D included)."""
+
+    def __init__(self, axis: int):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        axis = self.axis + x.dim() if self.axis < 0 else self.axis  # axis may equal the rank
+        left = 1
+        for size in x.shape[:axis]:
+            left *= size
+        right = 1
+        for size in x.shape[axis:]:
+            right *= size
+        return torch.reshape(x, (left, right))
+
+
+class _CastLike(nn.Module, OnnxToTorchModule):
+    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return x.to(like.dtype)
+
+
+class _SplitToSequence(nn.Module, OnnxToTorchModule):
+    def __init__(self, axis: int, keepdims: bool):
+        super().__init__()
+        self.axis, self.keepdims = axis, keepdims
+
+    def forward(self, x: torch.Tensor, split: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if split is None:  # one element per slice along the axis
+            parts = torch.split(x, 1, dim=self.axis)
+            return [part if self.keepdims else part.squeeze(self.axis) for part in parts]
+        sizes = int(split) if split.dim() == 0 else [int(size) for size in split]
+        return list(torch.split(x, sizes, dim=self.axis))
+
+
+class _SequenceAt(nn.Module, OnnxToTorchModule):
+    def forward(self, sequence: list[torch.Tensor], position: torch.Tensor) -> torch.Tensor:
+        return sequence[int(position)]
+
+
+def _replace_converter(op: str, versions: tuple[int, ...], converter) -> None:
+    for version in versions:
+        _CONVERTER_REGISTRY[OperationDescription(domain="", operation_type=op, version=version)] = converter
+
+
+def _register_new_converters() -> None:
+    for op in AXES_INPUT_REDUCTIONS:
+        add_converter(op, 18)(_reduce_with_axes_input)
+    for op in ("ReduceMax", "ReduceMin"):  # 20 added bool inputs only
+        add_converter(op, 20)(_reduce_with_axes_input)
+
+    def reshape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        module = _Reshape(bool(node.attributes.get("allowzero", 0)))
+        return OperationConverterResult(torch_module=module, onnx_mapping=onnx_mapping_from_node(node))
+
+    def flatten(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        return OperationConverterResult(torch_module=_Flatten(node.attributes.get("axis", 1)),
+                                        onnx_mapping=onnx_mapping_from_node(node))
+
+    _replace_converter("Reshape", (5, 13, 14, 19, 21), reshape)
+    _replace_converter("Flatten", (1, 9, 11, 13, 21), flatten)
+
+    @add_converter("CastLike", 15)
+    @add_converter("CastLike", 19)
+    @add_converter("CastLike", 21)
+    def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        return OperationConverterResult(torch_module=_CastLike(), onnx_mapping=onnx_mapping_from_node(node))
+
+    @add_converter("SplitToSequence", 11)
+    def _split_to_sequence(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        module = _SplitToSequence(node.attributes.get("axis", 0), bool(node.attributes.get("keepdims", 1)))
+        return OperationConverterResult(torch_module=module, onnx_mapping=onnx_mapping_from_node(node))
+
+    @add_converter("SequenceAt", 11)
+    def _sequence_at(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        return OperationConverterResult(torch_module=_SequenceAt(), onnx_mapping=onnx_mapping_from_node(node))
+
+
+_register_type_only_versions()
+_register_new_converters()
+
+convert = onnx2torch.convert

@@ -1,0 +1,140 @@
+"""Perplexity of SmolLM2-135M after rewriting its MLPs: plain SVD vs whitened vs whitened + global budget.
+
+    python tools/quality_sweep.py [--keeps 0.9 0.8 0.7 0.6] [--aligns 32 128] [--out docs/quality.md]
+
+Calibration: the Old Testament of the KJV; evaluation: the New Testament (tools/assets.py), so the two
+never share text. Every number in the written page comes from an `onnx-nmm` command the page lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import assets  # noqa: E402
+from bench_models import machine  # noqa: E402
+
+METHODS = {  # column → rewrite flags
+    "plain SVD": ["--method", "svd"],
+    "whitened": ["--method", "whiten"],
+    "whitened, global budget": ["--method", "whiten", "--budget", "global"],
+}
+
+
+class Runner:
+    def __init__(self, work: Path):
+        self.work, self.commands = work, []
+
+    def onnx_nmm(self, *argv) -> None:
+        command = ["onnx-nmm", *map(str, argv)]
+        self.commands.append(shlex.join(command))
+        print("$", self.commands[-1], flush=True)
+        subprocess.run([sys.executable, "-m", "onnx_nmm", *map(str, argv)], check=True,
+                       stdout=subprocess.DEVNULL if "--json" not in argv else None)
+
+    def json_of(self, *argv) -> dict:
+        command = ["onnx-nmm", *map(str, argv)]
+        self.commands.append(shlex.join(command))
+        print("$", self.commands[-1], flush=True)
+        result = subprocess.run([sys.executable, "-m", "onnx_nmm", *map(str, argv)], check=True,
+                                capture_output=True, text=True)
+        return json.loads(result.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6])
+    parser.add_argument("--aligns", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--work", default="out/quality")
+    parser.add_argument("--out", default="docs/quality.md")
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = assets.smollm2_onnx(), assets.smollm2_gguf()
+    calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
+    run = Runner(work)
+    text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows]
+    dense = run.json_of("eval", model, *text, "--json")
+    stats = work / "smollm2-stats.npz"
+    if not stats.exists():
+        run.onnx_nmm("rewrite", model, "-o", work / "calibrated.onnx", "--calib", calibration, "--tokenizer", tokenizer,
+                     "--calib-samples", args.calib_samples, "--seq-len", 512, "--save-calib-stats", stats, "--quiet")
+    rows = []
+    for align in args.aligns:
+        for keep in args.keeps:
+            row = {"keep": keep, "align": align}
+            for column, flags in METHODS.items():
+                name = f"{column.replace(' ', '-').replace(',', '')}-k{keep}-a{align}"
+                out, report = work / f"{name}.onnx", work / f"{name}.json"
+                run.onnx_nmm("rewrite", model, "-o", out, "--keep", keep, "--align", align, *flags, "--calib", stats,
+                             "--report", report, "--quiet")
+                totals = json.loads(report.read_text())["totals"]
+                row[column] = run.json_of("eval", out, *text, "--json")["perplexity"]
+                row[f"{column} kept"] = totals["kept_fraction"]
+                out.unlink()
+                out.with_name(out.name + ".data").unlink(missing_ok=True)
+            rows.append(row)
+            print(row, flush=True)
+    write_page(Path(args.out), dense, rows, run.commands, args)
+    return 0
+
+
+def write_page(path: Path, dense: dict, rows: list[dict], commands: list[str], args) -> None:
+    ppl = dense["perplexity"]
+    lines = [
+        "# Quality of the rewrite on a real LLM",
+        "",
+        "SmolLM2-135M-Instruct (../shared/ASSETS.md: a LlamaForCausalLM, hidden 576, intermediate 1536, 30 layers),",
+        "exported with the dynamo exporter. Only the MLPs are rewritten (gate, up, down: 90 matrices, 79.6M of its",
+        "134.5M parameters), as in the paper. Perplexity is token-level, in onnxruntime on CPU, over the first",
+        f"{dense['windows']} disjoint windows of {dense['window']} tokens of the **New Testament** of the King James",
+        f"Bible ({dense['tokens_scored']} tokens scored). Calibration uses {args.calib_samples} windows of 512 tokens of",
+        "the **Old Testament**: calibration and evaluation share no text.",
+        "",
+        f"**Dense model: perplexity {ppl:.3f}.** Each cell: perplexity, then its ratio to dense. *kept* is the",
+        "fraction of the MLP parameters the rewrite keeps (block alignment rounds the rank, so it differs from",
+        "`--keep`; the global budget keeps the same total as uniform).",
+        "",
+        "| align | --keep | kept | plain SVD | whitened | whitened, global budget | whitened beats plain |",
+        "|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for row in rows:
+        cells = [f"{row[column]:,.2f} ({row[column] / ppl:,.1f}×)" for column in METHODS]
+        beats = "yes" if row["whitened"] < row["plain SVD"] and row["whitened, global budget"] < row["plain SVD"] else "**no**"
+        lines.append(f"| {row['align']} | {row['keep']} | {row['whitened kept']:.3f} | " + " | ".join(cells) + f" | {beats} |")
+    lines += [
+        "",
+        f"Measured on: {machine()}.",
+        "",
+        "## What this shows",
+        "",
+        "- Plain SVD of the weights destroys the model at every point: SmolLM2's MLP weights are not low-rank",
+        "  (ASSETS.md: a quarter of the singular values leaves a 0.33–0.72 relative error per matrix).",
+        "- Whitening (SVD-LLM: minimise the error of each layer's outputs on calibration activations) is orders",
+        "  of magnitude better, but even keeping 90 % of the MLP parameters costs a large factor in perplexity on",
+        "  this small model. Choosing where to compress, sequential calibration and fine-tuning (the next steps,",
+        "  issue 6) are what make compression of a model this size usable.",
+        "- The global budget moves parameters to the layers whose truncation loses the most; compare its column",
+        "  with the uniform one at the same parameter count.",
+        "",
+        "## Commands",
+        "",
+        "Generated by `python tools/quality_sweep.py` (it prints every command as it runs it):",
+        "",
+        "```",
+        *commands,
+        "```",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
