@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import onnxruntime as ort
 
-from onnx_nmm import metrics, ort_runner
+from onnx_nmm import metrics
 from onnx_nmm.errors import UserError
+
+# token ids [1, S] → logits [1, S, vocab]: a model on some backend (backend_runner.ModelRunner.logits)
+LogitsFn = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass
@@ -69,18 +71,18 @@ class TextComparison:
                 "top1_agreement": self.top1_agreement, "mean_kl": self.mean_kl}
 
 
-def perplexity(session: ort.InferenceSession, tokens: np.ndarray, windows: Windows,
+def perplexity(model: LogitsFn, tokens: np.ndarray, windows: Windows,
                on_window: Callable[[], None] | None = None) -> PerplexityResult:
     nll = _NllSum()
     for begin, end, first in windows.spans(len(tokens)):
-        log_probabilities = _next_token_log_probabilities(session, tokens, begin, end)
+        log_probabilities = _next_token_log_probabilities(model, tokens, begin, end)
         nll.add(log_probabilities, tokens, begin, end, first)
         if on_window is not None:
             on_window()
     return nll.result(windows)
 
 
-def compare_on_text(reference: ort.InferenceSession, candidate: ort.InferenceSession, tokens: np.ndarray,
+def compare_on_text(reference: LogitsFn, candidate: LogitsFn, tokens: np.ndarray,
                     windows: Windows, on_window: Callable[[], None] | None = None) -> TextComparison:
     """Both models on the same windows: perplexities, top-1 agreement and KL at every scored position."""
     nll_reference, nll_candidate = _NllSum(), _NllSum()
@@ -124,8 +126,5 @@ class _NllSum:
                                 windows=self.windows, window=windows.window, stride=windows.stride)
 
 
-def _next_token_log_probabilities(session: ort.InferenceSession, tokens: np.ndarray, begin: int, end: int) -> np.ndarray:
-    feeds = ort_runner.token_inputs(session, tokens[None, begin:end])
-    logits = ort_runner.run(session, feeds)
-    first_output = next(iter(logits.values()))
-    return metrics.log_softmax(first_output[0].astype(np.float64))
+def _next_token_log_probabilities(model: LogitsFn, tokens: np.ndarray, begin: int, end: int) -> np.ndarray:
+    return metrics.log_softmax(model(tokens[None, begin:end])[0].astype(np.float64))

@@ -8,26 +8,10 @@ import pytest
 from onnx_nmm.perplexity import Windows, compare_on_text, perplexity
 
 
-class _Spec:
-    def __init__(self, name, shape, type_):
-        self.name, self.shape, self.type = name, shape, type_
-
-
-class BigramSession:
-    """Stands in for an onnxruntime session: p(next | current) from a fixed table."""
-
-    def __init__(self, table: np.ndarray):
-        self.log_table = np.log(table)
-
-    def get_inputs(self):
-        return [_Spec("input_ids", ["batch", "sequence"], "tensor(int64)"),
-                _Spec("attention_mask", ["batch", "sequence"], "tensor(int64)")]
-
-    def get_outputs(self):
-        return [_Spec("logits", ["batch", "sequence", self.log_table.shape[0]], "tensor(float)")]
-
-    def run(self, names, feeds):
-        return [self.log_table[feeds["input_ids"]].astype(np.float32)]
+def bigram(table: np.ndarray):
+    """A model whose next-token distribution depends only on the current token: p = table[current]."""
+    log_table = np.log(table)
+    return lambda tokens: log_table[tokens].astype(np.float32)
 
 
 def _table(vocab, seed):
@@ -45,19 +29,19 @@ def test_each_token_is_scored_once():
 def test_bigram_perplexity_is_exact():
     table = _table(7, 0)
     tokens = np.random.default_rng(1).integers(0, 7, 50)
-    result = perplexity(BigramSession(table), tokens, Windows(window=8, stride=8))
+    result = perplexity(bigram(table), tokens, Windows(window=8, stride=8))
     scored = [t for begin, end, first in Windows(8, 8).spans(50) for t in range(first, end)]
     expected = -np.mean([math.log(table[tokens[t - 1], tokens[t]]) for t in scored])
     assert result.tokens_scored == len(scored) == 50 - 7  # the first token of every window has no context
     assert result.mean_nll == pytest.approx(expected, rel=1e-6)
-    overlapping = perplexity(BigramSession(table), tokens, Windows(window=8, stride=3))
+    overlapping = perplexity(bigram(table), tokens, Windows(window=8, stride=3))
     assert overlapping.tokens_scored == 49  # sliding windows score every token after the first
 
 
 def test_comparing_a_model_with_itself():
-    session = BigramSession(_table(5, 2))
+    model = bigram(_table(5, 2))
     tokens = np.random.default_rng(3).integers(0, 5, 40)
-    comparison = compare_on_text(session, session, tokens, Windows(10, 10))
+    comparison = compare_on_text(model, model, tokens, Windows(10, 10))
     assert comparison.top1_agreement == 1.0 and comparison.mean_kl == pytest.approx(0.0, abs=1e-12)
-    other = compare_on_text(session, BigramSession(_table(5, 9)), tokens, Windows(10, 10))
+    other = compare_on_text(model, bigram(_table(5, 9)), tokens, Windows(10, 10))
     assert other.mean_kl > 0 and other.reference.perplexity == pytest.approx(comparison.reference.perplexity)

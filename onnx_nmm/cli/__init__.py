@@ -20,6 +20,8 @@ COMMAND_MODULES = [
     "rewrite",
     "diff",
     "eval",
+    "run",
+    "compile",
     "bench_kernels",
 ]
 

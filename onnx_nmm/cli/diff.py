@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.progress import Progress
 
 from onnx_nmm import metrics, ort_runner
+from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner
 from onnx_nmm.cli import _common
 from onnx_nmm.errors import UserError
 from onnx_nmm.model_io import load_model
@@ -23,6 +24,10 @@ def register(subparsers) -> None:
     parser.add_argument("--inputs", metavar="FILE.npz", help="use these inputs (keys = input names) instead")
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
     parser.add_argument("--rtol", type=float, help="see --atol")
+    parser.add_argument("--backend", choices=RUN_BACKENDS, default="ort",
+                        help="how the candidate runs: onnxruntime (default), or its PyTorch lowering with the custom ops "
+                             "as torch math or on the NKI kernels on the emulator; the reference always runs in onnxruntime")
+    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _common.add_text_options(parser, required=False)
     parser.set_defaults(handler=run)
@@ -33,23 +38,23 @@ def run(args) -> int:
         raise UserError("--batch and --seq-len must be positive")
     for path in (args.reference, args.candidate):
         load_model(path)  # same one-line errors as every command for missing files or data
-    reference = ort_runner.create_session(args.reference)
-    candidate = ort_runner.create_session(args.candidate)
+    reference = ModelRunner(args.reference)
+    candidate = ModelRunner(args.candidate, args.backend, args.target)
     if args.text:
         return _diff_on_text(args, reference, candidate)
     if args.inputs:
-        inputs = ort_runner.load_inputs(args.inputs, reference)
+        inputs = ort_runner.load_inputs(args.inputs, reference.session)
     else:
-        inputs = ort_runner.random_inputs(reference, args.reference, args.batch, args.seq_len, args.seed)
-    expected = ort_runner.run(reference, inputs)
-    actual = ort_runner.run(candidate, inputs)
+        inputs = ort_runner.random_inputs(reference.session, args.reference, args.batch, args.seq_len, args.seed)
+    expected = reference(inputs)
+    actual = candidate(inputs)
     missing = [name for name in expected if name not in actual]
     if missing:
         raise UserError(f"the candidate has no output(s) {', '.join(missing)}; the two models do not match")
     comparisons = [metrics.compare(name, expected[name], actual[name], args.atol, args.rtol) for name in expected]
     failed = any(comparison.mismatched for comparison in comparisons)
     if args.json:
-        _common.print_json({"reference": args.reference, "candidate": args.candidate,
+        _common.print_json({"reference": args.reference, "candidate": args.candidate, "backend": args.backend,
                             "inputs": {name: list(array.shape) for name, array in inputs.items()},
                             "atol": args.atol, "rtol": args.rtol, "passed": not failed,
                             "outputs": [comparison.to_dict() for comparison in comparisons]})
@@ -63,10 +68,11 @@ def _diff_on_text(args, reference, candidate) -> int:
     tokens, windows = _common.text_windows_from(args)
     with Progress(console=_common.stderr, transient=True, disable=args.json) as progress:
         task = progress.add_task("scoring windows", total=window_count(len(tokens), windows))
-        result = compare_on_text(reference, candidate, tokens, windows, on_window=lambda: progress.update(task, advance=1))
+        result = compare_on_text(reference.logits, candidate.logits, tokens, windows,
+                                 on_window=lambda: progress.update(task, advance=1))
     if args.json:
-        _common.print_json({"reference": args.reference, "candidate": args.candidate, "text": args.text,
-                            **result.to_dict()})
+        _common.print_json({"reference": args.reference, "candidate": args.candidate, "backend": args.backend,
+                            "text": args.text, **result.to_dict()})
         return 0
     a, b = result.reference, result.candidate
     _common.stdout.print(
@@ -79,7 +85,8 @@ def _diff_on_text(args, reference, candidate) -> int:
 
 def _print_table(args, inputs, comparisons) -> None:
     shapes = ", ".join(f"{name} {list(array.shape)}" for name, array in inputs.items())
-    table = Table(title=f"{args.candidate} vs {args.reference} (onnxruntime CPU; {shapes})", title_justify="left")
+    how = "onnxruntime CPU" if args.backend == "ort" else f"{args.backend} backend vs onnxruntime CPU"
+    table = Table(title=f"{args.candidate} vs {args.reference} ({how}; {shapes})", title_justify="left")
     for column in ("output", "max |Δ|", "max |Δ| / max |A|", "cosine", "top-1 agree", "mean KL (nats)", "outside tol"):
         table.add_column(column, justify="left" if column == "output" else "right")
     tolerance = args.atol is not None or args.rtol is not None

@@ -5,12 +5,14 @@ our own for the `ai.onnx_nmm` ops, which call a kernel backend (kernel_backends.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import onnx
 
 from onnx_nmm.errors import UserError
-from onnx_nmm.lowering.kernel_backends import BACKENDS, EmulatorKernels, KernelCall, TorchMath, backend_named
+from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
+                                                backend_named)
 from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain
 from onnx_nmm.lowering.svd_converters import set_backend, svd_ops_of
 
@@ -20,17 +22,27 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
 
     Raises UserError naming every node whose op the lowering does not cover.
     """
-    proto = _with_lowering_domains(_load_with_shapes(model))
+    proto = _load_with_shapes(model)
     unsupported = unsupported_nodes(proto)
     if unsupported:
         shown = "; ".join(unsupported[:5]) + (f"; and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
         raise UserError(f"the lowering to PyTorch does not cover: {shown}")
     try:
-        module = convert(proto)
+        module = convert(_with_lowering_domains(proto))
     except NotImplementedError as error:
         raise UserError(f"the lowering to PyTorch failed: {error}") from None
     set_backend(module, backend or TorchMath())
     return module.eval()
+
+
+def call_lowered(module, *inputs):
+    """Run a lowered module on tensors, without gradients and without onnx2torch's internal warnings
+    (deprecations in its converters' indexing code, which say nothing about the model)."""
+    import torch
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return module(*inputs)
 
 
 def _load_with_shapes(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
@@ -64,12 +76,12 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
     for node in proto.graph.node:
         version = opsets.get(node.domain, 1)
         try:
-            get_converter(operation_type=node.op_type, version=version, domain=node.domain)
+            get_converter(operation_type=node.op_type, version=version, domain=lowering_domain(node.domain))
         except NotImplementedError:
             op = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
             missing.append(f"node '{node.name or node.output[0]}' ({op}, opset {version})")
     return missing
 
 
-__all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "TorchMath", "backend_named", "lower", "set_backend",
-           "svd_ops_of", "unsupported_nodes"]
+__all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
+           "lower", "set_backend", "svd_ops_of", "unsupported_nodes"]

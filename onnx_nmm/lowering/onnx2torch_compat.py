@@ -20,6 +20,7 @@ fails on GPT-2's Gemm. onnx2torch 1.5.15 (its latest release, 2024) is stale in 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
@@ -28,9 +29,13 @@ import torch
 from torch import nn
 
 
-def _ensure_torchvision_importable() -> None:
+@contextlib.contextmanager
+def _torchvision_if_missing():
+    """While onnx2torch imports, a placeholder torchvision if the real one cannot be imported; removed
+    afterwards, so nothing else (transformers probes for torchvision) ever sees it."""
     try:
         importlib.import_module("torchvision.ops")
+        yield
         return
     except Exception:  # not installed, or a build that cannot load its operators
         for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
@@ -43,11 +48,14 @@ def _ensure_torchvision_importable() -> None:
     ops.nms = ops.roi_align = ops.box_convert = unavailable
     package.ops = ops
     sys.modules.update({"torchvision": package, "torchvision.ops": ops})
+    try:
+        yield
+    finally:
+        del sys.modules["torchvision"], sys.modules["torchvision.ops"]
 
 
-_ensure_torchvision_importable()
-
-import onnx2torch  # noqa: E402
+with _torchvision_if_missing():
+    import onnx2torch  # noqa: E402
 from onnx2torch.node_converters.reduce import OnnxReduceStaticAxes  # noqa: E402
 from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription, add_converter  # noqa: E402
 from onnx2torch.onnx_graph import OnnxGraph  # noqa: E402
