@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import lowrank, rank_allocation, whitening
+from onnx_nmm import lowrank, rank_allocation, sequential, whitening
 from onnx_nmm.activation_stats import GramStatistics
 from onnx_nmm.errors import UserError
 from onnx_nmm.passes import (FactorizedLayer, LinearLayer, Selection, SvdFactorizationPass, find_linear_layers,
@@ -167,15 +167,18 @@ class FactorizationOptions:
 
 def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Selection(),
                   options: FactorizationOptions = FactorizationOptions(), statistics: GramStatistics | None = None,
+                  observer: sequential.GroupObserver | None = None,
                   on_layer: Callable[[LayerOutcome], None] | None = None,
                   on_start: Callable[[int], None] | None = None) -> RewriteReport:
     """Factorize the selected linear layers of `model` in place; return what was done to each.
 
     `statistics` (XᵀX of each target's input) drive whitening and let plain SVD report its
-    activation loss. `on_start(n)` is told how many steps follow, `on_layer` hears about each
-    finished one (for progress bars). Raises UserError when nothing can be targeted.
+    activation loss. With an `observer`, calibration is sequential: each group of layers is fitted to
+    the dense outputs from the inputs the already-compressed model feeds it (onnx_nmm.sequential), and
+    applied before the next group is observed. `on_start(n)` is told how many steps follow, `on_layer`
+    hears about each finished one (for progress bars). Raises UserError when nothing can be targeted.
     """
-    _check_options(rule, options, statistics)
+    _check_options(rule, options, statistics, observer)
     layers = find_linear_layers(model)
     if not layers:
         raise UserError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "
@@ -195,20 +198,21 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
         global_ranks = factorizer.allocate(chosen, on_layer)
     elif on_start is not None:
         on_start(len(chosen))
-    factorized: list[FactorizedLayer] = []
-    chosen_ids = {id(layer) for layer in chosen}
-    for layer in layers:
-        if id(layer) not in chosen_ids:
-            report.layers.append(_outcome(layer, "skipped", skipped[layer.name]))
-            continue
-        forced = global_ranks[layer.name] if global_ranks is not None else None
-        outcome, factors = factorizer.factorize(layer, forced, use_forced=global_ranks is not None)
-        report.layers.append(outcome)
-        if factors is not None:
-            factorized.append(factors)
-        if on_layer is not None:
-            on_layer(outcome)
-    SvdFactorizationPass(factorized)(model)
+    outcomes: dict[int, LayerOutcome] = {}
+    groups = sequential.layer_groups(chosen) if observer is not None else [chosen]
+    for group in groups:
+        group_stats = observer.observe(model, group[0].x.name) if observer is not None else None
+        factorized: list[FactorizedLayer] = []
+        for layer in group:
+            forced = global_ranks[layer.name] if global_ranks is not None else None
+            outcome, factors = factorizer.factorize(layer, forced, global_ranks is not None, group_stats)
+            outcomes[id(layer)] = outcome
+            if factors is not None:
+                factorized.append(factors)
+            if on_layer is not None:
+                on_layer(outcome)
+        SvdFactorizationPass(factorized)(model)
+    report.layers = [outcomes.get(id(layer)) or _outcome(layer, "skipped", skipped[layer.name]) for layer in layers]
     return report
 
 
@@ -218,11 +222,12 @@ class _Factorizer:
     def __init__(self, rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None):
         self.rule, self.options, self.statistics = rule, options, statistics
 
-    def decompose(self, layer: LinearLayer, weight: np.ndarray, rank_hint: int | None):
+    def decompose(self, layer: LinearLayer, weight: np.ndarray, rank_hint: int | None, gram: np.ndarray | None = None):
         o = self.options
-        if o.method == "whiten":
-            return whitening.whitened_decomposition(weight, self.statistics.gram(layer.x.name), o.svd, rank_hint,
-                                                    o.power_iterations, o.oversample, o.seed)
+        if gram is not None or o.method == "whiten":
+            gram = gram if gram is not None else self.statistics.gram(layer.x.name)
+            return whitening.whitened_decomposition(weight, gram, o.svd, rank_hint, o.power_iterations, o.oversample,
+                                                    o.seed)
         return lowrank.decompose(weight, o.svd, rank_hint=rank_hint, oversample=o.oversample,
                                  power_iterations=o.power_iterations, seed=o.seed)
 
@@ -241,8 +246,10 @@ class _Factorizer:
                 on_layer(_outcome(layer, "analysed"))
         return rank_allocation.allocate_ranks(spectra, budget, self.rule.align)
 
-    def factorize(self, layer: LinearLayer, forced_rank: int | None,
-                  use_forced: bool) -> tuple[LayerOutcome, FactorizedLayer | None]:
+    def factorize(self, layer: LinearLayer, forced_rank: int | None, use_forced: bool,
+                  group_stats: sequential.GroupStatistics | None = None) -> tuple[LayerOutcome, FactorizedLayer | None]:
+        """Factors for `layer`; with `group_stats` (sequential calibration) fitted to the dense outputs from
+        the compressed model's inputs, otherwise to W itself (plain SVD or whitening)."""
         start = time.perf_counter()
         if use_forced:
             rank, reason = forced_rank, None if forced_rank is not None else "the global budget keeps it dense"
@@ -252,7 +259,11 @@ class _Factorizer:
             return _outcome(layer, "dense", reason, parameters_after=layer.parameters), None
         weight = layer.weight_matrix()
         _release(layer)
-        decomposition = self.decompose(layer, weight, rank)
+        if group_stats is None:
+            decomposition = self.decompose(layer, weight, rank)
+        else:
+            target = sequential.least_squares_target(weight.astype(np.float64), group_stats)
+            decomposition = self.decompose(layer, target, rank, gram=group_stats.compressed)
         if rank is None:
             rank, reason = self.rule.rank_from_spectrum(layer.k, layer.n, decomposition.singular_values)
             if rank is None:
@@ -263,7 +274,11 @@ class _Factorizer:
                             "(please report this with the model)")
         outcome = _outcome(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
                            relative_error=decomposition.relative_error(rank))
-        if isinstance(decomposition, whitening.WhitenedDecomposition):
+        if group_stats is not None:
+            outcome.relative_error = float(np.linalg.norm(weight - u @ v) / max(np.linalg.norm(weight), 1e-30))
+            outcome.whitened_loss = sequential.sequential_loss(weight, u, v, group_stats)
+            outcome.conditioning = decomposition.conditioning
+        elif isinstance(decomposition, whitening.WhitenedDecomposition):
             outcome.whitened_loss = decomposition.whitened_loss(rank)
             outcome.conditioning = decomposition.conditioning
         elif self.statistics is not None and layer.x.name in self.statistics.grams:
@@ -282,11 +297,16 @@ def target_inputs(model: ir.Model, selection: Selection) -> dict[str, int]:
     return {layer.x.name: layer.k for layer in chosen}
 
 
-def _check_options(rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None) -> None:
+def _check_options(rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None,
+                   observer: sequential.GroupObserver | None) -> None:
     if options.method not in METHODS:
         raise UserError(f"--method must be one of {', '.join(METHODS)}")
-    if options.method == "whiten" and statistics is None:
+    if options.method == "whiten" and statistics is None and observer is None:
         raise UserError("--method whiten needs calibration data: pass --calib")
+    if observer is not None and options.method != "whiten":
+        raise UserError("sequential calibration fits whitened factors: use it with --method whiten")
+    if observer is not None and options.budget == "global" and statistics is None:
+        raise UserError("--budget global ranks layers by their independent statistics: gather them too")
     if options.svd == "randomized" and rule.energy is not None:
         raise UserError("--energy needs every singular value: use it with --svd exact")
     if options.budget == "global" and rule.keep is None:

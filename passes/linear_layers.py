@@ -61,7 +61,6 @@ class LinearLayer:
     """One matched linear layer, Y = X·W_eff (+ bias), W_eff of shape K×N."""
 
     node: ir.Node  # the MatMul or Gemm
-    x: ir.Value
     weight: WeightSource
     k: int
     n: int
@@ -78,6 +77,11 @@ class LinearLayer:
     @property
     def name(self) -> str:
         return self.node.name or self.module_path
+
+    @property
+    def x(self) -> ir.Value:
+        """The activation input, read from the node: rewriting an upstream layer replaces that value."""
+        return self.node.inputs[0]
 
     @property
     def nodes(self) -> list[ir.Node]:
@@ -138,20 +142,20 @@ def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
         return None
     rows, cols = shape.dims
     if node.op_type == "Gemm":
-        return _match_gemm(node, x, source, rows, cols)
+        return _match_gemm(node, source, rows, cols)
     k, n = (cols, rows) if source.transposed else (rows, cols)
-    layer = LinearLayer(node=node, x=x, weight=source, k=k, n=n, output=node.outputs[0])
+    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0])
     _fold_bias_add(layer, graph)
     return layer
 
 
-def _match_gemm(node: ir.Node, x: ir.Value, source: WeightSource, rows: int, cols: int) -> LinearLayer | None:
+def _match_gemm(node: ir.Node, source: WeightSource, rows: int, cols: int) -> LinearLayer | None:
     if _int_attribute(node, "transA", 0) != 0:
         return None
     if _int_attribute(node, "transB", 0):
         source.transposed = not source.transposed
     k, n = (cols, rows) if source.transposed else (rows, cols)
-    layer = LinearLayer(node=node, x=x, weight=source, k=k, n=n, output=node.outputs[0],
+    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0],
                         alpha=_float_attribute(node, "alpha", 1.0), beta=_float_attribute(node, "beta", 1.0))
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         if not _is_bias(node.inputs[2], n):

@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "eval",
     "run",
     "compile",
+    "finetune",
     "bench_kernels",
 ]
 

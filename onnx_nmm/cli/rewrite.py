@@ -17,6 +17,7 @@ from onnx_nmm.passes import FuseGatedMlpPass
 from onnx_nmm.model_io import (PROTOBUF_LIMIT, check_model_file, check_output_path, load_model, save_model,
                                uses_external_data, weight_bytes)
 from onnx_nmm.rewrite import BUDGETS, METHODS, FactorizationOptions, rewrite_model, target_inputs
+from onnx_nmm.sequential import GroupObserver
 
 
 def register(subparsers) -> None:
@@ -40,6 +41,11 @@ def register(subparsers) -> None:
     calibration.add_argument("--calib-samples", type=int, default=128, help="sequences to use (default 128)")
     calibration.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
     calibration.add_argument("--calib-batch", type=int, default=1, help="sequences per onnxruntime run (default 1)")
+    calibration.add_argument("--calib-mode", choices=("independent", "sequential"), default="independent",
+                             help="independent: whiten every layer from the dense model's activations; sequential: fit "
+                                  "each layer, in graph order, to the dense outputs from the inputs the already-compressed "
+                                  "model feeds it (one onnxruntime pass per group of layers; slower, errors stop "
+                                  "compounding)")
     calibration.add_argument("--save-calib-stats", metavar="FILE.npz",
                              help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
     parser.add_argument("--fuse-mlp", action="store_true",
@@ -80,12 +86,17 @@ def run(args) -> int:
 
     clock = time.perf_counter()
     seconds = {}
+    sequential = args.calib_mode == "sequential"
+    if sequential and not args.calib:
+        raise UserError("--calib-mode sequential needs calibration data: pass --calib")
     with _progress(args.quiet) as progress:
-        statistics = _calibrate(args, source, model, selection, progress) if args.calib else None
+        observer = GroupObserver(source, _windows(args, model).batches(args.calib_batch)) if sequential else None
+        needs_statistics = args.calib and (not sequential or args.budget == "global")
+        statistics = _calibrate(args, source, model, selection, progress) if needs_statistics else None
         seconds["calibration"], clock = time.perf_counter() - clock, time.perf_counter()
-        task = progress.add_task("factorizing", total=None)
+        task = progress.add_task("factorizing" if not sequential else "observing and factorizing", total=None)
         report = rewrite_model(
-            model, rule, selection, options, statistics,
+            model, rule, selection, options, statistics, observer,
             on_start=lambda total: progress.update(task, total=total),
             on_layer=lambda outcome: progress.update(task, advance=1, description=outcome.module_path or outcome.name),
         )
@@ -93,7 +104,8 @@ def run(args) -> int:
             fusion = FuseGatedMlpPass()
             fusion(model)
             report.fused_mlps = fusion.fused
-        seconds["factorization"], clock = time.perf_counter() - clock, time.perf_counter()
+        seconds["factorization" if not sequential else "sequential calibration and factorization"], clock = (
+            time.perf_counter() - clock, time.perf_counter())
         progress.update(task, description="writing")
         if not external and weight_bytes(model) > PROTOBUF_LIMIT:
             external = True
@@ -116,8 +128,7 @@ def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics
     """XᵀX of every target's input: loaded from a statistics file, or gathered in onnxruntime."""
     if args.calib.endswith(".npz") and GramStatistics.is_statistics_file(args.calib):
         return GramStatistics.load(args.calib)
-    vocab = _vocabulary(model) if args.calib == calibration_data.RANDOM else None
-    windows = calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab)
+    windows = _windows(args, model)
     task = progress.add_task(f"calibrating ({windows.description})", total=windows.token_count)
     statistics = collect_gram_matrices(source, target_inputs(model, selection), windows.batches(args.calib_batch),
                                        windows.description, on_batch=lambda rows: progress.update(task, advance=rows))
@@ -125,6 +136,15 @@ def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics
     if args.save_calib_stats:
         statistics.save(args.save_calib_stats)
     return statistics
+
+
+def _windows(args, model) -> calibration_data.TokenWindows:
+    """The calibration token windows of --calib (text, input .npz, or random)."""
+    if args.calib.endswith(".npz") and GramStatistics.is_statistics_file(args.calib):
+        raise UserError(f"{args.calib} holds statistics, but sequential calibration runs the model on tokens: "
+                        "give --calib a text or an .npz of input_ids")
+    vocab = _vocabulary(model) if args.calib == calibration_data.RANDOM else None
+    return calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab)
 
 
 def _vocabulary(model) -> int:

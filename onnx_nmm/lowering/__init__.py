@@ -14,7 +14,7 @@ from onnx_nmm.errors import UserError
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
                                                 backend_named)
 from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain
-from onnx_nmm.lowering.svd_converters import set_backend, svd_ops_of
+from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_parameters, set_backend, svd_ops_of
 
 
 def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
@@ -27,6 +27,7 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
     if unsupported:
         shown = "; ".join(unsupported[:5]) + (f"; and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
         raise UserError(f"the lowering to PyTorch does not cover: {shown}")
+    reset_shared_parameters()
     try:
         module = convert(_with_lowering_domains(proto))
     except NotImplementedError as error:
@@ -84,4 +85,4 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
 
 
 __all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
-           "lower", "set_backend", "svd_ops_of", "unsupported_nodes"]
+           "factor_parameters", "lower", "set_backend", "svd_ops_of", "unsupported_nodes"]

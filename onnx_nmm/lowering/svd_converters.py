@@ -1,5 +1,9 @@
 """onnx2torch converters for the `ai.onnx_nmm` ops: modules that hand the op to a kernel backend.
 
+The factors U, V live in the op's module as parameters named after their ONNX initializers, not as
+anonymous graph buffers, so `factor_parameters` can find them (to fine-tune them, and to write them
+back). Two ops naming the same initializer share one parameter.
+
 The backend is not fixed at conversion: `set_backend(module, backend)` points every op of a lowered
 model at one (see kernel_backends), so one lowering serves the check against onnxruntime (torch math),
 the emulator run and the Neuron trace.
@@ -10,7 +14,7 @@ from __future__ import annotations
 from onnx2torch.node_converters.registry import add_converter
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
-from onnx2torch.utils.common import OnnxToTorchModule, OperationConverterResult, onnx_mapping_from_node
+from onnx2torch.utils.common import OnnxMapping, OnnxToTorchModule, OperationConverterResult
 from torch import nn
 
 from onnx_nmm import svd_ops
@@ -19,27 +23,51 @@ from onnx_nmm.lowering.onnx2torch_compat import lowering_domain
 
 DOMAIN = lowering_domain(svd_ops.DOMAIN)
 
+# Parameters made during one conversion, by initializer name (reset by onnx_nmm.lowering.lower).
+_parameters: dict[str, nn.Parameter] = {}
+
+
+def reset_shared_parameters() -> None:
+    _parameters.clear()
+
 
 class _SvdOp(nn.Module, OnnxToTorchModule):
-    def __init__(self, node: str):
+    def __init__(self, node: str, factors: dict[str, nn.Parameter]):
         super().__init__()
         self.node = node
+        self.factor_names = list(factors)
+        self.factors = nn.ParameterList(factors.values())
         self.backend = TorchMath()
 
 
 class SvdMatMulModule(_SvdOp):
-    def forward(self, x, u, v, bias=None):
+    def forward(self, x, bias=None):
+        u, v = self.factors
         return self.backend.svd_matmul(self.node, x, u, v, bias)
 
 
 class SvdGatedMlpModule(_SvdOp):
-    def forward(self, x, ug, vg, uu, vu, ud, vd):
-        return self.backend.gated_mlp(self.node, x, ug, vg, uu, vu, ud, vd)
+    def forward(self, x):
+        return self.backend.gated_mlp(self.node, x, *self.factors)
+
+
+def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    factors = {}
+    for name in names:
+        if name not in graph.initializers:
+            raise NotImplementedError(f"{node.operation_type} '{node.name}' with factor '{name}' that is not an initializer")
+        if name not in _parameters:
+            _parameters[name] = nn.Parameter(graph.initializers[name].to_torch(), requires_grad=False)
+        factors[name] = _parameters[name]
+    return factors
 
 
 @add_converter(svd_ops.SVD_MATMUL, svd_ops.DOMAIN_VERSION, DOMAIN)
 def _svd_matmul(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    return OperationConverterResult(torch_module=SvdMatMulModule(node.name), onnx_mapping=onnx_mapping_from_node(node))
+    x, u, v, *bias = node.input_values
+    module = SvdMatMulModule(node.name, _factors(node, graph, (u, v)))
+    return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(inputs=(x, *bias),
+                                                                                   outputs=node.output_values))
 
 
 @add_converter(svd_ops.SVD_GATED_MLP, svd_ops.DOMAIN_VERSION, DOMAIN)
@@ -47,7 +75,10 @@ def _svd_gated_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult
     activation = node.attributes.get("activation", "silu")
     if activation not in svd_ops.GATED_ACTIVATIONS:
         raise NotImplementedError(f"SvdGatedMLP with activation {activation!r}")
-    return OperationConverterResult(torch_module=SvdGatedMlpModule(node.name), onnx_mapping=onnx_mapping_from_node(node))
+    x, *factors = node.input_values
+    module = SvdGatedMlpModule(node.name, _factors(node, graph, tuple(factors)))
+    return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(inputs=(x,),
+                                                                                   outputs=node.output_values))
 
 
 def set_backend(module: nn.Module, backend) -> None:
@@ -58,3 +89,11 @@ def set_backend(module: nn.Module, backend) -> None:
 
 def svd_ops_of(module: nn.Module) -> list[_SvdOp]:
     return [child for child in module.modules() if isinstance(child, _SvdOp)]
+
+
+def factor_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Every SVD factor of a lowered model, by ONNX initializer name (shared factors once)."""
+    found = {}
+    for op in svd_ops_of(module):
+        found.update(zip(op.factor_names, op.factors))
+    return found

@@ -1,0 +1,218 @@
+"""`onnx-nmm finetune REWRITTEN --text FILE --tokenizer T -o OUT`: train the SVD factors, write them back.
+
+Lower the rewritten model to PyTorch, train only its factors (onnx_nmm.finetune) on CPU within a step and
+a time budget, write the tuned factors into a copy of the model (same graph, only the factor initializers
+changed, each in its dtype), and measure perplexity on held-out text in onnxruntime before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from onnx_nmm import calibration_data
+from onnx_nmm.backend_runner import ModelRunner
+from onnx_nmm.cli import _common
+from onnx_nmm.errors import UserError
+from onnx_nmm.model_io import (PROTOBUF_LIMIT, check_model_file, check_output_path, load_model, save_model,
+                               uses_external_data, weight_bytes)
+from onnx_nmm.perplexity import Windows, perplexity, window_count
+from onnx_nmm.svd_ops import DOMAIN
+
+LOSSES = ("next-token", "distill")  # onnx_nmm.finetune.LOSSES, named here so `onnx-nmm --help` needs no torch
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("finetune", help="train the SVD factors of a rewritten model (CPU, PyTorch) "
+                                                    "and write them back into the ONNX model")
+    parser.add_argument("model", help="a model written by `onnx-nmm rewrite` (float32)")
+    parser.add_argument("-o", "--output", help="where to write the tuned model (default: MODEL.tuned.onnx)")
+    parser.add_argument("--force", action="store_true", help="allow the output to replace the input model")
+    data = parser.add_argument_group("training data")
+    data.add_argument("--text", metavar="FILE", required=True,
+                      help="a UTF-8 text file (with --tokenizer), or an .npz with input_ids [samples, seq_len]")
+    data.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
+    data.add_argument("--seq-len", type=int, default=256,
+                      help="tokens per training window, cut from the text (default 256; an .npz sets its own)")
+    data.add_argument("--samples", type=int, help="use only the first N windows (default: all of them)")
+    training = parser.add_argument_group("training")
+    training.add_argument("--loss", choices=LOSSES,
+                          help="next-token: cross-entropy on the text; distill: KL(teacher ‖ student) of the "
+                               "next-token distributions (default: distill with --teacher, else next-token)")
+    training.add_argument("--teacher", metavar="ORIGINAL.onnx",
+                          help="the dense model the rewrite started from, run in onnxruntime (for --loss distill)")
+    training.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
+    training.add_argument("--steps", type=int, default=200, help="optimizer steps at most (default 200)")
+    training.add_argument("--time-budget", type=float, metavar="SECONDS",
+                          help="stop training before it would run longer than this (lowering, evaluation and "
+                               "writing come on top); the first of --steps and --time-budget ends training")
+    training.add_argument("--lr", type=float, default=1e-4,
+                          help="peak AdamW learning rate, cosine-decayed to a tenth over the budget (default 1e-4; "
+                               "adapters want more, e.g. 1e-3)")
+    training.add_argument("--batch", type=int, default=2, help="windows per step (default 2)")
+    training.add_argument("--adapters", type=int, metavar="RANK",
+                          help="train LoRA adapters of this rank on every U and V (merged back before writing) "
+                               "instead of U and V themselves")
+    training.add_argument("--max-grad-norm", type=float, default=1.0,
+                          help="clip the gradient to this global norm (default 1)")
+    training.add_argument("--seed", type=int, default=0, help="seed of the window order and the adapters")
+    evaluation = parser.add_argument_group("evaluation (held-out text, onnxruntime)")
+    evaluation.add_argument("--eval-text", metavar="FILE",
+                            help="perplexity of the model before and after, on this text (with --tokenizer) or "
+                                 "the input_ids of this .npz read as one sequence")
+    evaluation.add_argument("--eval-window", type=int, help="tokens per perplexity window (default: --seq-len)")
+    evaluation.add_argument("--eval-windows", type=int, default=16, help="disjoint windows to score (default 16)")
+    parser.add_argument("--report", metavar="FILE.json", help="write the loss curve and the results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot the loss curve")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from onnx_nmm.finetune import CausalLmInputs, FinetuneOptions, finetune, replace_factors
+    from onnx_nmm.lowering import factor_parameters, lower
+
+    loss = args.loss or ("distill" if args.teacher else "next-token")
+    if loss == "distill" and args.teacher is None:
+        raise UserError("--loss distill needs the dense model: give --teacher ORIGINAL.onnx")
+    options = FinetuneOptions(steps=args.steps, time_budget=args.time_budget, learning_rate=args.lr, batch=args.batch,
+                              loss=loss, temperature=args.temperature, adapter_rank=args.adapters,
+                              max_grad_norm=args.max_grad_norm, seed=args.seed)
+    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--samples", args.samples, 1),
+                               ("--eval-window", args.eval_window, 2), ("--eval-windows", args.eval_windows, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    source = Path(args.model)
+    output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
+    check_output_path(source, output, args.force)
+    model = load_model(source)
+    if not any(node.domain == DOMAIN for node in model.graph):
+        raise UserError(f"{source} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first with "
+                        "`onnx-nmm rewrite`")
+    vocabulary = _logits_width(model)
+    windows = _training_windows(args, vocabulary)
+    eval_tokens = _evaluation_tokens(args, vocabulary) if args.eval_text else None
+    eval_windows = Windows(window=args.eval_window or windows.tokens.shape[1],
+                           stride=args.eval_window or windows.tokens.shape[1], max_windows=args.eval_windows)
+    if args.teacher:
+        teacher_vocabulary = _logits_width(load_model(args.teacher))
+        if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
+            raise UserError(f"the teacher {args.teacher} predicts {teacher_vocabulary} tokens, the model {vocabulary}: "
+                            "give the dense model this one was rewritten from")
+    seconds, clock = {}, time.perf_counter()
+    with _progress(args.quiet) as progress:
+        before = _perplexity(source, eval_tokens, eval_windows, progress, "perplexity before") if args.eval_text else None
+        seconds["evaluation_before"], clock = time.perf_counter() - clock, time.perf_counter()
+        progress_task = progress.add_task("lowering to PyTorch", total=None)
+        module = lower(source)
+        teacher = ModelRunner(args.teacher).logits if args.teacher else None
+        seconds["lowering"], clock = time.perf_counter() - clock, time.perf_counter()
+        progress.update(progress_task, total=options.steps, description=_step_description(loss, None))
+        result = finetune(module, windows.tokens, CausalLmInputs(model.graph), options, teacher,
+                          on_step=lambda record: progress.update(progress_task, completed=record.step,
+                                                                 description=_step_description(loss, record.loss)))
+        del teacher
+        seconds["training"], clock = time.perf_counter() - clock, time.perf_counter()
+        progress.update(progress_task, description="writing")
+        replace_factors(model, factor_parameters(module))
+        del module
+        external = uses_external_data(model) or weight_bytes(model) > PROTOBUF_LIMIT
+        save_model(model, output, external_data=external, validate=check_model_file)
+        seconds["writing"], clock = time.perf_counter() - clock, time.perf_counter()
+        after = _perplexity(output, eval_tokens, eval_windows, progress, "perplexity after") if args.eval_text else None
+        seconds["evaluation_after"] = time.perf_counter() - clock
+
+    title = (f"{source.name}: {loss}, {result.records[-1].step} steps of {options.batch}×{windows.tokens.shape[1]} "
+             f"tokens, lr {options.learning_rate:g}" + (f", adapters rank {options.adapter_rank}" if options.adapter_rank else "")
+             + (f"\nperplexity {before.perplexity:.3f} → {after.perplexity:.3f} on {Path(args.eval_text).name}"
+                if before else ""))
+    if args.plot:
+        from onnx_nmm.finetune_plot import plot_loss_curve
+
+        plot_loss_curve(result, args.plot, title, loss)
+    if args.report:
+        _common.write_json(args.report, {
+            "input": str(source), "output": str(output), "teacher": args.teacher, "loss": loss,
+            "training_data": windows.description, "options": asdict(options) | {"warmup_steps": options.warmup_steps},
+            **result.to_dict(), "seconds_by_phase": seconds,
+            "perplexity_before": before.to_dict() if before else None,
+            "perplexity_after": after.to_dict() if after else None, "eval_text": args.eval_text,
+        })
+    if not args.quiet:
+        _print_summary(result, loss, windows.description, before, after, output, seconds)
+    return 0
+
+
+def _training_windows(args, vocabulary: int | None) -> calibration_data.TokenWindows:
+    if args.text.endswith(".npz"):
+        windows = calibration_data.windows_from_npz(args.text, args.samples)
+        if windows.tokens.shape[1] < 2:
+            raise UserError(f"{args.text}: windows of {windows.tokens.shape[1]} token teach nothing; give at least 2")
+    else:
+        if args.tokenizer is None:
+            raise UserError(f"--text {args.text} is text: give its tokenizer with --tokenizer (a folder or a .gguf file)")
+        windows = calibration_data.windows_from_text(args.text, calibration_data.load_tokenizer(args.tokenizer),
+                                                     args.samples, args.seq_len)
+    if len(windows.tokens) == 0:
+        raise UserError(f"{args.text} holds no training windows")
+    _check_token_ids(windows.tokens, vocabulary, args.text)
+    return windows
+
+
+def _evaluation_tokens(args, vocabulary: int | None) -> np.ndarray:
+    if args.eval_text.endswith(".npz"):
+        tokens = calibration_data.windows_from_npz(args.eval_text, None).tokens.reshape(-1)
+    else:
+        if args.tokenizer is None:
+            raise UserError(f"--eval-text {args.eval_text} is text: give its tokenizer with --tokenizer")
+        tokens = calibration_data.text_tokens(args.eval_text, calibration_data.load_tokenizer(args.tokenizer))
+    _check_token_ids(tokens, vocabulary, args.eval_text)
+    return tokens
+
+
+def _check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str) -> None:
+    if tokens.size and (tokens.min() < 0 or (vocabulary is not None and tokens.max() >= vocabulary)):
+        raise UserError(f"{source} holds token ids in [{tokens.min()}, {tokens.max()}], outside the model's "
+                        f"vocabulary of {vocabulary}: use the model's own tokenizer")
+
+
+def _logits_width(model) -> int | None:
+    """The vocabulary, when the first output (the logits) has a fixed last dimension."""
+    shape = model.graph.outputs[0].shape
+    width = shape[-1] if shape is not None and len(shape) else None
+    return width if isinstance(width, int) else None
+
+
+def _perplexity(path: Path, tokens: np.ndarray, windows: Windows, progress: Progress, label: str):
+    runner = ModelRunner(path)
+    task = progress.add_task(label, total=window_count(len(tokens), windows))
+    result = perplexity(runner.logits, tokens, windows, on_window=lambda: progress.update(task, advance=1))
+    progress.update(task, visible=False)
+    return result
+
+
+def _step_description(loss: str, value: float | None) -> str:
+    return f"training ({loss} loss {value:.4f})" if value is not None else f"training ({loss} loss)"
+
+
+def _progress(quiet: bool) -> Progress:
+    return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=_common.stderr, disable=quiet, transient=True)
+
+
+def _print_summary(result, loss: str, data: str, before, after, output: Path, seconds: dict) -> None:
+    last = result.records[-1]
+    stopped = "the time budget" if result.stopped_by == "time" else "the step budget"
+    _common.stdout.print(
+        f"trained {result.trainable_parameters / 1e6:.2f}M factor parameters for {last.step} steps "
+        f"({last.tokens} tokens of {data}) in {last.seconds:.1f} s, stopped by {stopped}; {loss} loss "
+        f"{result.mean_loss(first=True):.4f} → {result.mean_loss(first=False):.4f} (mean of the first and last tenth)")
+    if before and after:
+        _common.stdout.print(
+            f"perplexity {before.perplexity:.4f} → {after.perplexity:.4f} in onnxruntime on {after.tokens_scored} "
+            f"held-out tokens ({after.windows} windows of {after.window})")
+    _common.stdout.print(f"wrote {output} ({sum(seconds.values()):.1f} s in all)")

@@ -1,0 +1,260 @@
+"""Fine-tune the SVD factors of a rewritten model in PyTorch, everything else frozen, and write them back.
+
+The rewritten graph lowered to PyTorch (onnx_nmm.lowering) has the factors U, V of every SvdMatMul and
+SvdGatedMLP as its only parameters; the dense weights are buffers. AdamW trains the factors themselves, or
+low-rank adapters on them (factor_adapters, merged back afterwards), on windows of token ids x₁..x_S with
+one of two losses:
+
+    next-token   L = −1/(B(S−1)) Σ_b Σ_{t<S} log q(x_{t+1} | x_≤t)
+    distill      L = T²/(BS) Σ_b Σ_t KL( softmax(z_t / T) ‖ softmax(y_t / T) )
+
+q is the student's next-token distribution, y its logits, z the dense teacher's logits on the same window;
+the T² keeps the gradient's scale independent of the temperature T (Hinton et al., 2015).
+
+Each step takes the next `batch` windows of a shuffled cycle through the data, clips the gradient to a
+global norm, and uses the learning rate
+
+    lr(step, p) = lr · min(1, (step + 1) / warmup) · (0.1 + 0.9 · ½(1 + cos πp)),    warmup = clamp(steps/10, 1, 10)
+
+where p ∈ [0, 1] is the part of the budget spent — the larger of step/steps and seconds/time_budget — so the
+decay ends where training does, whichever budget runs out first. Training stops before a step that would
+overrun the time budget at the mean step time so far (at least one step is always taken).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onnx_nmm.errors import UserError
+from onnx_nmm.factor_adapters import add_adapters, merge_adapters
+from onnx_nmm.lowering import factor_parameters
+from onnx_nmm.perplexity import LogitsFn
+
+LOSSES = ("next-token", "distill")
+FINAL_LR_FRACTION = 0.1
+MAX_WARMUP_STEPS = 10
+
+
+@dataclass
+class FinetuneOptions:
+    steps: int = 100
+    time_budget: float | None = None  # seconds of training; None: the step budget alone
+    learning_rate: float = 1e-4
+    batch: int = 2
+    loss: str = "next-token"
+    temperature: float = 1.0  # distillation only
+    adapter_rank: int | None = None  # train adapters of this rank on U and V instead of U and V themselves
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise UserError(f"unknown loss {self.loss!r}; choose from {', '.join(LOSSES)}")
+        for name, value in (("steps", self.steps), ("batch", self.batch), ("adapter rank", self.adapter_rank)):
+            if value is not None and value < 1:
+                raise UserError(f"the {name} must be a positive integer, got {value}")
+        for name, value in (("learning rate", self.learning_rate), ("temperature", self.temperature),
+                            ("time budget", self.time_budget), ("gradient norm limit", self.max_grad_norm)):
+            if value is not None and not value > 0:
+                raise UserError(f"the {name} must be positive, got {value}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, min(MAX_WARMUP_STEPS, self.steps // 10))
+
+    def learning_rate_at(self, step: int, seconds: float) -> float:
+        spent = step / self.steps
+        if self.time_budget is not None:
+            spent = max(spent, seconds / self.time_budget)
+        decay = FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(spent, 1.0)))
+        return self.learning_rate * min(1.0, (step + 1) / self.warmup_steps) * decay
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: the loss at the parameters it started from."""
+
+    step: int  # 1-based
+    loss: float
+    learning_rate: float
+    seconds: float  # since training started, at the end of this step
+    tokens: int  # seen so far
+
+
+@dataclass
+class TrainingResult:
+    records: list[StepRecord] = field(default_factory=list)
+    stopped_by: str = "steps"  # or "time"
+    trainable_parameters: int = 0
+
+    @property
+    def losses(self) -> list[float]:
+        return [record.loss for record in self.records]
+
+    def mean_loss(self, first: bool, fraction: float = 0.1) -> float:
+        """Mean loss of the first (or last) `fraction` of the steps, at least one step."""
+        count = max(1, round(fraction * len(self.records)))
+        chosen = self.losses[:count] if first else self.losses[-count:]
+        return float(np.mean(chosen))
+
+    def to_dict(self) -> dict:
+        last = self.records[-1]
+        return {"steps": last.step, "tokens": last.tokens, "seconds": last.seconds, "stopped_by": self.stopped_by,
+                "trainable_parameters": self.trainable_parameters,
+                "loss_first_tenth": self.mean_loss(first=True), "loss_last_tenth": self.mean_loss(first=False),
+                "records": [asdict(record) for record in self.records]}
+
+
+class CausalLmInputs:
+    """The lowered module's inputs for token ids [B, S]: per graph input, the ids, an all-ones attention
+    mask or positions 0..S−1 (the inputs of a causal LM exported without a KV cache)."""
+
+    def __init__(self, graph: ir.Graph):
+        self.inputs = []
+        for value in graph.inputs:
+            if value.const_value is not None:
+                continue
+            if value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+                raise UserError(f"model input '{value.name}' is {value.dtype}, not token ids, a mask or positions; "
+                                "fine-tuning needs a causal LM exported without a KV cache")
+            self.inputs.append((value.name.lower(), value.dtype.numpy()))
+
+    def __call__(self, tokens: np.ndarray) -> tuple[torch.Tensor, ...]:
+        feeds = []
+        for name, dtype in self.inputs:
+            if "mask" in name:
+                feed = np.ones(tokens.shape, dtype)
+            elif "position" in name:
+                feed = np.broadcast_to(np.arange(tokens.shape[1], dtype=dtype), tokens.shape).copy()
+            else:
+                feed = tokens.astype(dtype)
+            feeds.append(torch.from_numpy(feed))
+        return tuple(feeds)
+
+
+def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: FinetuneOptions,
+             teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None) -> TrainingResult:
+    """Train the factors of the lowered `module` in place on `windows` [samples, S] of token ids.
+
+    `teacher` (token ids [B, S] → logits [B, S, vocab]) is needed for the distillation loss. On return the
+    module holds the tuned factors (adapters merged) and no parameter requires a gradient.
+    """
+    factors = factor_parameters(module)
+    if not factors:
+        raise UserError("the model has no SVD factors to fine-tune; rewrite it first with `onnx-nmm rewrite`")
+    wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
+    if wrong:
+        raise UserError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
+                        "float32 export and fine-tune that")
+    if options.loss == "distill" and teacher is None:
+        raise UserError("the distillation loss needs the dense model's logits: give --teacher ORIGINAL.onnx")
+    if options.batch > len(windows):
+        raise UserError(f"a batch of {options.batch} windows needs at least as many training windows; "
+                        f"there are {len(windows)}: lower --batch or give more text")
+
+    torch.manual_seed(options.seed)
+    adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank else None
+    trainable = ([p for adapter in adapters.values() for p in adapter.parameters()] if adapters
+                 else list(factors.values()))
+    for parameter in trainable:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=0.0)
+    result = TrainingResult(trainable_parameters=sum(p.numel() for p in trainable))
+    batches = _shuffled_batches(windows, options.batch, options.seed)
+    start, tokens_seen = time.perf_counter(), 0
+    while len(result.records) < options.steps:
+        seconds = time.perf_counter() - start
+        if _would_overrun(options.time_budget, seconds, len(result.records)):
+            result.stopped_by = "time"
+            break
+        learning_rate = options.learning_rate_at(len(result.records), seconds)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        batch = next(batches)
+        loss = _loss(module, inputs, batch, options, teacher)
+        if not torch.isfinite(loss):
+            raise UserError(f"the loss became {loss.item()} at step {len(result.records) + 1}; nothing was "
+                            "written: lower --lr", exit_code=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(trainable, options.max_grad_norm)
+        optimizer.step()
+        tokens_seen += batch.size
+        record = StepRecord(len(result.records) + 1, loss.item(), learning_rate, time.perf_counter() - start,
+                            tokens_seen)
+        result.records.append(record)
+        if on_step is not None:
+            on_step(record)
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    if adapters:
+        merge_adapters(module, adapters)
+    return result
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean −log q(x_{t+1} | x_≤t) over every position that has a next token."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T² · mean over positions of KL(softmax(teacher/T) ‖ softmax(student/T))."""
+    log_q = F.log_softmax(logits.flatten(0, 1).float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits.flatten(0, 1).float() / temperature, dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean") * temperature**2
+
+
+def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
+    """Overwrite the factor initializers of `model` with `factors`, each in its initializer's dtype.
+
+    Raises UserError, changing nothing, if any factor holds NaN or Inf once stored in that dtype.
+    """
+    stored = {}
+    for name, factor in factors.items():
+        value = model.graph.initializers.get(name)
+        if value is None or value.const_value is None or tuple(value.const_value.shape) != tuple(factor.shape):
+            raise ValueError(f"factor {name} {tuple(factor.shape)} matches no initializer of the model")
+        dtype = value.const_value.dtype
+        array = np.ascontiguousarray(factor.detach().cpu().numpy().astype(dtype.numpy()))
+        if not np.isfinite(array.astype(np.float32)).all():
+            raise UserError(f"factor {name} holds NaN or Inf after training (stored as {dtype.name}); nothing was "
+                            "written: lower --lr", exit_code=1)
+        stored[name] = ir.tensor(array, dtype=dtype, name=name)
+    for name, tensor in stored.items():
+        model.graph.initializers[name].const_value = tensor
+
+
+def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: FinetuneOptions,
+          teacher: LogitsFn | None) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # onnx2torch's internal deprecations, which say nothing about the model
+        logits = module(*inputs(batch))
+    logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+    if options.loss == "next-token":
+        return next_token_loss(logits, torch.from_numpy(batch))
+    return distillation_loss(logits, torch.from_numpy(np.asarray(teacher(batch))), options.temperature)
+
+
+def _shuffled_batches(windows: np.ndarray, batch: int, seed: int) -> Iterator[np.ndarray]:
+    """`batch` windows at a time from an endless sequence of shuffled passes over `windows`."""
+    rng = np.random.default_rng(seed)
+    order = np.empty(0, dtype=np.int64)
+    while True:
+        while len(order) < batch:
+            order = np.concatenate([order, rng.permutation(len(windows))])
+        yield windows[order[:batch]]
+        order = order[batch:]
+
+
+def _would_overrun(time_budget: float | None, seconds: float, steps_done: int) -> bool:
+    return time_budget is not None and steps_done > 0 and seconds + seconds / steps_done > time_budget

@@ -1,0 +1,133 @@
+"""Sequential (error-aware) calibration: fit each layer to what the dense model produced, from the inputs
+the already-compressed model actually feeds it, layer by layer in graph order.
+
+With X_d a layer's input in the dense model and X_c its input in the model whose earlier targets are
+already factorized, the layer's factors solve
+
+    min over rank-r M of ‖X_d·W − X_c·M‖_F
+      = ‖X_c·(M − M_ls)‖_F² + const,   M_ls = G_c⁻¹ C W,   G_c = X_cᵀX_c,  C = X_cᵀX_d
+
+(M_ls the least-squares fit; its residual is orthogonal to X_c). So the optimum is the whitened
+truncation of M_ls under G_c — onnx_nmm.whitening with W replaced by M_ls. When nothing before the layer
+is compressed, X_c = X_d, M_ls = W, and this is plain whitening.
+
+The least-squares step overfits the calibration set where it excites few directions, and a plain
+ridge would pull the unexcited directions to zero. It is regularized towards the dense weight instead:
+
+    M_ls = W + (G_c + λI)⁻¹ (C − G_c) W,     λ = RIDGE · mean(diag G_c)
+
+— the correction the compressed inputs call for, shrunk where the calibration data say little.
+
+Layers reading the same input (gate and up) form one group; each group costs one pass over the
+calibration data through two pruned graphs — the dense model and the compressed one up to the group's
+input — in onnxruntime. The compressed model is the working model itself, re-serialized each pass with
+its untouched weights still in the original external data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnx_nmm import ort_runner
+from onnx_nmm.activation_stats import _prune, _value_types
+from onnx_nmm.errors import UserError
+from onnx_nmm.passes import LinearLayer
+
+
+@dataclass
+class GroupStatistics:
+    """Second moments of one group's input over the calibration set, dense (d) and compressed (c)."""
+
+    compressed: np.ndarray  # G_c = X_cᵀ X_c
+    cross: np.ndarray  # C = X_cᵀ X_d
+    dense: np.ndarray  # G_d = X_dᵀ X_d
+    tokens: int
+
+
+# Strength of the ridge towards W in the least-squares step, relative to the mean feature energy.
+RIDGE = 1e-2
+
+
+def least_squares_target(weight: np.ndarray, stats: GroupStatistics) -> np.ndarray:
+    """M_ls = W + (G_c + λI)⁻¹ (C − G_c) W: the map from compressed inputs that best reproduces X_d·W,
+    regularized towards W."""
+    gram = stats.compressed
+    ridge = RIDGE * float(np.mean(np.diag(gram)))
+    correction = (stats.cross - gram) @ weight
+    if ridge <= 0:  # no calibration energy at all: nothing to correct
+        return weight
+    factor = np.linalg.cholesky(gram + ridge * np.eye(len(gram)))  # positive definite: G_c ⪰ 0, λ > 0
+    return weight + np.linalg.solve(factor.T, np.linalg.solve(factor, correction))
+
+
+def sequential_loss(weight: np.ndarray, u: np.ndarray, v: np.ndarray, stats: GroupStatistics) -> float:
+    """‖X_d·W − X_c·U·V‖_F / ‖X_d·W‖_F from the group's statistics."""
+    m = u @ v
+    dense = float(np.sum(weight * (stats.dense @ weight)))
+    error = dense - 2 * float(np.sum(m * (stats.cross @ weight))) + float(np.sum(m * (stats.compressed @ m)))
+    return math.sqrt(max(error, 0.0) / dense) if dense > 0 else 0.0
+
+
+def layer_groups(layers: list[LinearLayer]) -> list[list[LinearLayer]]:
+    """The layers grouped by the value they read, groups in graph order."""
+    groups: dict[str, list[LinearLayer]] = {}
+    for layer in layers:  # find_linear_layers lists layers in graph order
+        groups.setdefault(layer.x.name, []).append(layer)
+    return list(groups.values())
+
+
+class GroupObserver:
+    """Runs the dense and the working (partly compressed) model on the calibration batches, both pruned
+    to one group's input, and returns that group's statistics."""
+
+    def __init__(self, model_path: str | Path, batches: Iterable, make_feeds: Callable = ort_runner.token_inputs):
+        self.model_path = Path(model_path)
+        self.folder = str(self.model_path.parent.resolve())
+        self.batches = list(batches)
+        self.make_feeds = make_feeds
+        self.dense_proto = onnx.load(str(self.model_path), load_external_data=False)
+        self.types = _value_types(self.dense_proto)
+
+    def observe(self, working: ir.Model, value: str) -> GroupStatistics:
+        dense = self._session(self.dense_proto, value)
+        compressed = self._session(ir.serde.serialize_model(working), value)
+        gram_c = cross = gram_d = None
+        tokens = 0
+        for index, batch in enumerate(self.batches):
+            x_d = self._activation(dense, batch, value, index)
+            x_c = self._activation(compressed, batch, value, index)
+            products = (x_c.T @ x_c, x_c.T @ x_d, x_d.T @ x_d)
+            if gram_c is None:
+                gram_c, cross, gram_d = (p.astype(np.float64) for p in products)
+            else:
+                gram_c += products[0]
+                cross += products[1]
+                gram_d += products[2]
+            tokens += len(x_d)
+        if gram_c is None:
+            raise UserError("the calibration set is empty")
+        return GroupStatistics(gram_c, cross, gram_d, tokens)
+
+    def _session(self, proto: onnx.ModelProto, value: str):
+        proto = onnx.ModelProto.FromString(proto.SerializeToString()) if proto is self.dense_proto else proto
+        del proto.graph.output[:]
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(value, self.types.get(value, onnx.TensorProto.FLOAT),
+                                                                     None))
+        _prune(proto.graph)
+        config = {"session.model_external_initializers_file_folder_path": self.folder}
+        return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=self.model_path)
+
+    def _activation(self, session, batch, value: str, index: int) -> np.ndarray:
+        (x,) = session.run([value], self.make_feeds(session, batch))
+        x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
+        if not np.all(np.isfinite(x)):
+            raise UserError(f"calibration batch {index} gives non-finite activations at '{value}' (NaN or Inf): "
+                            "check the calibration data")
+        return x

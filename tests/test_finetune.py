@@ -1,0 +1,191 @@
+"""Fine-tuning the SVD factors in PyTorch and writing them back into the ONNX model."""
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+from exported_models import exported_model
+from onnx_nmm.backend_runner import ModelRunner
+from onnx_nmm.cli import main
+from onnx_nmm.cli.finetune import LOSSES as CLI_LOSSES
+from onnx_nmm.errors import UserError
+from onnx_nmm.finetune import LOSSES, CausalLmInputs, FinetuneOptions, finetune, next_token_loss, replace_factors
+from onnx_nmm.lowering import call_lowered, factor_parameters, lower
+from onnx_nmm.model_io import check_model_file, load_model, save_model
+from rewriting import assert_logits_close
+
+pytestmark = pytest.mark.xdist_group("lowering")
+
+VOCAB = 1000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny models' matrices are so small that handing work to a second thread costs more than the
+    maths (50× slower steps on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rewrite(source, output, fuse=True):
+    code = main(["rewrite", str(source), "-o", str(output), "--keep", "0.5", "--align", "32", "--quiet",
+                 *(["--fuse-mlp"] if fuse else [])])
+    assert code == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def rewritten_llama(tmp_path_factory):
+    """A tiny Llama whose MLPs are SvdGatedMLP ops at keep 0.5."""
+    return _rewrite(exported_model("llama", "dynamo"), tmp_path_factory.mktemp("llama") / "rewritten.onnx")
+
+
+def _token_ids(samples, seq_len, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, (samples, seq_len), dtype=np.int64)
+
+
+def _factor_arrays(path):
+    model = load_model(path)
+    return {name: value.const_value.numpy() for name, value in model.graph.initializers.items()}
+
+
+def test_finetuning_lowers_the_loss_and_changes_only_the_factors(rewritten_llama):
+    module = lower(rewritten_llama)
+    inputs = CausalLmInputs(load_model(rewritten_llama).graph)
+    windows = _token_ids(4, 32)
+    frozen = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    factors = {name: factor.clone() for name, factor in factor_parameters(module).items()}
+    loss_before = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
+
+    result = finetune(module, windows, inputs, FinetuneOptions(steps=30, learning_rate=1e-3, batch=4))
+
+    loss_after = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
+    assert len(result.records) == 30 and result.stopped_by == "steps"
+    assert result.records[-1].tokens == 30 * 4 * 32
+    assert result.records[0].loss == pytest.approx(loss_before, rel=1e-4)  # every step sees all 4 windows
+    assert loss_after < 0.8 * loss_before  # random-weight model, 4 windows: fitting them is easy
+    assert result.mean_loss(first=False) < result.mean_loss(first=True)
+    assert result.trainable_parameters == sum(factor.numel() for factor in factors.values())
+    assert all(torch.equal(buffer, frozen[name]) for name, buffer in module.named_buffers())
+    tuned = factor_parameters(module)
+    assert all(not torch.equal(tuned[name], factor) for name, factor in factors.items())
+    assert not any(factor.requires_grad for factor in tuned.values())
+
+
+def test_written_model_runs_in_onnxruntime_with_the_tuned_factors(tmp_path):
+    """GPT-2: SvdMatMul ops with a bias, the factors written back, the graph otherwise the same."""
+    rewritten = _rewrite(exported_model("gpt2", "dynamo"), tmp_path / "rewritten.onnx", fuse=False)
+    model = load_model(rewritten)
+    module = lower(rewritten)
+    inputs = CausalLmInputs(model.graph)
+    finetune(module, _token_ids(4, 16), inputs, FinetuneOptions(steps=5, learning_rate=1e-3))
+    replace_factors(model, factor_parameters(module))
+    tuned = save_model(model, tmp_path / "tuned.onnx", external_data=False, validate=check_model_file)
+
+    check = _token_ids(2, 12, seed=7)
+    assert_logits_close(call_lowered(module, *inputs(check)).numpy(), ModelRunner(tuned).logits(check))
+    before, after = _factor_arrays(rewritten), _factor_arrays(tuned)
+    factor_names = set(factor_parameters(module))
+    assert factor_names and factor_names <= set(after)
+    assert all(not np.array_equal(before[name], after[name]) for name in factor_names)
+    assert all(np.array_equal(before[name], after[name]) for name in set(before) - factor_names)
+    original, written = onnx.load(str(rewritten), load_external_data=False), onnx.load(str(tuned), load_external_data=False)
+    assert [(n.op_type, n.name, list(n.input)) for n in original.graph.node] == \
+           [(n.op_type, n.name, list(n.input)) for n in written.graph.node]
+
+
+def test_cli_distills_into_adapters_and_reports_perplexity(capsys, tmp_path):
+    """External data in, external data out; adapters of rank 4 on every factor, merged back."""
+    source = exported_model("llama", "dynamo", external_data=True)
+    rewritten = _rewrite(source, tmp_path / "rewritten.onnx")
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(6, 24))
+    np.savez(tmp_path / "held-out.npz", input_ids=_token_ids(2, 48, seed=1))
+    output, report, plot = tmp_path / "tuned.onnx", tmp_path / "report.json", tmp_path / "loss.png"
+    code, out, err = _cli(capsys, "finetune", rewritten, "--text", tmp_path / "train.npz", "--teacher", source,
+                          "--adapters", "4", "--lr", "1e-2", "--steps", "25", "--eval-text", tmp_path / "held-out.npz",
+                          "--eval-window", "24", "-o", output, "--report", report, "--plot", plot)
+    assert code == 0, err
+
+    result = json.loads(report.read_text())
+    losses = [record["loss"] for record in result["records"]]
+    assert result["loss"] == "distill" and result["steps"] == 25 and losses[0] > 0
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])  # the KL to the dense teacher shrinks
+    factors = {name: array for name, array in _factor_arrays(rewritten).items() if ".svd_" in name}
+    assert result["trainable_parameters"] == sum(4 * sum(array.shape) for array in factors.values())
+    tuned = _factor_arrays(output)
+    assert all(not np.array_equal(tuned[name], array) for name, array in factors.items())
+    assert (tmp_path / "tuned.onnx.data").is_file()
+    assert {"perplexity_before", "perplexity_after"} <= set(result)
+    assert result["perplexity_after"]["tokens_scored"] == 4 * 23  # 96 held-out tokens, windows of 24
+    assert "perplexity" in out and f"wrote {output}" in " ".join(out.split())
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_time_budget_ends_training(rewritten_llama):
+    module = lower(rewritten_llama)
+    inputs = CausalLmInputs(load_model(rewritten_llama).graph)
+    result = finetune(module, _token_ids(2, 16), inputs, FinetuneOptions(steps=100_000, time_budget=0.5, batch=1))
+    last = result.records[-1]
+    assert result.stopped_by == "time" and 1 < last.step < 100_000
+    assert last.seconds <= 0.5 + 2 * last.seconds / last.step  # at most about one step over
+
+
+def test_write_back_keeps_the_dtype_and_refuses_non_finite_factors(rewritten_llama):
+    model = load_model(rewritten_llama)
+    names = [name for name in model.graph.initializers if ".svd_" in name][:2]
+    for name in names:
+        array = model.graph.initializers[name].const_value.numpy().astype(np.float16)
+        model.graph.initializers[name].const_value = ir.tensor(array, dtype=ir.DataType.FLOAT16, name=name)
+    tuned = {name: torch.full(model.graph.initializers[name].const_value.shape.numpy(), 0.5) for name in names}
+    replace_factors(model, tuned)
+    for name in names:
+        value = model.graph.initializers[name].const_value
+        assert value.dtype == ir.DataType.FLOAT16 and np.all(value.numpy() == 0.5)
+
+    tuned[names[1]][0, 0] = float("nan")
+    tuned[names[0]] = torch.full_like(tuned[names[0]], 0.25)
+    with pytest.raises(UserError, match="NaN or Inf"):
+        replace_factors(model, tuned)
+    assert np.all(model.graph.initializers[names[0]].const_value.numpy() == 0.5)  # nothing half-written
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "0"], "steps must be a positive integer"),
+    (["--loss", "distill"], "needs the dense model"),
+    (["--batch", "9"], "batch of 9 windows"),
+    (["--time-budget", "-1"], "time budget must be positive"),
+])
+def test_bad_options_are_one_line_errors(capsys, rewritten_llama, tmp_path, extra, message):
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(8, 16))
+    output = tmp_path / "tuned.onnx"
+    code, _, err = _cli(capsys, "finetune", rewritten_llama, "--text", tmp_path / "train.npz", "-o", output, *extra)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not output.exists()
+
+
+def test_bad_models_and_data_are_one_line_errors(capsys, tmp_path, rewritten_llama):
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    np.savez(tmp_path / "foreign.npz", input_ids=np.full((4, 16), VOCAB + 5))
+    output = tmp_path / "tuned.onnx"
+    cases = [
+        (exported_model("llama", "dynamo"), "train.npz", "no ai.onnx_nmm SVD ops"),  # not rewritten
+        (rewritten_llama, "foreign.npz", "outside the model's vocabulary of 1000"),
+        (rewritten_llama, "missing.txt", "give its tokenizer"),
+    ]
+    for model, data, message in cases:
+        code, _, err = _cli(capsys, "finetune", model, "--text", tmp_path / data, "-o", output)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (data, err)
+        assert not output.exists()
+    assert CLI_LOSSES == LOSSES
