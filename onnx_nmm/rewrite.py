@@ -117,6 +117,7 @@ class RewriteReport:
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase, filled by the caller
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP nodes made by --fuse-mlp
+    quality_budget: dict = field(default_factory=dict)  # how --max-ppl-increase / --max-kl chose the ranks
 
     @property
     def factorized(self) -> list[LayerOutcome]:
@@ -137,7 +138,7 @@ class RewriteReport:
     def to_dict(self) -> dict:
         return {"rule": self.rule, "selection": self.selection, "method": self.method,
                 "calibration": self.calibration, "totals": self.totals(), "seconds": self.seconds,
-                "fused_mlps": self.fused_mlps,
+                "fused_mlps": self.fused_mlps, "quality_budget": self.quality_budget,
                 "layers": [asdict(layer) for layer in self.layers]}
 
 
@@ -168,6 +169,7 @@ class FactorizationOptions:
 def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Selection(),
                   options: FactorizationOptions = FactorizationOptions(), statistics: GramStatistics | None = None,
                   observer: sequential.GroupObserver | None = None,
+                  forced_ranks: dict[str, int | None] | None = None, forced_reason: str = "",
                   on_layer: Callable[[LayerOutcome], None] | None = None,
                   on_start: Callable[[int], None] | None = None) -> RewriteReport:
     """Factorize the selected linear layers of `model` in place; return what was done to each.
@@ -175,8 +177,10 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
     `statistics` (XᵀX of each target's input) drive whitening and let plain SVD report its
     activation loss. With an `observer`, calibration is sequential: each group of layers is fitted to
     the dense outputs from the inputs the already-compressed model feeds it (onnx_nmm.sequential), and
-    applied before the next group is observed. `on_start(n)` is told how many steps follow, `on_layer`
-    hears about each finished one (for progress bars). Raises UserError when nothing can be targeted.
+    applied before the next group is observed. `forced_ranks` (layer name → rank, or None to stay dense
+    because of `forced_reason`) overrides the rank rule, e.g. ranks chosen within a quality budget.
+    `on_start(n)` is told how many steps follow, `on_layer` hears about each finished one (for progress
+    bars). Raises UserError when nothing can be targeted.
     """
     _check_options(rule, options, statistics, observer)
     layers = find_linear_layers(model)
@@ -191,11 +195,10 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
     report = RewriteReport(rule=rule.describe(), selection=selection.describe(), method=options.describe(),
                            calibration=statistics.description if statistics else "")
     factorizer = _Factorizer(rule, options, statistics)
-    global_ranks = None
-    if options.budget == "global":
+    if forced_ranks is None and options.budget == "global":
         if on_start is not None:
             on_start(2 * len(chosen))
-        global_ranks = factorizer.allocate(chosen, on_layer)
+        forced_ranks, forced_reason = factorizer.allocate(chosen, on_layer), "the global budget keeps it dense"
     elif on_start is not None:
         on_start(len(chosen))
     outcomes: dict[int, LayerOutcome] = {}
@@ -204,8 +207,11 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
         group_stats = observer.observe(model, group[0].x.name) if observer is not None else None
         factorized: list[FactorizedLayer] = []
         for layer in group:
-            forced = global_ranks[layer.name] if global_ranks is not None else None
-            outcome, factors = factorizer.factorize(layer, forced, global_ranks is not None, group_stats)
+            if forced_ranks is not None:
+                outcome, factors = factorizer.factorize(layer, forced_ranks.get(layer.name), True, group_stats,
+                                                        forced_reason)
+            else:
+                outcome, factors = factorizer.factorize(layer, None, False, group_stats)
             outcomes[id(layer)] = outcome
             if factors is not None:
                 factorized.append(factors)
@@ -247,12 +253,13 @@ class _Factorizer:
         return rank_allocation.allocate_ranks(spectra, budget, self.rule.align)
 
     def factorize(self, layer: LinearLayer, forced_rank: int | None, use_forced: bool,
-                  group_stats: sequential.GroupStatistics | None = None) -> tuple[LayerOutcome, FactorizedLayer | None]:
+                  group_stats: sequential.GroupStatistics | None = None,
+                  forced_reason: str = "") -> tuple[LayerOutcome, FactorizedLayer | None]:
         """Factors for `layer`; with `group_stats` (sequential calibration) fitted to the dense outputs from
         the compressed model's inputs, otherwise to W itself (plain SVD or whitening)."""
         start = time.perf_counter()
         if use_forced:
-            rank, reason = forced_rank, None if forced_rank is not None else "the global budget keeps it dense"
+            rank, reason = forced_rank, None if forced_rank is not None else forced_reason
         else:
             rank, reason = self.rule.rank_before_svd(layer.k, layer.n)
         if rank is None and reason is not None:

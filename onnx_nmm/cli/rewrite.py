@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import _common
 from onnx_nmm.errors import UserError
 from onnx_nmm.lowrank import SVD_METHODS
-from onnx_nmm.passes import FuseGatedMlpPass
+from onnx_nmm.passes import FuseGatedMlpPass, find_linear_layers, select_layers
 from onnx_nmm.model_io import (PROTOBUF_LIMIT, check_model_file, check_output_path, load_model, save_model,
                                uses_external_data, weight_bytes)
 from onnx_nmm.rewrite import BUDGETS, METHODS, FactorizationOptions, rewrite_model, target_inputs
@@ -48,6 +49,14 @@ def register(subparsers) -> None:
                                   "compounding)")
     calibration.add_argument("--save-calib-stats", metavar="FILE.npz",
                              help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
+    budget = parser.add_argument_group("quality budget (choose layers and ranks; needs --calib tokens)")
+    budget.add_argument("--max-ppl-increase", type=float, metavar="P",
+                        help="compress as many parameters as possible while the perplexity on the calibration windows "
+                             "grows by at most this fraction (0.1 = +10 %%); ranks stay multiples of --align")
+    budget.add_argument("--max-kl", type=float, metavar="NATS",
+                        help="the same, bounding the mean KL divergence to the dense model's next-token distributions")
+    budget.add_argument("--sensitivity-windows", type=int, default=4,
+                        help="calibration windows the budget is measured on (default 4)")
     parser.add_argument("--fuse-mlp", action="store_true",
                         help="fuse each SiLU-gated gate/up/down triple into one SvdGatedMLP (what `compile` does "
                              "for Trainium; onnxruntime still runs it)")
@@ -87,16 +96,23 @@ def run(args) -> int:
     clock = time.perf_counter()
     seconds = {}
     sequential = args.calib_mode == "sequential"
-    if sequential and not args.calib:
-        raise UserError("--calib-mode sequential needs calibration data: pass --calib")
+    quality_budget = _quality_budget(args)
+    if (sequential or quality_budget) and not args.calib:
+        raise UserError("--calib-mode sequential and the quality budgets need calibration data: pass --calib")
+    forced_ranks, forced_reason, chosen = None, "", None
     with _progress(args.quiet) as progress:
         observer = GroupObserver(source, _windows(args, model).batches(args.calib_batch)) if sequential else None
-        needs_statistics = args.calib and (not sequential or args.budget == "global")
+        needs_statistics = args.calib and (not sequential or args.budget == "global" or quality_budget)
         statistics = _calibrate(args, source, model, selection, progress) if needs_statistics else None
         seconds["calibration"], clock = time.perf_counter() - clock, time.perf_counter()
+        if quality_budget:
+            chosen = _choose_ranks(args, source, model, selection, statistics, quality_budget, progress)
+            forced_ranks = chosen.ranks
+            forced_reason = f"kept dense: the most sensitive layers within the {quality_budget[2]}"
+            seconds["rank selection"], clock = time.perf_counter() - clock, time.perf_counter()
         task = progress.add_task("factorizing" if not sequential else "observing and factorizing", total=None)
         report = rewrite_model(
-            model, rule, selection, options, statistics, observer,
+            model, rule, selection, options, statistics, observer, forced_ranks, forced_reason,
             on_start=lambda total: progress.update(task, total=total),
             on_layer=lambda outcome: progress.update(task, advance=1, description=outcome.module_path or outcome.name),
         )
@@ -112,6 +128,11 @@ def run(args) -> int:
         save_model(model, output, external_data=external, validate=check_model_file)
         seconds["writing"] = time.perf_counter() - clock
     report.seconds = seconds
+    if chosen is not None:
+        report.rule = f"{quality_budget[2]}, align={args.align}"
+        report.quality_budget = {"metric": chosen.metric, "budget": chosen.budget, "measured": chosen.damage,
+                                 "moves_applied": chosen.moves_applied, "moves_considered": chosen.moves_considered,
+                                 "evaluations": chosen.evaluations}
 
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})
@@ -136,6 +157,36 @@ def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics
     if args.save_calib_stats:
         statistics.save(args.save_calib_stats)
     return statistics
+
+
+def _quality_budget(args) -> tuple[str, float, str] | None:
+    """(metric, budget in its unit, description) from --max-ppl-increase / --max-kl, or None."""
+    if args.max_ppl_increase is not None and args.max_kl is not None:
+        raise UserError("give one of --max-ppl-increase and --max-kl")
+    if args.max_ppl_increase is not None:
+        if args.max_ppl_increase <= 0:
+            raise UserError(f"--max-ppl-increase must be positive (0.1 = +10 %), got {args.max_ppl_increase}")
+        return "ppl", math.log1p(args.max_ppl_increase), f"perplexity budget +{args.max_ppl_increase:.1%}"
+    if args.max_kl is not None:
+        if args.max_kl <= 0:
+            raise UserError(f"--max-kl must be positive, got {args.max_kl}")
+        return "kl", args.max_kl, f"KL budget {args.max_kl} nats"
+    return None
+
+
+def _choose_ranks(args, source, model, selection, statistics, quality_budget, progress):
+    from onnx_nmm.sensitivity import choose_ranks
+
+    metric, budget, _ = quality_budget
+    if args.sensitivity_windows < 1:
+        raise UserError("--sensitivity-windows must be a positive integer")
+    tokens = _windows(args, model).tokens[: args.sensitivity_windows]
+    targets, _ = select_layers(find_linear_layers(model), selection)
+    task = progress.add_task("measuring sensitivity", total=len(targets))
+    chosen = choose_ranks(source, selection, statistics, tokens, args.align, metric, budget,
+                          on_step=lambda name: progress.update(task, advance=1, description=f"sensitivity: {name}"))
+    progress.update(task, visible=False)
+    return chosen
 
 
 def _windows(args, model) -> calibration_data.TokenWindows:

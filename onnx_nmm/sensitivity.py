@@ -1,0 +1,202 @@
+"""Choose where and how much to compress within a quality budget (`rewrite --max-ppl-increase / --max-kl`).
+
+1. Lower an exact full-rank whitened rewrite of the targets to PyTorch: it computes what the dense model
+   does, and any one layer can be switched to a rank-r truncation by swapping its factor parameters.
+2. Sensitivity, precisely: the damage (increase of the mean next-token log-loss, or KL to the dense
+   model's next-token distributions) on calibration windows with only that layer truncated, at one
+   reference rank. Cheaply, between ranks: the damage scales with the layer's whitened truncation
+   loss, δ(r) ≈ δ(r_ref) · L(r)² / L(r_ref)², with L(r)² = Σ_{i>r} σ_i² / Σ σ_i².
+3. A greedy order of moves — dense → the largest aligned rank that saves parameters, then one `align`
+   step lower at a time — by parameters saved per unit of predicted damage.
+4. The longest prefix of that order whose real damage, measured with all its moves applied at once,
+   stays within the budget (a binary search; the damages of layers roughly add up, which is what made
+   the order, but the measurement decides).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnx_nmm import lowrank
+
+DENSE = None
+
+
+@dataclass
+class Candidate:
+    """A target layer: its shape, whitened spectrum and factors at any rank, and its measured damage."""
+
+    name: str
+    factor_names: tuple[str, str]  # U and V initializer names in the full-rank rewrite
+    k: int
+    n: int
+    decomposition: object  # whitening.WhitenedDecomposition
+    reference_rank: int = 0
+    reference_damage: float = 0.0
+
+    def ranks(self, align: int) -> list[int]:
+        """Aligned ranks that save parameters, largest first."""
+        top = align * math.floor((lowrank.break_even_rank(self.k, self.n) - 1e-9) / align)
+        return list(range(top, 0, -align))
+
+    def truncation_loss(self, rank: int) -> float:
+        return self.decomposition.whitened_loss(rank) ** 2
+
+    def predicted_damage(self, rank: int | None) -> float:
+        if rank is DENSE:
+            return 0.0
+        reference = self.truncation_loss(self.reference_rank)
+        if reference <= 0:
+            return 0.0
+        return self.reference_damage * self.truncation_loss(rank) / reference
+
+    def parameters(self, rank: int | None) -> int:
+        return self.k * self.n if rank is DENSE else rank * (self.k + self.n)
+
+
+@dataclass
+class Selection:
+    ranks: dict[str, int | None]  # chosen rank per candidate (None: stays dense)
+    damage: float  # measured with all of them applied
+    budget: float
+    metric: str
+    moves_applied: int
+    moves_considered: int
+    evaluations: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, damage) measured
+
+
+def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
+    """(candidate, new rank) moves, best parameters-saved per predicted damage first; each candidate's
+    moves come in order (dense → largest rank → smaller ranks)."""
+    ranks: dict[str, int | None] = {c.name: DENSE for c in candidates}
+    options = {c.name: c.ranks(align) for c in candidates}
+    by_name = {c.name: c for c in candidates}
+    order = []
+    while True:
+        best, best_ratio = None, -1.0
+        for name, candidate in by_name.items():
+            steps = options[name]
+            current = ranks[name]
+            following = steps[0] if current is DENSE and steps else next((r for r in steps if current and r < current), None)
+            if following is None:
+                continue
+            saved = candidate.parameters(current) - candidate.parameters(following)
+            damage = max(candidate.predicted_damage(following) - candidate.predicted_damage(current), 1e-12)
+            if saved / damage > best_ratio:
+                best, best_ratio = (name, following), saved / damage
+        if best is None:
+            return order
+        order.append(best)
+        ranks[best[0]] = best[1]
+
+
+def ranks_after(moves: list[tuple[str, int]], candidates: list[Candidate]) -> dict[str, int | None]:
+    ranks: dict[str, int | None] = {c.name: DENSE for c in candidates}
+    for name, rank in moves:
+        ranks[name] = rank
+    return ranks
+
+
+def select_within_budget(candidates: list[Candidate], align: int, budget: float, metric: str,
+                         damage_of: Callable[[dict[str, int | None]], float]) -> Selection:
+    """The longest greedy prefix whose measured damage (`damage_of(ranks)`) is at most `budget`."""
+    moves = greedy_moves(candidates, align)
+    measured: dict[int, float] = {0: 0.0}
+
+    def damage(prefix: int) -> float:
+        if prefix not in measured:
+            measured[prefix] = damage_of(ranks_after(moves[:prefix], candidates))
+        return measured[prefix]
+
+    low, high = 0, len(moves)  # damage(low) ≤ budget; find the largest such prefix
+    if damage(high) <= budget:
+        low = high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if damage(middle) <= budget:
+            low = middle
+        else:
+            high = middle
+    return Selection(ranks_after(moves[:low], candidates), damage(low), budget, metric, low, len(moves),
+                     sorted(measured.items()))
+
+
+def mean_log_loss_and_kl(logits: np.ndarray, tokens: np.ndarray, reference_log_probs: np.ndarray) -> tuple[float, float]:
+    """Mean next-token negative log-likelihood of `tokens`, and mean KL(reference ‖ model), over [B, S] windows."""
+    from onnx_nmm.metrics import log_softmax
+
+    log_probs = log_softmax(logits[:, :-1].astype(np.float64))
+    targets = tokens[:, 1:]
+    nll = -np.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
+    kl = np.sum(np.exp(reference_log_probs) * (reference_log_probs - log_probs), axis=-1).mean()
+    return float(nll), float(kl)
+
+
+METRICS = ("ppl", "kl")
+
+
+def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: int, metric: str, budget: float,
+                 on_step: Callable[[str], None] | None = None) -> Selection:
+    """Ranks for the selected layers of the model at `model_path` within `budget` of damage on `tokens`
+    [B, S]: the increase of mean log-loss ("ppl", budget = log(1 + allowed relative increase)) or the mean
+    KL to the dense model ("kl", nats). Needs whitening statistics of every target."""
+    import onnx_ir as ir
+    import torch
+
+    from onnx_nmm import whitening
+    from onnx_nmm.lowering import call_lowered, factor_parameters, lower
+    from onnx_nmm.model_io import load_model
+    from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass, find_linear_layers, select_layers
+
+    model = load_model(model_path)
+    layers, _ = select_layers(find_linear_layers(model), selection)
+    candidates, full_rank = [], []
+    for layer in layers:
+        decomposition = whitening.whitened_decomposition(layer.weight_matrix(), statistics.gram(layer.x.name))
+        u, v = decomposition.factors(decomposition.max_rank, dtype=np.float64)
+        full_rank.append(FactorizedLayer(layer=layer, u=u, v=v, align=align, method="whiten/exact"))
+        base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
+        ranks = Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n, decomposition).ranks(align)
+        if ranks:
+            candidates.append(Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n,
+                                        decomposition, reference_rank=ranks[len(ranks) // 2]))
+    SvdFactorizationPass(full_rank)(model)
+    module = lower(ir.to_proto(model))
+    parameters = factor_parameters(module)
+    missing = [c.name for c in candidates if any(name not in parameters for name in c.factor_names)]
+    if missing:
+        raise RuntimeError(f"factor parameters not found for {missing[:3]}")
+    originals = {name: parameter.data for name, parameter in parameters.items()}
+    batch = torch.from_numpy(tokens.astype(np.int64))
+    mask = torch.ones_like(batch)
+
+    def logits() -> np.ndarray:
+        return call_lowered(module, batch, mask).numpy()
+
+    from onnx_nmm.metrics import log_softmax
+
+    reference = log_softmax(logits()[:, :-1].astype(np.float64))
+    base_nll, _ = mean_log_loss_and_kl(logits(), tokens, reference)
+    by_name = {c.name: c for c in candidates}
+
+    def damage_of(ranks: dict[str, int | None]) -> float:
+        for name, rank in ranks.items():
+            if rank is not DENSE:
+                u, v = by_name[name].decomposition.factors(rank, dtype=np.float32)
+                parameters[by_name[name].factor_names[0]].data = torch.from_numpy(u)
+                parameters[by_name[name].factor_names[1]].data = torch.from_numpy(v)
+        nll, kl = mean_log_loss_and_kl(logits(), tokens, reference)
+        for name in ranks:
+            for factor in by_name[name].factor_names:
+                parameters[factor].data = originals[factor]
+        return nll - base_nll if metric == "ppl" else kl
+
+    for candidate in candidates:
+        candidate.reference_damage = max(damage_of({candidate.name: candidate.reference_rank}), 0.0)
+        if on_step is not None:
+            on_step(candidate.name)
+    return select_within_budget(candidates, align, budget, metric, damage_of)
