@@ -49,8 +49,22 @@ def energy_rank(singular_values: np.ndarray, energy: float, align: int) -> int:
     return min(align * math.ceil(needed / align), len(singular_values))
 
 
+class RankedFactors:
+    """What every decomposition offers: how many triplets it holds, and factors at a checked rank."""
+
+    singular_values: np.ndarray
+
+    @property
+    def max_rank(self) -> int:
+        return len(self.singular_values)
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"rank {rank} outside 1..{self.max_rank}")
+
+
 @dataclass
-class Decomposition:
+class Decomposition(RankedFactors):
     """W ≈ left · diag(σ) · right, triplets sorted by decreasing σ (only the leading ones may be held).
 
     `scaled_right` holds σ_i·q_iᵀ as its rows (= leftᵀ·W), which avoids dividing by tiny σ.
@@ -61,14 +75,9 @@ class Decomposition:
     scaled_right: np.ndarray  # [q, N]
     total_energy: float  # ‖W‖_F², float64
 
-    @property
-    def max_rank(self) -> int:
-        return len(self.singular_values)
-
     def factors(self, rank: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
         """U [K, rank] = P_r·√Σ_r and V [rank, N] = √Σ_r·Q_rᵀ, in `dtype`."""
-        if not 0 < rank <= self.max_rank:
-            raise ValueError(f"rank {rank} outside 1..{self.max_rank}")
+        self.check_rank(rank)
         root = np.sqrt(self.singular_values[:rank])
         safe_root = np.where(root > 0, root, 1.0)
         u = self.left[:, :rank] * root

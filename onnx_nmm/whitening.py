@@ -29,7 +29,7 @@ DAMPING_STEPS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 
 
 @dataclass
-class WhitenedDecomposition:
+class WhitenedDecomposition(lowrank.RankedFactors):
     """The decomposition of Sᵀ·W, with what is needed to form W's factors at any rank."""
 
     weight: np.ndarray  # W [K, N], float64
@@ -38,14 +38,9 @@ class WhitenedDecomposition:
     total_energy: float  # ‖Sᵀ·W‖_F² = ‖X·W‖_F²
     conditioning: str  # "cholesky", "damped ε=…", or "eigendecomposition"
 
-    @property
-    def max_rank(self) -> int:
-        return len(self.singular_values)
-
     def factors(self, rank: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
         """U [K, rank] = W Q_r D⁻¹ and V [rank, N] = D Q_rᵀ, D = diag(√‖W q_i‖) (balanced norms)."""
-        if not 0 < rank <= self.max_rank:
-            raise ValueError(f"rank {rank} outside 1..{self.max_rank}")
+        self.check_rank(rank)
         directions = self.directions[:, :rank]
         projected = self.weight @ directions
         balance = np.sqrt(np.linalg.norm(projected, axis=0))

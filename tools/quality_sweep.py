@@ -10,40 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
+from commands import CommandLog  # noqa: E402
 
 METHODS = {  # column → rewrite flags
     "plain SVD": ["--method", "svd"],
     "whitened": ["--method", "whiten"],
     "whitened, global budget": ["--method", "whiten", "--budget", "global"],
 }
-
-
-class Runner:
-    def __init__(self, work: Path):
-        self.work, self.commands = work, []
-
-    def onnx_nmm(self, *argv) -> None:
-        command = ["onnx-nmm", *map(str, argv)]
-        self.commands.append(shlex.join(command))
-        print("$", self.commands[-1], flush=True)
-        subprocess.run([sys.executable, "-m", "onnx_nmm", *map(str, argv)], check=True,
-                       stdout=subprocess.DEVNULL if "--json" not in argv else None)
-
-    def json_of(self, *argv) -> dict:
-        command = ["onnx-nmm", *map(str, argv)]
-        self.commands.append(shlex.join(command))
-        print("$", self.commands[-1], flush=True)
-        result = subprocess.run([sys.executable, "-m", "onnx_nmm", *map(str, argv)], check=True,
-                                capture_output=True, text=True)
-        return json.loads(result.stdout)
 
 
 def main() -> int:
@@ -59,12 +38,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = assets.smollm2_onnx(), assets.smollm2_gguf()
     calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
-    run = Runner(work)
+    run = CommandLog()
     text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows]
-    dense = run.json_of("eval", model, *text, "--json")
+    dense = run.json("eval", model, *text, "--json")
     stats = work / "smollm2-stats.npz"
     if not stats.exists():
-        run.onnx_nmm("rewrite", model, "-o", work / "calibrated.onnx", "--calib", calibration, "--tokenizer", tokenizer,
+        run.run("rewrite", model, "-o", work / "calibrated.onnx", "--calib", calibration, "--tokenizer", tokenizer,
                      "--calib-samples", args.calib_samples, "--seq-len", 512, "--save-calib-stats", stats, "--quiet")
     rows = []
     for align in args.aligns:
@@ -73,16 +52,16 @@ def main() -> int:
             for column, flags in METHODS.items():
                 name = f"{column.replace(' ', '-').replace(',', '')}-k{keep}-a{align}"
                 out, report = work / f"{name}.onnx", work / f"{name}.json"
-                run.onnx_nmm("rewrite", model, "-o", out, "--keep", keep, "--align", align, *flags, "--calib", stats,
+                run.run("rewrite", model, "-o", out, "--keep", keep, "--align", align, *flags, "--calib", stats,
                              "--report", report, "--quiet")
                 totals = json.loads(report.read_text())["totals"]
-                row[column] = run.json_of("eval", out, *text, "--json")["perplexity"]
+                row[column] = run.json("eval", out, *text, "--json")["perplexity"]
                 row[f"{column} kept"] = totals["kept_fraction"]
                 out.unlink()
                 out.with_name(out.name + ".data").unlink(missing_ok=True)
             rows.append(row)
             print(row, flush=True)
-    write_page(Path(args.out), dense, rows, run.commands, args)
+    write_page(Path(args.out), dense, rows, run.lines, args)
     return 0
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,20 +23,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
+from commands import CommandLog  # noqa: E402
 
 PROMPT = "What is the capital of France?"
-
-
-class Commands:
-    def __init__(self):
-        self.lines = []
-
-    def __call__(self, *argv, parse_json=False):
-        argv = [str(a) for a in argv]
-        self.lines.append(shlex.join(["onnx-nmm", *argv]))
-        print("$", self.lines[-1], flush=True)
-        result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], check=True, capture_output=True, text=True)
-        return json.loads(result.stdout) if parse_json else result.stdout
 
 
 def greedy(model, tokenizer, prompt_ids: np.ndarray, steps: int) -> str:
@@ -66,24 +53,21 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model, gguf = assets.smollm2_onnx(), assets.smollm2_gguf()
     evaluation, calibration = assets.kjv_text("evaluation"), assets.kjv_text("calibration")
-    onnx_nmm = Commands()
+    onnx_nmm = CommandLog()
     calib = ["--calib", args.stats] if Path(args.stats).exists() else [
         "--calib", calibration, "--tokenizer", gguf, "--calib-samples", "128", "--seq-len", "512"]
     compressed, exact = work / "smollm2-keep0.8.onnx", work / "smollm2-full-rank.onnx"
-    report = onnx_nmm("rewrite", model, "-o", compressed, "--keep", "0.8", "--align", "128", *calib, "--fuse-mlp",
-                      "--report", work / "keep0.8.json", "--quiet")
-    onnx_nmm("rewrite", model, "-o", exact, "--rank", "full", "--fuse-mlp", "--quiet")
+    onnx_nmm.run("rewrite", model, "-o", compressed, "--keep", "0.8", "--align", "128", *calib, "--fuse-mlp",
+                 "--report", work / "keep0.8.json", "--quiet")
+    onnx_nmm.run("rewrite", model, "-o", exact, "--rank", "full", "--fuse-mlp", "--quiet")
     totals = json.loads((work / "keep0.8.json").read_text())
-    del report
 
     text = ["--text", evaluation, "--tokenizer", gguf, "--window", "256", "--max-windows", args.windows, "--json"]
+    emulated = ["--backend", "emulator", *text]
     agreement = {
-        "full rank: emulator kernels vs onnxruntime": onnx_nmm("diff", exact, exact, "--backend", "emulator", *text,
-                                                               parse_json=True),
-        "keep 0.8: emulator kernels vs onnxruntime": onnx_nmm("diff", compressed, compressed, "--backend", "emulator",
-                                                              *text, parse_json=True),
-        "keep 0.8 on the emulator vs the original": onnx_nmm("diff", model, compressed, "--backend", "emulator", *text,
-                                                             parse_json=True),
+        "full rank: emulator kernels vs onnxruntime": onnx_nmm.json("diff", exact, exact, *emulated),
+        "keep 0.8: emulator kernels vs onnxruntime": onnx_nmm.json("diff", compressed, compressed, *emulated),
+        "keep 0.8 on the emulator vs the original": onnx_nmm.json("diff", model, compressed, *emulated),
     }
 
     tokenizer = load_tokenizer(gguf)
@@ -101,7 +85,7 @@ def main() -> int:
     modelled = {}
     for target in ("trn1", "trn2"):
         for tokens in (1, 128):
-            onnx_nmm("compile", compressed, "--target", target, "--batch", 1, "--seq-len", tokens, "-o",
+            onnx_nmm.run("compile", compressed, "--target", target, "--batch", 1, "--seq-len", tokens, "-o",
                      work / f"{target}-{tokens}", "--dry-run", "--force")
             modelled[(target, tokens)] = json.loads((work / f"{target}-{tokens}" / "manifest.json").read_text())
     write_page(Path(args.out), totals, agreement, answers, modelled, onnx_nmm.lines, args)
