@@ -92,6 +92,15 @@ class Decomposition(RankedFactors):
         return math.sqrt(max(self.total_energy - kept, 0.0) / self.total_energy)
 
 
+def optimal_relative_error(w: np.ndarray, rank: int) -> float:
+    """‖W − W_r‖_F / ‖W‖_F of the best rank-r approximation (plain truncated SVD), from eigenvalues only."""
+    w64 = np.asarray(w, dtype=np.float64)
+    short = w64 @ w64.T if w64.shape[0] <= w64.shape[1] else w64.T @ w64
+    energies = np.sort(np.clip(np.linalg.eigvalsh(short), 0.0, None))[::-1]
+    total = float(energies.sum())
+    return math.sqrt(max(float(energies[rank:].sum()), 0.0) / total) if total > 0 else 0.0
+
+
 def decompose(w: np.ndarray, method: str = "exact", rank_hint: int | None = None,
               oversample: int = 64, power_iterations: int = 2, seed: int = 0) -> Decomposition:
     """Leading singular triplets of `w` (2-D). `randomized` computes rank_hint + oversample of them."""

@@ -25,6 +25,9 @@ def plot_report(report: RewriteReport, path: str | os.PathLike, title: str = "")
     ranks.set_title(title or f"{report.rule}; {report.method}")
     losses.plot(positions, [layer.relative_error if layer.relative_error is not None else float("nan")
                             for layer in layers], "o-", markersize=3, label="‖W − UV‖ / ‖W‖")
+    if any(layer.plain_svd_error is not None for layer in layers):
+        losses.plot(positions, [layer.plain_svd_error if layer.plain_svd_error is not None else float("nan")
+                                for layer in layers], "x--", markersize=3, label="plain SVD at the same rank: ‖W − W_r‖ / ‖W‖")
     if any(layer.whitened_loss is not None for layer in layers):
         losses.plot(positions, [layer.whitened_loss if layer.whitened_loss is not None else float("nan")
                                 for layer in layers], "s-", markersize=3, label="‖X(W − UV)‖ / ‖XW‖ (calibration)")

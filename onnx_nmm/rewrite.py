@@ -104,6 +104,7 @@ class LayerOutcome:
     parameters_after: int = 0
     relative_error: float | None = None  # ‖W − UV‖_F / ‖W‖_F
     whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set
+    plain_svd_error: float | None = None  # ‖W − W_r‖_F / ‖W‖_F of plain SVD at the same rank (for comparison)
     conditioning: str = ""  # how XᵀX was factorized: cholesky, damped ε=…, eigendecomposition
     seconds: float = 0.0
 
@@ -288,6 +289,8 @@ class _Factorizer:
         elif isinstance(decomposition, whitening.WhitenedDecomposition):
             outcome.whitened_loss = decomposition.whitened_loss(rank)
             outcome.conditioning = decomposition.conditioning
+        if isinstance(decomposition, whitening.WhitenedDecomposition):
+            outcome.plain_svd_error = lowrank.optimal_relative_error(weight, rank)
         elif self.statistics is not None and layer.x.name in self.statistics.grams:
             outcome.whitened_loss = whitening.activation_loss(self.statistics.grams[layer.x.name], weight, u, v)
         if rank >= lowrank.break_even_rank(layer.k, layer.n):

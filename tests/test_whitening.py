@@ -76,3 +76,18 @@ def test_non_finite_gram_is_refused():
     gram[1, 1] = np.inf
     with pytest.raises(ValueError, match="NaN or Inf"):
         whitened_decomposition(np.ones((4, 3)), gram)
+
+
+def test_the_report_compares_with_plain_svd_at_the_same_rank(capsys, export, tmp_path):
+    import json
+
+    from onnx_nmm.cli import main
+
+    report = tmp_path / "r.json"
+    assert main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                                  "--calib-samples", "4", "--seq-len", "32", "--align", "32", "--keep", "0.5",
+                                  "--report", report, "--quiet")]) == 0
+    for layer in json.loads(report.read_text())["layers"]:
+        if layer["status"] == "factorized":
+            # plain SVD is the best possible in weight space, so the whitened factors cannot beat it there
+            assert 0 < layer["plain_svd_error"] <= layer["relative_error"] + 1e-6

@@ -60,6 +60,9 @@ def register(subparsers) -> None:
     training.add_argument("--max-grad-norm", type=float, default=1.0,
                           help="clip the gradient to this global norm (default 1)")
     training.add_argument("--seed", type=int, default=0, help="seed of the window order and the adapters")
+    training.add_argument("--threads", type=int,
+                          help="PyTorch CPU threads (default: PyTorch's, one per core); 1 is much faster on a "
+                               "machine whose cores other jobs keep busy")
     evaluation = parser.add_argument_group("evaluation (held-out text, onnxruntime)")
     evaluation.add_argument("--eval-text", metavar="FILE",
                             help="perplexity of the model before and after, on this text (with --tokenizer) or "
@@ -82,7 +85,7 @@ def run(args) -> int:
     options = FinetuneOptions(steps=args.steps, time_budget=args.time_budget, learning_rate=args.lr, batch=args.batch,
                               loss=loss, temperature=args.temperature, adapter_rank=args.adapters,
                               max_grad_norm=args.max_grad_norm, seed=args.seed)
-    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--samples", args.samples, 1),
+    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--samples", args.samples, 1), ("--threads", args.threads, 1),
                                ("--eval-window", args.eval_window, 2), ("--eval-windows", args.eval_windows, 1)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
@@ -103,6 +106,10 @@ def run(args) -> int:
         if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
             raise UserError(f"the teacher {args.teacher} predicts {teacher_vocabulary} tokens, the model {vocabulary}: "
                             "give the dense model this one was rewritten from")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     seconds, clock = {}, time.perf_counter()
     with _progress(args.quiet) as progress:
         before = _perplexity(source, eval_tokens, eval_windows, progress, "perplexity before") if args.eval_text else None

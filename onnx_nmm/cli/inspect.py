@@ -66,7 +66,7 @@ def _print_table(model, rows, totals, rule, selection) -> None:
     prefix = _common.common_module_prefix([row["module_path"] for row in rows])
     table = Table(title=f"Linear layers of {model}" + (f" (module paths under {prefix})" if prefix else ""),
                   title_justify="left")
-    for column, justify in (("#", "right"), ("layer", "left"), ("role", "left"), ("K×N", "right"),
+    for column, justify in (("#", "right"), ("node", "left"), ("module path", "left"), ("role", "left"), ("K×N", "right"),
                             ("dtype", "left"), ("weight", "left"), ("params", "right"), ("rank", "right")):
         table.add_column(column, justify=justify)
     for index, row in enumerate(rows):
@@ -78,7 +78,7 @@ def _print_table(model, rows, totals, rule, selection) -> None:
         rank = str(row["rank"]) if row["rank"] is not None else "—"
         if row["rank_note"]:
             rank += f" ({row['rank_note']})"
-        table.add_row(str(index), row["module_path"].removeprefix(prefix) or row["name"],
+        table.add_row(str(index), row["name"], row["module_path"].removeprefix(prefix),
                       f"{row['group']}/{row['role']}", f"{row['k']}×{row['n']}", row["dtype"], storage,
                       _common.millions(row["parameters"]), rank, style=None if row["targeted"] else "dim")
     _common.stdout.print(table)
