@@ -204,6 +204,8 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
         on_start(len(chosen))
     outcomes: dict[int, LayerOutcome] = {}
     groups = sequential.layer_groups(chosen) if observer is not None else [chosen]
+    if observer is not None:
+        observer.prepare({group[0].x.name: group[0].k for group in groups})
     for group in groups:
         group_stats = observer.observe(model, group[0].x.name) if observer is not None else None
         factorized: list[FactorizedLayer] = []

@@ -19,9 +19,11 @@ ridge would pull the unexcited directions to zero. It is regularized towards the
 — the correction the compressed inputs call for, shrunk where the calibration data say little.
 
 Layers reading the same input (gate and up) form one group; each group costs one pass over the
-calibration data through two pruned graphs — the dense model and the compressed one up to the group's
-input — in onnxruntime. The compressed model is the working model itself, re-serialized each pass with
-its untouched weights still in the original external data.
+calibration data through the compressed model pruned to the group's input, in onnxruntime. The dense
+inputs of every group come from one pass of the dense model, kept in memory when they fit
+DENSE_CACHE_BYTES (otherwise the dense model, pruned the same way, runs again for each group). The
+compressed model is the working model itself, re-serialized each pass with its untouched weights still
+in the original external data.
 """
 
 from __future__ import annotations
@@ -83,9 +85,20 @@ def layer_groups(layers: list[LinearLayer]) -> list[list[LinearLayer]]:
     return list(groups.values())
 
 
+# Dense activations of all groups kept in memory up to this size (one dense pass instead of one per group).
+DENSE_CACHE_BYTES = 2 * 2**30
+
+
+def _token_rows(batch) -> int:
+    """Token rows a batch contributes: token ids [B, S] give B·S; float activations [..., K] all but K."""
+    array = np.asarray(batch)
+    shape = array.shape[:-1] if np.issubdtype(array.dtype, np.floating) else array.shape
+    return int(np.prod(shape))
+
+
 class GroupObserver:
-    """Runs the dense and the working (partly compressed) model on the calibration batches, both pruned
-    to one group's input, and returns that group's statistics."""
+    """Runs the dense and the working (partly compressed) model on the calibration batches, pruned to
+    one group's input, and returns that group's statistics."""
 
     def __init__(self, model_path: str | Path, batches: Iterable, make_feeds: Callable = ort_runner.token_inputs):
         self.model_path = Path(model_path)
@@ -94,14 +107,27 @@ class GroupObserver:
         self.make_feeds = make_feeds
         self.dense_proto = onnx.load(str(self.model_path), load_external_data=False)
         self.types = _value_types(self.dense_proto)
+        self.dense_cache: dict[str, list[np.ndarray]] = {}
+
+    def prepare(self, widths: dict[str, int]) -> None:
+        """Run the dense model once for all groups' inputs (name → width) if their activations fit memory."""
+        rows = sum(_token_rows(batch) for batch in self.batches)
+        if rows * sum(widths.values()) * 4 > DENSE_CACHE_BYTES:
+            return
+        names = list(widths)
+        session = self._session(self.dense_proto, *names)
+        self.dense_cache = {name: [] for name in names}
+        for index, batch in enumerate(self.batches):
+            for name, x in zip(names, session.run(names, self.make_feeds(session, batch))):
+                self.dense_cache[name].append(self._rows(x, name, index))
 
     def observe(self, working: ir.Model, value: str) -> GroupStatistics:
-        dense = self._session(self.dense_proto, value)
+        dense = None if value in self.dense_cache else self._session(self.dense_proto, value)
         compressed = self._session(ir.serde.serialize_model(working), value)
         gram_c = cross = gram_d = None
         tokens = 0
         for index, batch in enumerate(self.batches):
-            x_d = self._activation(dense, batch, value, index)
+            x_d = self.dense_cache[value][index] if dense is None else self._activation(dense, batch, value, index)
             x_c = self._activation(compressed, batch, value, index)
             products = (x_c.T @ x_c, x_c.T @ x_d, x_d.T @ x_d)
             if gram_c is None:
@@ -115,17 +141,22 @@ class GroupObserver:
             raise UserError("the calibration set is empty")
         return GroupStatistics(gram_c, cross, gram_d, tokens)
 
-    def _session(self, proto: onnx.ModelProto, value: str):
+    def _session(self, proto: onnx.ModelProto, *values: str):
         proto = onnx.ModelProto.FromString(proto.SerializeToString()) if proto is self.dense_proto else proto
         del proto.graph.output[:]
-        proto.graph.output.append(onnx.helper.make_tensor_value_info(value, self.types.get(value, onnx.TensorProto.FLOAT),
-                                                                     None))
+        for value in values:
+            elem_type = self.types.get(value, onnx.TensorProto.FLOAT)
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(value, elem_type, None))
         _prune(proto.graph)
         config = {"session.model_external_initializers_file_folder_path": self.folder}
         return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=self.model_path)
 
     def _activation(self, session, batch, value: str, index: int) -> np.ndarray:
         (x,) = session.run([value], self.make_feeds(session, batch))
+        return self._rows(x, value, index)
+
+    @staticmethod
+    def _rows(x: np.ndarray, value: str, index: int) -> np.ndarray:
         x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
         if not np.all(np.isfinite(x)):
             raise UserError(f"calibration batch {index} gives non-finite activations at '{value}' (NaN or Inf): "
