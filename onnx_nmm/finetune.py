@@ -14,7 +14,7 @@ the T² keeps the gradient's scale independent of the temperature T (Hinton et a
 Each step takes the next `batch` windows of a shuffled cycle through the data, clips the gradient to a
 global norm, and uses the learning rate
 
-    lr(step, p) = lr · min(1, (step + 1) / warmup) · (0.1 + 0.9 · ½(1 + cos πp)),    warmup = clamp(steps/10, 1, 10)
+    lr(step, p) = lr · min(1, (step + 1) / warmup) · (0.1 + 0.9 · ½(1 + cos πp)),   warmup = clamp(steps/10, 1, 10)
 
 where p ∈ [0, 1] is the part of the budget spent — the larger of step/steps and seconds/time_budget — so the
 decay ends where training does, whichever budget runs out first. Training stops before a step that would
@@ -150,18 +150,7 @@ def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, opt
     module holds the tuned factors (adapters merged) and no parameter requires a gradient.
     """
     factors = factor_parameters(module)
-    if not factors:
-        raise UserError("the model has no SVD factors to fine-tune; rewrite it first with `onnx-nmm rewrite`")
-    wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
-    if wrong:
-        raise UserError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
-                        "float32 export and fine-tune that")
-    if options.loss == "distill" and teacher is None:
-        raise UserError("the distillation loss needs the dense model's logits: give --teacher ORIGINAL.onnx")
-    if options.batch > len(windows):
-        raise UserError(f"a batch of {options.batch} windows needs at least as many training windows; "
-                        f"there are {len(windows)}: lower --batch or give more text")
-
+    _check_ready(factors, windows, options, teacher)
     torch.manual_seed(options.seed)
     adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank else None
     trainable = ([p for adapter in adapters.values() for p in adapter.parameters()] if adapters
@@ -202,6 +191,15 @@ def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, opt
     return result
 
 
+def check_windows(windows: np.ndarray, options: FinetuneOptions) -> None:
+    """Raise UserError unless `windows` [samples, S] can fill a batch of `options`."""
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise UserError(f"training windows must be [samples, ≥ 2 tokens], got shape {list(windows.shape)}")
+    if options.batch > len(windows):
+        raise UserError(f"a batch of {options.batch} windows needs at least as many training windows; "
+                        f"there are {len(windows)}: lower --batch or give more text")
+
+
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean −log q(x_{t+1} | x_≤t) over every position that has a next token."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
@@ -232,6 +230,19 @@ def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
         stored[name] = ir.tensor(array, dtype=dtype, name=name)
     for name, tensor in stored.items():
         model.graph.initializers[name].const_value = tensor
+
+
+def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options: FinetuneOptions,
+                 teacher: LogitsFn | None) -> None:
+    if not factors:
+        raise UserError("the model has no SVD factors to fine-tune; rewrite it first with `onnx-nmm rewrite`")
+    wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
+    if wrong:
+        raise UserError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
+                        "float32 export and fine-tune that")
+    if options.loss == "distill" and teacher is None:
+        raise UserError("the distillation loss needs the dense model's logits: give --teacher ORIGINAL.onnx")
+    check_windows(windows, options)
 
 
 def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: FinetuneOptions,

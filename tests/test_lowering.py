@@ -104,6 +104,14 @@ def test_compile_dry_run_writes_a_manifest(capsys, export, tmp_path):
     assert "modelled on trn1" in out and sorted(p.name for p in target.iterdir()) == ["manifest.json"]
 
 
+def test_compile_a_model_with_external_data(capsys, export, tmp_path):
+    rewritten = _rewritten(capsys, export("llama", "dynamo", external_data=True), tmp_path)
+    assert (tmp_path / "rewritten.onnx.data").exists()
+    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", tmp_path / "compiled", "--dry-run")
+    assert code == 0, err
+    assert json.loads((tmp_path / "compiled" / "manifest.json").read_text())["lowering_check"]["max_abs"] < 1e-3
+
+
 def test_compile_without_the_neuron_sdk_stops_before_the_trace(capsys, export, tmp_path):
     if not neuron.missing_neuron_packages():
         pytest.skip("the Neuron SDK is installed here: compile traces for real")

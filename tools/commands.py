@@ -24,3 +24,20 @@ class CommandLog:
     def json(self, *argv) -> dict:
         """`run`, for a command given --json."""
         return json.loads(self.run(*argv))
+
+
+def write_section(path, name: str, lines: list[str]) -> None:
+    """Replace (or append) the part of a Markdown page between `<!-- name -->` and `<!-- /name -->`, so
+    several study scripts can each own a section of one page."""
+    from pathlib import Path
+
+    path = Path(path)
+    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    text = path.read_text() if path.exists() else ""
+    block = "\n".join([begin, *lines, end])
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from rich.table import Table
 
@@ -56,6 +57,7 @@ def run(args) -> int:
         fusion(model)
         fused = fusion.fused
     proto = ir.to_proto(model)
+    onnx.load_external_data_for_model(proto, str(source.parent))  # untouched weights still live beside the input
 
     from onnx_nmm.kernels.nki_api import USING_EMULATOR
     from onnx_nmm.lowering import TorchMath, lower

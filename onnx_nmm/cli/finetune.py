@@ -7,6 +7,7 @@ changed, each in its dtype), and measure perplexity on held-out text in onnxrunt
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -76,19 +77,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from onnx_nmm.finetune import CausalLmInputs, FinetuneOptions, finetune, replace_factors
-    from onnx_nmm.lowering import factor_parameters, lower
-
-    loss = args.loss or ("distill" if args.teacher else "next-token")
-    if loss == "distill" and args.teacher is None:
-        raise UserError("--loss distill needs the dense model: give --teacher ORIGINAL.onnx")
-    options = FinetuneOptions(steps=args.steps, time_budget=args.time_budget, learning_rate=args.lr, batch=args.batch,
-                              loss=loss, temperature=args.temperature, adapter_rank=args.adapters,
-                              max_grad_norm=args.max_grad_norm, seed=args.seed)
-    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--samples", args.samples, 1), ("--threads", args.threads, 1),
-                               ("--eval-window", args.eval_window, 2), ("--eval-windows", args.eval_windows, 1)):
-        if value is not None and value < least:
-            raise UserError(f"{flag} must be at least {least}, got {value}")
+    options = _options_from(args)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
     check_output_path(source, output, args.force)
@@ -97,75 +86,122 @@ def run(args) -> int:
         raise UserError(f"{source} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first with "
                         "`onnx-nmm rewrite`")
     vocabulary = _logits_width(model)
-    windows = _training_windows(args, vocabulary)
-    eval_tokens = _evaluation_tokens(args, vocabulary) if args.eval_text else None
-    eval_windows = Windows(window=args.eval_window or windows.tokens.shape[1],
-                           stride=args.eval_window or windows.tokens.shape[1], max_windows=args.eval_windows)
     if args.teacher:
-        teacher_vocabulary = _logits_width(load_model(args.teacher))
-        if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
-            raise UserError(f"the teacher {args.teacher} predicts {teacher_vocabulary} tokens, the model {vocabulary}: "
-                            "give the dense model this one was rewritten from")
+        _check_teacher(args.teacher, vocabulary)
+    phases = _Phases()
+    with phases("reading data"):
+        windows = _training_windows(args, vocabulary, options)
+        eval_tokens = _evaluation_tokens(args, vocabulary) if args.eval_text else None
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    seconds, clock = {}, time.perf_counter()
+
+    before = after = None
+    window = args.eval_window or windows.tokens.shape[1]
+    eval_windows = Windows(window=window, stride=window, max_windows=args.eval_windows)
     with _progress(args.quiet) as progress:
-        before = _perplexity(source, eval_tokens, eval_windows, progress, "perplexity before") if args.eval_text else None
-        seconds["evaluation_before"], clock = time.perf_counter() - clock, time.perf_counter()
-        progress_task = progress.add_task("lowering to PyTorch", total=None)
-        module = lower(source)
+        if args.eval_text:
+            with phases("perplexity before"):
+                before = _perplexity(source, eval_tokens, eval_windows, progress, "perplexity before")
+        result = _train_and_write(args, options, model, windows, output, progress, phases)
+        if args.eval_text:
+            with phases("perplexity after"):
+                after = _perplexity(output, eval_tokens, eval_windows, progress, "perplexity after")
+
+    if args.plot:
+        from onnx_nmm.finetune_plot import plot_loss_curve
+
+        title = _plot_title(source, options, result, windows, before, after, args.eval_text)
+        plot_loss_curve(result, args.plot, title, options.loss)
+    if args.report:
+        _common.write_json(args.report, {
+            "input": str(source), "output": str(output), "teacher": args.teacher, "loss": options.loss,
+            "training_data": windows.description, "options": asdict(options) | {"warmup_steps": options.warmup_steps},
+            **result.to_dict(), "seconds_by_phase": phases.seconds, "eval_text": args.eval_text,
+            "perplexity_before": before.to_dict() if before else None,
+            "perplexity_after": after.to_dict() if after else None,
+        })
+    if not args.quiet:
+        _print_summary(result, options, windows.description, before, after, output, phases.seconds)
+    return 0
+
+
+def _train_and_write(args, options, model, windows, output: Path, progress: Progress, phases: "_Phases"):
+    """Lower, train the factors, write them into `model` and save it to `output`; the TrainingResult."""
+    from onnx_nmm.finetune import CausalLmInputs, finetune, replace_factors
+    from onnx_nmm.lowering import factor_parameters, lower
+
+    task = progress.add_task("lowering to PyTorch", total=None)
+    with phases("lowering"):
+        module = lower(args.model)
         teacher = ModelRunner(args.teacher).logits if args.teacher else None
-        seconds["lowering"], clock = time.perf_counter() - clock, time.perf_counter()
-        progress.update(progress_task, total=options.steps, description=_step_description(loss, None))
-        result = finetune(module, windows.tokens, CausalLmInputs(model.graph), options, teacher,
-                          on_step=lambda record: progress.update(progress_task, completed=record.step,
-                                                                 description=_step_description(loss, record.loss)))
-        del teacher
-        seconds["training"], clock = time.perf_counter() - clock, time.perf_counter()
-        progress.update(progress_task, description="writing")
+    progress.update(task, total=options.steps, description=_step_description(options.loss, None))
+
+    def on_step(record):
+        progress.update(task, completed=record.step, description=_step_description(options.loss, record.loss))
+
+    with phases("training"):
+        result = finetune(module, windows.tokens, CausalLmInputs(model.graph), options, teacher, on_step)
+    del teacher  # its onnxruntime session
+    progress.update(task, description="writing")
+    with phases("writing"):
         replace_factors(model, factor_parameters(module))
         del module
         external = uses_external_data(model) or weight_bytes(model) > PROTOBUF_LIMIT
         save_model(model, output, external_data=external, validate=check_model_file)
-        seconds["writing"], clock = time.perf_counter() - clock, time.perf_counter()
-        after = _perplexity(output, eval_tokens, eval_windows, progress, "perplexity after") if args.eval_text else None
-        seconds["evaluation_after"] = time.perf_counter() - clock
-
-    title = (f"{source.name}: {loss}, {result.records[-1].step} steps of {options.batch}×{windows.tokens.shape[1]} "
-             f"tokens, lr {options.learning_rate:g}" + (f", adapters rank {options.adapter_rank}" if options.adapter_rank else "")
-             + (f"\nperplexity {before.perplexity:.3f} → {after.perplexity:.3f} on {Path(args.eval_text).name}"
-                if before else ""))
-    if args.plot:
-        from onnx_nmm.finetune_plot import plot_loss_curve
-
-        plot_loss_curve(result, args.plot, title, loss)
-    if args.report:
-        _common.write_json(args.report, {
-            "input": str(source), "output": str(output), "teacher": args.teacher, "loss": loss,
-            "training_data": windows.description, "options": asdict(options) | {"warmup_steps": options.warmup_steps},
-            **result.to_dict(), "seconds_by_phase": seconds,
-            "perplexity_before": before.to_dict() if before else None,
-            "perplexity_after": after.to_dict() if after else None, "eval_text": args.eval_text,
-        })
-    if not args.quiet:
-        _print_summary(result, loss, windows.description, before, after, output, seconds)
-    return 0
+    progress.update(task, visible=False)
+    return result
 
 
-def _training_windows(args, vocabulary: int | None) -> calibration_data.TokenWindows:
+def _options_from(args):
+    from onnx_nmm.finetune import FinetuneOptions
+
+    loss = args.loss or ("distill" if args.teacher else "next-token")
+    if loss == "distill" and args.teacher is None:
+        raise UserError("--loss distill needs the dense model: give --teacher ORIGINAL.onnx")
+    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--samples", args.samples, 1),
+                               ("--threads", args.threads, 1), ("--eval-window", args.eval_window, 2),
+                               ("--eval-windows", args.eval_windows, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    return FinetuneOptions(steps=args.steps, time_budget=args.time_budget, learning_rate=args.lr, batch=args.batch,
+                           loss=loss, temperature=args.temperature, adapter_rank=args.adapters,
+                           max_grad_norm=args.max_grad_norm, seed=args.seed)
+
+
+class _Phases:
+    """Wall seconds of each named phase of the command, in order."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
+def _check_teacher(path: str, vocabulary: int | None) -> None:
+    teacher_vocabulary = _logits_width(load_model(path))
+    if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
+        raise UserError(f"the teacher {path} predicts {teacher_vocabulary} tokens, the model {vocabulary}: "
+                        "give the dense model this one was rewritten from")
+
+
+def _training_windows(args, vocabulary: int | None, options) -> calibration_data.TokenWindows:
+    from onnx_nmm.finetune import check_windows
+
     if args.text.endswith(".npz"):
         windows = calibration_data.windows_from_npz(args.text, args.samples)
-        if windows.tokens.shape[1] < 2:
-            raise UserError(f"{args.text}: windows of {windows.tokens.shape[1]} token teach nothing; give at least 2")
     else:
         if args.tokenizer is None:
-            raise UserError(f"--text {args.text} is text: give its tokenizer with --tokenizer (a folder or a .gguf file)")
+            raise UserError(f"--text {args.text} is text: give its tokenizer with --tokenizer (a folder or a .gguf "
+                            "file)")
         windows = calibration_data.windows_from_text(args.text, calibration_data.load_tokenizer(args.tokenizer),
                                                      args.samples, args.seq_len)
-    if len(windows.tokens) == 0:
-        raise UserError(f"{args.text} holds no training windows")
+    check_windows(windows.tokens, options)
     _check_token_ids(windows.tokens, vocabulary, args.text)
     return windows
 
@@ -211,13 +247,24 @@ def _progress(quiet: bool) -> Progress:
                     console=_common.stderr, disable=quiet, transient=True)
 
 
-def _print_summary(result, loss: str, data: str, before, after, output: Path, seconds: dict) -> None:
+def _plot_title(source: Path, options, result, windows, before, after, eval_text: str | None) -> str:
+    title = (f"{source.name}: {options.loss} loss, {result.records[-1].step} steps of "
+             f"{options.batch}×{windows.tokens.shape[1]} tokens, lr {options.learning_rate:g}"
+             + (f", adapters of rank {options.adapter_rank}" if options.adapter_rank else ""))
+    if before and after:
+        title += f"\nperplexity {before.perplexity:.3f} → {after.perplexity:.3f} on {Path(eval_text).name} (held out)"
+    return title
+
+
+def _print_summary(result, options, data: str, before, after, output: Path, seconds: dict) -> None:
     last = result.records[-1]
     stopped = "the time budget" if result.stopped_by == "time" else "the step budget"
+    trained = (f"adapters of rank {options.adapter_rank} ({result.trainable_parameters / 1e6:.2f}M parameters) on "
+               "the factors" if options.adapter_rank else f"{result.trainable_parameters / 1e6:.2f}M factor parameters")
     _common.stdout.print(
-        f"trained {result.trainable_parameters / 1e6:.2f}M factor parameters for {last.step} steps "
-        f"({last.tokens} tokens of {data}) in {last.seconds:.1f} s, stopped by {stopped}; {loss} loss "
-        f"{result.mean_loss(first=True):.4f} → {result.mean_loss(first=False):.4f} (mean of the first and last tenth)")
+        f"trained {trained} for {last.step} steps ({last.tokens} tokens of {data}) in {last.seconds:.1f} s, "
+        f"stopped by {stopped}; {options.loss} loss {result.mean_loss(first=True):.4f} → "
+        f"{result.mean_loss(first=False):.4f} (mean of the first and last tenth of the steps)")
     if before and after:
         _common.stdout.print(
             f"perplexity {before.perplexity:.4f} → {after.perplexity:.4f} in onnxruntime on {after.tokens_scored} "

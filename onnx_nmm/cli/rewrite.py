@@ -47,6 +47,9 @@ def register(subparsers) -> None:
                                   "each layer, in graph order, to the dense outputs from the inputs the already-compressed "
                                   "model feeds it (one onnxruntime pass per group of layers; slower, errors stop "
                                   "compounding)")
+    calibration.add_argument("--calib-stats", metavar="FILE.npz",
+                             help="XᵀX statistics saved by --save-calib-stats, used instead of gathering them (with "
+                                  "--calib TEXT still giving the tokens sequential calibration and budgets run on)")
     calibration.add_argument("--save-calib-stats", metavar="FILE.npz",
                              help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
     budget = parser.add_argument_group("quality budget (choose layers and ranks; needs --calib tokens)")
@@ -147,8 +150,11 @@ def run(args) -> int:
 
 def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics:
     """XᵀX of every target's input: loaded from a statistics file, or gathered in onnxruntime."""
-    if args.calib.endswith(".npz") and GramStatistics.is_statistics_file(args.calib):
-        return GramStatistics.load(args.calib)
+    for path in (args.calib_stats, args.calib):
+        if path and path.endswith(".npz") and GramStatistics.is_statistics_file(path):
+            return GramStatistics.load(path)
+    if args.calib_stats:
+        raise UserError(f"{args.calib_stats} is not a statistics file saved by --save-calib-stats")
     windows = _windows(args, model)
     task = progress.add_task(f"calibrating ({windows.description})", total=windows.token_count)
     statistics = collect_gram_matrices(source, target_inputs(model, selection), windows.batches(args.calib_batch),
