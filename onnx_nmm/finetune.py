@@ -47,7 +47,7 @@ MAX_WARMUP_STEPS = 10
 
 @dataclass
 class FinetuneOptions:
-    steps: int = 100
+    steps: int = 200
     time_budget: float | None = None  # seconds of training; None: the step budget alone
     learning_rate: float = 1e-4
     batch: int = 2

@@ -9,7 +9,7 @@ import numpy as np
 from onnx_nmm.errors import UserError
 from onnx_nmm.finetune import TrainingResult
 
-RUNNING_MEAN_FRACTION = 0.05  # of the steps, at least one
+RUNNING_MEAN_FRACTION = 0.1  # of the steps, at least one (the summary's "tenth")
 
 
 def plot_loss_curve(result: TrainingResult, path: str | os.PathLike, title: str, loss_label: str) -> None:

@@ -58,7 +58,7 @@ def finetune(argv: list) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=15.0, help="the whole finetune command's budget")
-    parser.add_argument("--reserve", type=float, default=180.0,
+    parser.add_argument("--reserve", type=float, default=210.0,
                         help="seconds of the budget left for tokenizing, lowering, evaluating and writing")
     parser.add_argument("--loss", choices=("next-token", "distill"), default="distill",
                         help="distill (default): KL to the dense model, which measures recovery of what the rewrite "

@@ -86,7 +86,7 @@ def run(args) -> int:
         raise UserError(f"{source} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first with "
                         "`onnx-nmm rewrite`")
     vocabulary = _logits_width(model)
-    if args.teacher:
+    if options.loss == "distill":
         _check_teacher(args.teacher, vocabulary)
     phases = _Phases()
     with phases("reading data"):
@@ -116,7 +116,8 @@ def run(args) -> int:
         plot_loss_curve(result, args.plot, title, options.loss)
     if args.report:
         _common.write_json(args.report, {
-            "input": str(source), "output": str(output), "teacher": args.teacher, "loss": options.loss,
+            "input": str(source), "output": str(output), "loss": options.loss,
+            "teacher": args.teacher if options.loss == "distill" else None,
             "training_data": windows.description, "options": asdict(options) | {"warmup_steps": options.warmup_steps},
             **result.to_dict(), "seconds_by_phase": phases.seconds, "eval_text": args.eval_text,
             "perplexity_before": before.to_dict() if before else None,
@@ -135,7 +136,7 @@ def _train_and_write(args, options, model, windows, output: Path, progress: Prog
     task = progress.add_task("lowering to PyTorch", total=None)
     with phases("lowering"):
         module = lower(args.model)
-        teacher = ModelRunner(args.teacher).logits if args.teacher else None
+        teacher = ModelRunner(args.teacher).logits if options.loss == "distill" else None
     progress.update(task, total=options.steps, description=_step_description(options.loss, None))
 
     def on_step(record):
