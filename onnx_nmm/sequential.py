@@ -86,7 +86,7 @@ def layer_groups(layers: list[LinearLayer]) -> list[list[LinearLayer]]:
 
 
 # Dense activations of all groups kept in memory up to this size (one dense pass instead of one per group).
-DENSE_CACHE_BYTES = 2 * 2**30
+DENSE_CACHE_BYTES = 4 * 2**30
 
 
 def _token_rows(batch) -> int:
