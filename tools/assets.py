@@ -100,3 +100,10 @@ def kjv_text(part: str) -> Path:
     staged.write_text("\n".join(verses) + "\n", encoding="utf-8")
     staged.replace(target)
     return target
+
+
+def smollm2_study(work: str | Path) -> tuple[Path, Path, Path, Path]:
+    """What the SmolLM2 studies start from: (the ONNX model, its tokenizer, the calibration text, the
+    evaluation text), with the work folder created."""
+    Path(work).mkdir(parents=True, exist_ok=True)
+    return smollm2_onnx(), smollm2_gguf(), kjv_text("calibration"), kjv_text("evaluation")

@@ -71,9 +71,7 @@ def main() -> int:
     parser.add_argument("--work", default="out/bench/finetune")
     args = parser.parse_args()
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = assets.smollm2_onnx(), assets.smollm2_gguf()
-    calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
+    model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
     run = CommandLog()
     rewritten = rewritten_smollm2(work, run, model, tokenizer, calibration)
     dense = run.json("eval", model, "--text", evaluation, "--tokenizer", tokenizer, "--window", 512,

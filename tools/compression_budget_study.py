@@ -37,9 +37,7 @@ def main() -> int:
     parser.add_argument("--out", default="docs/quality.md")
     args = parser.parse_args()
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = assets.smollm2_onnx(), assets.smollm2_gguf()
-    calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
+    model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
     run = CommandLog()
     text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows]
     dense = run.json("eval", model, *text, "--json")["perplexity"]

@@ -50,9 +50,7 @@ def main() -> int:
     from onnx_nmm.calibration_data import load_tokenizer
 
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model, gguf = assets.smollm2_onnx(), assets.smollm2_gguf()
-    evaluation, calibration = assets.kjv_text("evaluation"), assets.kjv_text("calibration")
+    model, gguf, calibration, evaluation = assets.smollm2_study(work)
     onnx_nmm = CommandLog()
     calib = ["--calib", args.stats] if Path(args.stats).exists() else [
         "--calib", calibration, "--tokenizer", gguf, "--calib-samples", "128", "--seq-len", "512"]
