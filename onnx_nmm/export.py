@@ -140,7 +140,7 @@ def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", e
             batch_dim = torch.export.Dim("batch", min=1, max=64)
             seq_dim = torch.export.Dim("sequence", min=2, max=4096)
             shapes = {"input_ids": {0: batch_dim, 1: seq_dim}, "attention_mask": {0: batch_dim, 1: seq_dim}}
-            program = torch.onnx.export(wrapper, (input_ids, attention_mask), dynamo=True,
+            program = torch.onnx.export(wrapper, (input_ids, attention_mask), dynamo=True, verbose=False,
                                         optimize=exporter == "dynamo", dynamic_shapes=shapes, **names)
             program.save(str(path), external_data=external_data)
     return path
