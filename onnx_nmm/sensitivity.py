@@ -165,6 +165,7 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
             candidates.append(Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n,
                                         decomposition, reference_rank=ranks[len(ranks) // 2]))
     SvdFactorizationPass(full_rank)(model)
+    ir.external_data.load_to_model(model)  # the lowering reads weights from the proto, not from beside the input
     module = lower(ir.to_proto(model))
     parameters = factor_parameters(module)
     missing = [c.name for c in candidates if any(name not in parameters for name in c.factor_names)]

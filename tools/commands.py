@@ -18,7 +18,9 @@ class CommandLog:
         argv = [str(a) for a in argv]
         self.lines.append(shlex.join(["onnx-nmm", *argv]))
         print("$", self.lines[-1], flush=True)
-        result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], check=True, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"command failed (exit {result.returncode}): {self.lines[-1]}\n{result.stderr.strip()}")
         return result.stdout
 
     def json(self, *argv) -> dict:
