@@ -23,6 +23,17 @@ class CommandLog:
             raise SystemExit(f"command failed (exit {result.returncode}): {self.lines[-1]}\n{result.stderr.strip()}")
         return result.stdout
 
+    def produce(self, outputs, *argv) -> None:
+        """`run`, unless every file in `outputs` is already there from an earlier run of the study (the
+        command is still recorded): a long study interrupted part-way resumes where it stopped."""
+        from pathlib import Path
+
+        if all(Path(output).exists() for output in outputs):
+            self.lines.append(shlex.join(["onnx-nmm", *map(str, argv)]))
+            print("# kept from an earlier run:", self.lines[-1], flush=True)
+            return
+        self.run(*argv)
+
     def json(self, *argv) -> dict:
         """`run`, for a command given --json."""
         return json.loads(self.run(*argv))

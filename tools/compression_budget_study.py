@@ -9,7 +9,8 @@ parameter reduction whose held-out perplexity stays within +10 % of the dense mo
     whitened        rewrite --max-ppl-increase P
     sequential      the same, with --calib-mode sequential (error-aware factors for the chosen ranks)
     + fine-tuning   the sequential models, then `finetune --loss distill` against the dense model
-Every command is recorded in the page (a section of docs/quality.md).
+Every command is recorded in the page (a section of docs/quality.md). Models already in --work are kept,
+so an interrupted study resumes; delete the folder to start afresh.
 """
 
 from __future__ import annotations
@@ -47,16 +48,16 @@ def main() -> int:
     for budget in args.budgets:
         for method, extra in (("whitened", []), ("sequential", ["--calib-mode", "sequential"])):
             out, report = work / f"{method}-{budget}.onnx", work / f"{method}-{budget}.json"
-            run.run("rewrite", model, "-o", out, *calib, *extra, "--max-ppl-increase", budget, "--report", report,
-                    "--quiet", "--force")
+            run.produce([out, report], "rewrite", model, "-o", out, *calib, *extra, "--max-ppl-increase", budget,
+                        "--report", report, "--quiet", "--force")
             kept = _kept(report)
             rows.append((method, budget, kept, run.json("eval", out, *text, "--json")["perplexity"]))
             print(rows[-1], flush=True)
             if method == "sequential":
                 tuned = work / f"tuned-{budget}.onnx"
-                run.run("finetune", out, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer, "--loss",
-                        "distill", "--teacher", model, "--time-budget", int(args.finetune_minutes * 60), "--quiet",
-                        "--force")
+                run.produce([tuned], "finetune", out, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer,
+                            "--loss", "distill", "--teacher", model, "--time-budget", int(args.finetune_minutes * 60),
+                            "--quiet", "--force")
                 rows.append(("sequential + fine-tuning", budget, kept,
                              run.json("eval", tuned, *text, "--json")["perplexity"]))
                 print(rows[-1], flush=True)

@@ -4,7 +4,8 @@
 
 A second real model for docs/quality.md (a section of its own): 24 layers, hidden 896, intermediate
 4864, q/k/v with biases, untied lm_head. MLP targets, ranks aligned to 32; calibration on the Old
-Testament, perplexity on the held-out New Testament. Every command is recorded in the page.
+Testament, perplexity on the held-out New Testament. Every command is recorded in the page; models
+already in --work are kept, so an interrupted study resumes.
 """
 
 from __future__ import annotations
@@ -39,20 +40,21 @@ def main() -> int:
     dense = run.json("eval", model, *text)["perplexity"]
     stats = work / "stats.npz"
     tokens = ["--calib", calibration, "--tokenizer", tokenizer, "--seq-len", "512"]
-    if not stats.exists():
-        run.run("rewrite", model, "-o", work / "calibrated.onnx", *tokens, "--calib-samples", args.calib_samples,
-                "--save-calib-stats", stats, "--quiet", "--force")
+    run.produce([stats], "rewrite", model, "-o", work / "calibrated.onnx", *tokens, "--calib-samples",
+                args.calib_samples, "--save-calib-stats", stats, "--quiet", "--force")
     rows = []
     for keep in args.keeps:
         common = ["--keep", keep, "--align", "32", "--quiet", "--force"]
         whitened, sequential = work / f"whitened-{keep}.onnx", work / f"sequential-{keep}.onnx"
         report = work / f"whitened-{keep}.json"
-        run.run("rewrite", model, "-o", whitened, "--calib", stats, *common, "--report", report)
-        run.run("rewrite", model, "-o", sequential, *tokens, "--calib-samples", args.sequential_samples,
-                "--calib-mode", "sequential", *common)
+        run.produce([whitened, report], "rewrite", model, "-o", whitened, "--calib", stats, *common,
+                    "--report", report)
+        run.produce([sequential], "rewrite", model, "-o", sequential, *tokens, "--calib-samples",
+                    args.sequential_samples, "--calib-mode", "sequential", *common)
         tuned = work / f"tuned-{keep}.onnx"
-        run.run("finetune", sequential, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer, "--loss", "distill",
-                "--teacher", model, "--time-budget", int(args.finetune_minutes * 60), "--batch", "1", "--quiet", "--force")
+        run.produce([tuned], "finetune", sequential, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer,
+                    "--loss", "distill", "--teacher", model, "--time-budget", int(args.finetune_minutes * 60),
+                    "--batch", "1", "--quiet", "--force")
         kept = json.loads(report.read_text())["totals"]["kept_fraction"]
         row = {"keep": keep, "kept": kept}
         for label, path in (("whitened", whitened), ("sequential", sequential), ("sequential + fine-tuning", tuned)):
