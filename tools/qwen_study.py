@@ -61,7 +61,7 @@ def main() -> int:
             row[label] = run.json("eval", path, *text)["perplexity"]
         rows.append(row)
         print(row, flush=True)
-    write_page(Path(args.out), dense, rows, run.lines, args)
+        write_page(Path(args.out), dense, rows, run.lines, args)  # after every row: a long study shows progress
     return 0
 
 
