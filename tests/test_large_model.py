@@ -41,9 +41,18 @@ def _write_large_model(folder):
     return folder / "model.onnx"
 
 
-def test_a_model_over_2_gb_is_rewritten_and_runs(tmp_path, capsys):
-    source = _write_large_model(tmp_path / "in")
-    assert (tmp_path / "in" / "model.onnx.data").stat().st_size > PROTOBUF_LIMIT
+@pytest.fixture(scope="module")
+def large_model(tmp_path_factory):
+    return _write_large_model(tmp_path_factory.mktemp("large") / "in")
+
+
+def _weights(model_path):
+    return np.memmap(model_path.parent / "model.onnx.data", dtype=np.float32, mode="r", shape=(LAYERS, K, N))
+
+
+def test_a_model_over_2_gb_is_rewritten_and_runs(large_model, tmp_path, capsys):
+    source = large_model
+    assert (source.parent / "model.onnx.data").stat().st_size > PROTOBUF_LIMIT
     output = tmp_path / "out" / "rewritten.onnx"
     code = main(["rewrite", str(source), "-o", str(output), "--include", r"layers\.0\.", "--rank", "64", "--svd",
                  "randomized", "--quiet"])
@@ -55,7 +64,19 @@ def test_a_model_over_2_gb_is_rewritten_and_runs(tmp_path, capsys):
     results = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"X": x})))
     rewritten = onnx.load(str(output), load_external_data=False)
     assert [n.op_type for n in rewritten.graph.node].count("SvdMatMul") == 1
-    weights = np.memmap(tmp_path / "in" / "model.onnx.data", dtype=np.float32, mode="r", shape=(LAYERS, K, N))
+    weights = _weights(source)
     np.testing.assert_allclose(results["Y3"], x @ weights[3], rtol=1e-4, atol=1e-3)  # untouched layer: exact
     relative = np.linalg.norm(results["Y0"] - x @ weights[0]) / np.linalg.norm(x @ weights[0])
     assert 0.5 < relative < 1.0  # rank 64 of a random 2048×40000 matrix keeps little, but it is an approximation
+
+
+def test_a_model_over_2_gb_lowers_to_pytorch(large_model):
+    """In memory, as `compile` hands it over: shape inference and onnx2torch must not serialize it whole."""
+    import torch
+
+    from onnx_nmm.lowering import call_lowered, lower
+
+    module = lower(onnx.load(str(large_model)))
+    x = np.random.default_rng(2).standard_normal((2, K)).astype(np.float32)
+    outputs = call_lowered(module, torch.from_numpy(x))
+    np.testing.assert_allclose(outputs[5].numpy(), x @ _weights(large_model)[5], rtol=1e-4, atol=1e-3)

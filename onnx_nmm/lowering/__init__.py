@@ -13,6 +13,10 @@ import onnx
 
 from onnx_nmm.errors import UserError
 
+# Weights above this size are detached while shapes are inferred; smaller ones (shape tensors, which
+# inference reads) stay.
+_DETACH_BYTES = 4096
+
 if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("torch") is None:
     raise UserError("lowering to PyTorch needs torch and onnx2torch: pip install torch && "
                     "pip install --no-deps onnx2torch==1.5.15 (its torchvision dependency is not needed)")
@@ -53,13 +57,32 @@ def call_lowered(module, *inputs):
 
 
 def _load_with_shapes(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """The model with inferred value shapes (some converters read them), weights loaded after inference
-    so a model over 2 GB never has to be serialized whole."""
+    """The model with inferred value shapes (some converters read them), inferred without the weights so
+    a model over 2 GB never has to be serialized whole."""
     if isinstance(model, onnx.ModelProto):
-        return onnx.shape_inference.infer_shapes(model)
+        return _with_inferred_shapes(model)
     path = Path(model)
     proto = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     onnx.load_external_data_for_model(proto, str(path.parent))
+    return proto
+
+
+def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` (changed in place) with the value shapes that shape inference finds, inferred on the graph
+    with its large weights detached for the duration."""
+    detached = {}
+    for tensor in proto.graph.initializer:
+        if len(tensor.raw_data) > _DETACH_BYTES:
+            detached[tensor.name] = tensor.raw_data
+            tensor.ClearField("raw_data")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    finally:
+        for tensor in proto.graph.initializer:
+            if tensor.name in detached:
+                tensor.raw_data = detached.pop(tensor.name)
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(inferred.graph.value_info)
     return proto
 
 

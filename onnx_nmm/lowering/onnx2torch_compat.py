@@ -217,4 +217,10 @@ def _register_new_converters() -> None:
 _register_type_only_versions()
 _register_new_converters()
 
-convert = onnx2torch.convert
+def convert(proto):
+    """onnx2torch.convert of a model whose shapes the caller has already inferred: onnx2torch would infer
+    them again, and its size probe (`ModelProto.ByteSize`) fails on a model above protobuf's 2 GiB."""
+    from unittest import mock
+
+    with mock.patch.object(onnx2torch.converter, "safe_shape_inference", lambda model: model):
+        return onnx2torch.convert(proto)
