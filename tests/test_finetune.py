@@ -135,6 +135,18 @@ def test_cli_distills_into_adapters_and_reports_perplexity(capsys, tmp_path):
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_rising_loss_is_warned_about(capsys, rewritten_llama, tmp_path):
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    common = ("finetune", rewritten_llama, "--text", tmp_path / "train.npz", "--loss", "distill", "--teacher",
+              exported_model("llama", "dynamo"), "--steps", "8", "--batch", "1", "-o", tmp_path / "tuned.onnx",
+              "--quiet", "--force")
+    code, _, err = _cli(capsys, *common, "--lr", "0.3")  # far too high: the KL to the teacher grows
+    said = " ".join(err.split())  # rich wraps stderr at the terminal width
+    assert code == 0 and "loss rose during training" in said and "try a lower --lr" in said
+    code, _, err = _cli(capsys, *common, "--lr", "1e-3")
+    assert code == 0 and "loss rose" not in err
+
+
 def test_time_budget_ends_training(rewritten_llama):
     module = lower(rewritten_llama)
     inputs = CausalLmInputs(load_model(rewritten_llama).graph)

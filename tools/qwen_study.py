@@ -28,6 +28,8 @@ def main() -> int:
     parser.add_argument("--sequential-samples", type=int, default=8, help="512-token windows for sequential passes")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--finetune-minutes", type=float, default=10)
+    parser.add_argument("--finetune-lr", type=float, default=1e-5,
+                        help="1e-4 (finetune's default, right for SmolLM2) makes the distillation loss diverge here")
     parser.add_argument("--work", default="out/qwen")
     parser.add_argument("--out", default="docs/quality.md")
     args = parser.parse_args()
@@ -54,7 +56,7 @@ def main() -> int:
         tuned = work / f"tuned-{keep}.onnx"
         run.produce([tuned], "finetune", sequential, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer,
                     "--loss", "distill", "--teacher", model, "--time-budget", int(args.finetune_minutes * 60),
-                    "--batch", "1", "--quiet", "--force")
+                    "--lr", args.finetune_lr, "--batch", "1", "--quiet", "--force")
         kept = json.loads(report.read_text())["totals"]["kept_fraction"]
         row = {"keep": keep, "kept": kept}
         for label, path in (("whitened", whitened), ("sequential", sequential), ("sequential + fine-tuning", tuned)):
@@ -72,8 +74,9 @@ def write_page(path: Path, dense: float, rows: list[dict], commands: list[str], 
         "Qwen2.5-Coder-0.5B-Instruct (../shared/ASSETS.md: 24 layers, hidden 896, intermediate 4864, q/k/v with",
         "biases, untied lm_head; 630M parameters in fp32), MLPs rewritten, ranks aligned to 32. Statistics from",
         f"{args.calib_samples} Old Testament windows of 512 tokens; sequential calibration runs on {args.sequential_samples}",
-        f"of them; fine-tuning distils from the dense model for {args.finetune_minutes:g} minutes on the CPU. Perplexity on",
-        f"the first {args.eval_windows} windows of 512 tokens of the held-out New Testament; **dense: {dense:.3f}**.",
+        f"of them; fine-tuning distils from the dense model for {args.finetune_minutes:g} minutes on the CPU",
+        f"(lr {args.finetune_lr:g}). Perplexity on the first {args.eval_windows} windows of 512 tokens of the held-out",
+        f"New Testament; **dense: {dense:.3f}**.",
         "",
         "| --keep | MLP parameters kept | whitened | sequential | sequential + fine-tuning |",
         "|---:|---:|---:|---:|---:|",
