@@ -74,8 +74,7 @@ def main() -> int:
     model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
     run = CommandLog()
     rewritten = rewritten_smollm2(work, run, model, tokenizer, calibration)
-    dense = run.json("eval", model, "--text", evaluation, "--tokenizer", tokenizer, "--window", 512,
-                     "--max-windows", args.eval_windows, "--json")
+    dense = run.perplexity(model, evaluation, tokenizer, args.eval_windows)
 
     budget = args.minutes * 60
     report, plot = work / f"finetune-{args.loss}.json", work / f"finetune-{args.loss}.png"

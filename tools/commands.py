@@ -38,6 +38,11 @@ class CommandLog:
         """`run`, for a command given --json."""
         return json.loads(self.run(*argv))
 
+    def perplexity(self, model, text, tokenizer, windows: int, window: int = 512) -> dict:
+        """`onnx-nmm eval --json` of `model` on the first `windows` windows of `window` tokens of `text`."""
+        return self.json("eval", model, "--text", text, "--tokenizer", tokenizer, "--window", window,
+                         "--max-windows", windows, "--json")
+
 
 def write_section(path, name: str, lines: list[str]) -> None:
     """Replace (or append) the part of a Markdown page between `<!-- name -->` and `<!-- /name -->`, so

@@ -43,8 +43,10 @@ def main() -> int:
     work = Path(args.work)
     model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
     run = CommandLog()
-    text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows]
-    dense = run.json("eval", model, *text, "--json")["perplexity"]
+    def perplexity(path) -> float:
+        return run.perplexity(path, evaluation, tokenizer, args.eval_windows)["perplexity"]
+
+    dense = perplexity(model)
     calib = ["--calib", calibration, "--tokenizer", tokenizer, "--calib-stats", args.stats, "--calib-samples",
              args.calib_samples, "--seq-len", "512", "--align", "32", "--sensitivity-windows", "2"]
     rows = []
@@ -54,7 +56,7 @@ def main() -> int:
             run.produce([out, report], "rewrite", model, "-o", out, *calib, *extra, "--max-ppl-increase", budget,
                         "--report", report, "--quiet", "--force")
             kept = _kept(report)
-            rows.append((method, budget, kept, run.json("eval", out, *text, "--json")["perplexity"]))
+            rows.append((method, budget, kept, perplexity(out)))
             print(rows[-1], flush=True)
             if method == "sequential" and rows[-1][3] > dense * (1 + TOLERANCE):  # within the bar: nothing to recover
                 tuned = work / f"tuned-{budget}.onnx"
@@ -62,7 +64,7 @@ def main() -> int:
                             "--loss", "distill", "--teacher", model, "--time-budget", int(args.finetune_minutes * 60),
                             "--quiet", "--force")
                 rows.append(("sequential + fine-tuning", budget, kept,
-                             run.json("eval", tuned, *text, "--json")["perplexity"]))
+                             perplexity(tuned)))
                 print(rows[-1], flush=True)
     write_page(Path(args.out), dense, rows, run.lines, args)
     return 0

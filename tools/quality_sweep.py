@@ -37,8 +37,7 @@ def main() -> int:
     work = Path(args.work)
     model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
     run = CommandLog()
-    text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows]
-    dense = run.json("eval", model, *text, "--json")
+    dense = run.perplexity(model, evaluation, tokenizer, args.eval_windows)
     stats = work / "smollm2-stats.npz"
     if not stats.exists():
         run.run("rewrite", model, "-o", work / "calibrated.onnx", "--calib", calibration, "--tokenizer", tokenizer,
@@ -53,7 +52,7 @@ def main() -> int:
                 run.run("rewrite", model, "-o", out, "--keep", keep, "--align", align, *flags, "--calib", stats,
                              "--report", report, "--quiet")
                 totals = json.loads(report.read_text())["totals"]
-                row[column] = run.json("eval", out, *text, "--json")["perplexity"]
+                row[column] = run.perplexity(out, evaluation, tokenizer, args.eval_windows)["perplexity"]
                 row[f"{column} kept"] = totals["kept_fraction"]
                 out.unlink()
                 out.with_name(out.name + ".data").unlink(missing_ok=True)

@@ -39,8 +39,10 @@ def main() -> int:
     model, tokenizer = assets.qwen25_onnx(), assets.qwen25_gguf()
     calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
     run = CommandLog()
-    text = ["--text", evaluation, "--tokenizer", tokenizer, "--window", "512", "--max-windows", args.eval_windows, "--json"]
-    dense = run.json("eval", model, *text)["perplexity"]
+    def perplexity(path) -> float:
+        return run.perplexity(path, evaluation, tokenizer, args.eval_windows)["perplexity"]
+
+    dense = perplexity(model)
     stats = work / "stats.npz"
     tokens = ["--calib", calibration, "--tokenizer", tokenizer, "--seq-len", "512"]
     run.produce([stats], "rewrite", model, "-o", work / "calibrated.onnx", *tokens, "--calib-samples",
@@ -61,7 +63,7 @@ def main() -> int:
         kept = json.loads(report.read_text())["totals"]["kept_fraction"]
         row = {"keep": keep, "kept": kept}
         for label, path in (("whitened", whitened), ("sequential", sequential), ("sequential + fine-tuning", tuned)):
-            row[label] = run.json("eval", path, *text)["perplexity"]
+            row[label] = perplexity(path)
         rows.append(row)
         print(row, flush=True)
         write_page(Path(args.out), dense, rows, run.lines, args)  # after every row: a long study shows progress
