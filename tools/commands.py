@@ -16,8 +16,7 @@ class CommandLog:
     def run(self, *argv) -> str:
         """Run `onnx-nmm ARGV` (this Python's package), echo and record it; return its stdout."""
         argv = [str(a) for a in argv]
-        self.lines.append(shlex.join(["onnx-nmm", *argv]))
-        print("$", self.lines[-1], flush=True)
+        self._record(argv, "$")
         result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"command failed (exit {result.returncode}): {self.lines[-1]}\n{result.stderr.strip()}")
@@ -29,10 +28,13 @@ class CommandLog:
         from pathlib import Path
 
         if all(Path(output).exists() for output in outputs):
-            self.lines.append(shlex.join(["onnx-nmm", *map(str, argv)]))
-            print("# kept from an earlier run:", self.lines[-1], flush=True)
+            self._record([str(a) for a in argv], "# kept from an earlier run:")
             return
         self.run(*argv)
+
+    def _record(self, argv: list[str], label: str) -> None:
+        self.lines.append(shlex.join(["onnx-nmm", *argv]))
+        print(label, self.lines[-1], flush=True)
 
     def json(self, *argv) -> dict:
         """`run`, for a command given --json."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from pathlib import Path
 
 import onnx
 
@@ -57,14 +56,8 @@ def call_lowered(module, *inputs):
 
 
 def _load_with_shapes(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """The model with inferred value shapes (some converters read them), inferred without the weights so
-    a model over 2 GB never has to be serialized whole."""
-    if isinstance(model, onnx.ModelProto):
-        return _with_inferred_shapes(model)
-    path = Path(model)
-    proto = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
-    onnx.load_external_data_for_model(proto, str(path.parent))
-    return proto
+    """The model, weights loaded, with inferred value shapes (some converters read them)."""
+    return _with_inferred_shapes(model if isinstance(model, onnx.ModelProto) else onnx.load(str(model)))
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
