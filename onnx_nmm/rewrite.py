@@ -118,7 +118,7 @@ class RewriteReport:
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase, filled by the caller
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP nodes made by --fuse-mlp
-    quality_budget: dict = field(default_factory=dict)  # how --max-ppl-increase / --max-kl chose the ranks
+    quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
 
     @property
     def factorized(self) -> list[LayerOutcome]:
@@ -144,14 +144,15 @@ class RewriteReport:
 
 
 METHODS = ("svd", "whiten")
-BUDGETS = ("uniform", "global")
+BUDGETS = ("uniform", "global", "sensitivity")
 
 
 @dataclass(frozen=True)
 class FactorizationOptions:
     """method: plain SVD of W, or SVD-LLM whitening (needs calibration statistics);
     svd: how the inner SVD is computed (lowrank.SVD_METHODS); budget: one keep fraction per matrix
-    (uniform) or one parameter budget for all targets spent where it removes most loss (global)."""
+    (uniform), one parameter budget for all targets spent where it removes most loss (global), or where
+    it damages the model least (sensitivity: the ranks come from onnx_nmm.sensitivity, as forced ranks)."""
 
     method: str = "svd"
     svd: str = "exact"
@@ -184,6 +185,8 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
     bars). Raises UserError when nothing can be targeted.
     """
     _check_options(rule, options, statistics, observer)
+    if options.budget == "sensitivity" and forced_ranks is None:
+        raise ValueError("the sensitivity budget's ranks come from sensitivity.choose_ranks: pass them as forced_ranks")
     layers = find_linear_layers(model)
     if not layers:
         raise UserError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from onnx_nmm.cli import main
-from onnx_nmm.sensitivity import DENSE, Candidate, greedy_moves, select_within_budget
+from onnx_nmm.errors import UserError
+from onnx_nmm.sensitivity import DENSE, Candidate, greedy_moves, select_for_parameters, select_within_budget
 
 
 class _Spectrum:
@@ -23,8 +24,8 @@ class _Spectrum:
 def _candidates():
     decaying = _Spectrum(np.exp(-np.arange(64) / 8))  # compresses well
     flat = _Spectrum(np.ones(64))  # does not
-    return [Candidate("robust", ("a.u", "a.v"), 64, 192, decaying, reference_rank=16, reference_damage=0.01),
-            Candidate("fragile", ("b.u", "b.v"), 64, 192, flat, reference_rank=16, reference_damage=0.5)]
+    return [Candidate("robust", ("a.u", "a.v"), 64, 192, decaying, references=[(16, 0.01)]),
+            Candidate("fragile", ("b.u", "b.v"), 64, 192, flat, references=[(16, 0.5)])]
 
 
 def test_moves_go_from_dense_down_in_aligned_steps_cheapest_damage_first():
@@ -32,6 +33,20 @@ def test_moves_go_from_dense_down_in_aligned_steps_cheapest_damage_first():
     robust = [rank for name, rank in moves if name == "robust"]
     assert robust == [32, 16] and all(rank % 16 == 0 for _, rank in moves)  # break-even of 64×192 is 48
     assert moves[0][0] == "robust" and moves.index(("robust", 16)) < moves.index(("fragile", 32))
+
+
+def test_damage_between_references_is_interpolated_in_the_truncation_loss():
+    flat = _Spectrum(np.ones(64))  # L(r)² = 1 − r/64
+    layer = Candidate("layer", ("u", "v"), 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
+    assert layer.reference_ranks(16) == [32, 16]  # break-even 48: ranks 32 and 16 save parameters
+    assert layer.predicted_damage(48) == pytest.approx(0.1 * 0.25 / 0.5)  # on the segment from (0, 0)
+    assert layer.predicted_damage(24) == pytest.approx(0.3)  # between the two references
+    assert layer.predicted_damage(8) == pytest.approx(0.5 + 0.4 / 0.25 * 0.125)  # the last slope goes on
+    convex = Candidate("c", ("u", "v"), 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
+    linear = Candidate("l", ("u", "v"), 64, 192, flat, references=[(32, 0.1)])
+    # with the measured low-rank damage, taking one layer to the bottom costs more than two halfway
+    assert convex.predicted_damage(16) > 2 * convex.predicted_damage(32)
+    assert linear.predicted_damage(16) < 2 * linear.predicted_damage(32)
 
 
 def test_the_longest_prefix_within_the_budget_is_chosen():
@@ -46,6 +61,22 @@ def test_the_longest_prefix_within_the_budget_is_chosen():
     assert everything.ranks == {"robust": 16, "fragile": 16}
     nothing = select_within_budget(candidates, 16, budget=1e-9, metric="ppl", damage_of=true_damage)
     assert set(nothing.ranks.values()) == {DENSE} and nothing.moves_applied == 0
+
+
+def test_a_parameter_target_takes_the_shortest_prefix_that_reaches_it():
+    candidates = _candidates()
+    measured = []
+
+    def damage_of(ranks):
+        measured.append(dict(ranks))
+        return 0.125
+
+    robust_at_32 = 64 * 192 - 32 * (64 + 192)  # the first move
+    chosen = select_for_parameters(candidates, 16, robust_at_32 + 1, "ppl", damage_of)
+    assert chosen.ranks == {"robust": 16, "fragile": DENSE} and chosen.moves_applied == 2
+    assert chosen.damage == 0.125 and measured == [chosen.ranks] and chosen.budget is None
+    with pytest.raises(UserError, match="raise --keep or lower --align"):
+        select_for_parameters(candidates, 16, 2 * 64 * 192, "ppl", damage_of)
 
 
 def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
@@ -65,4 +96,50 @@ def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
 def test_both_budgets_at_once_is_an_error(capsys, export, tmp_path):
     code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
                                   "--max-ppl-increase", "0.1", "--max-kl", "0.1")])
-    assert code == 2 and "one of --max-ppl-increase and --max-kl" in capsys.readouterr().err
+    assert code == 2 and "not --max-ppl-increase and --max-kl" in capsys.readouterr().err
+
+
+def test_rewrite_keeping_a_fraction_where_it_costs_least(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                                  "--calib-samples", "8", "--seq-len", "48", "--align", "16", "--keep", "0.9",
+                                  "--budget", "sensitivity", "--report", report, "--quiet")])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(report.read_text())
+    targets = [layer for layer in data["layers"] if layer["status"] != "skipped"]
+    removed = 1 - sum(layer["parameters_after"] for layer in targets) / sum(layer["parameters_before"] for layer in targets)
+    assert 0.1 <= removed < 0.5, removed
+    assert data["quality_budget"]["keep"] == 0.9 and data["quality_budget"]["budget"] is None
+    assert "sensitivity budget keeping 90.0%" in data["rule"]
+
+
+def test_a_sensitivity_budget_needs_keep(capsys, export, tmp_path):
+    code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                                  "--budget", "sensitivity")])
+    assert code == 2 and "use it with --keep" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_ranks_from_a_report_reproduce_its_choice_with_another_calibration(capsys, export, tmp_path):
+    model, first, second = export("llama", "dynamo"), tmp_path / "first.json", tmp_path / "second.json"
+    calib = ["--calib", "random", "--calib-samples", "4", "--seq-len", "32", "--align", "16", "--quiet"]
+    assert main([str(a) for a in ("rewrite", model, "-o", tmp_path / "a.onnx", *calib, "--keep", "0.9",
+                                  "--budget", "sensitivity", "--report", first)]) == 0
+    assert main([str(a) for a in ("rewrite", model, "-o", tmp_path / "b.onnx", *calib, "--ranks-from", first,
+                                  "--calib-mode", "sequential", "--report", second)]) == 0, capsys.readouterr().err
+
+    def ranks(report):
+        return {layer["name"]: (layer["status"], layer["rank"]) for layer in json.loads(report.read_text())["layers"]}
+
+    assert ranks(second) == ranks(first) and any(status == "dense" for status, _ in ranks(first).values())
+
+
+def test_ranks_from_something_else_is_an_error(capsys, export, tmp_path):
+    not_a_report, other_model = tmp_path / "x.json", tmp_path / "other.json"
+    not_a_report.write_text('{"rule": "?"}')
+    assert main([str(a) for a in ("rewrite", export("gpt2", "dynamo"), "-o", tmp_path / "g.onnx", "--keep", "0.5",
+                                  "--report", other_model, "--quiet")]) == 0
+    for report, message in ((not_a_report, "is not a report written by"), (other_model, "does not have")):
+        code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx",
+                                      "--ranks-from", report, "--quiet")])
+        assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "o.onnx").exists()

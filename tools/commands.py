@@ -41,9 +41,23 @@ class CommandLog:
         return json.loads(self.run(*argv))
 
     def perplexity(self, model, text, tokenizer, windows: int, window: int = 512) -> dict:
-        """`onnx-nmm eval --json` of `model` on the first `windows` windows of `window` tokens of `text`."""
-        return self.json("eval", model, "--text", text, "--tokenizer", tokenizer, "--window", window,
-                         "--max-windows", windows, "--json")
+        """`onnx-nmm eval --json` of `model` on the first `windows` windows of `window` tokens of `text`.
+
+        The result is kept beside the model (MODEL.eval-HASH.json, HASH of the command) and reused while the
+        model is not newer, so a resumed study does not score its models again."""
+        import hashlib
+        from pathlib import Path
+
+        argv = [str(a) for a in ("eval", model, "--text", text, "--tokenizer", tokenizer, "--window", window,
+                                 "--max-windows", windows, "--json")]
+        model = Path(model)
+        kept = model.with_name(f"{model.stem}.eval-{hashlib.sha1(shlex.join(argv).encode()).hexdigest()[:12]}.json")
+        if kept.exists() and kept.stat().st_mtime >= model.stat().st_mtime:
+            self._record(argv, "# kept from an earlier run:")
+            return json.loads(kept.read_text())
+        result = self.json(*argv)
+        kept.write_text(json.dumps(result))
+        return result
 
 
 def write_section(path, name: str, lines: list[str]) -> None:

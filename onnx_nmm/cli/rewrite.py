@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,7 +35,9 @@ def register(subparsers) -> None:
                              "the layer's outputs on the calibration data (default: whiten with --calib, else svd)")
     parser.add_argument("--budget", choices=BUDGETS, default="uniform",
                         help="uniform: every matrix keeps --keep of its parameters; global: the same total, spent "
-                             "per layer where it removes the most truncation loss")
+                             "per layer where it removes the most truncation loss; sensitivity: the same total, "
+                             "removed where it raises the perplexity on calibration windows least (measured, as "
+                             "for --max-ppl-increase; needs --calib)")
     calibration = parser.add_argument_group("calibration (activation-aware SVD)")
     calibration.add_argument("--calib", metavar="SOURCE",
                              help="a text file (with --tokenizer), an .npz with input_ids [samples, seq], "
@@ -60,6 +64,9 @@ def register(subparsers) -> None:
                         help="the same, bounding the mean KL divergence to the dense model's next-token distributions")
     budget.add_argument("--sensitivity-windows", type=int, default=4,
                         help="calibration windows the budget is measured on (default 4)")
+    budget.add_argument("--ranks-from", metavar="REPORT.json",
+                        help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
+                             "a quality budget's choice with --calib-mode sequential without measuring it again")
     parser.add_argument("--fuse-mlp", action="store_true",
                         help="fuse each SiLU-gated gate/up/down triple into one SvdGatedMLP (what `compile` does "
                              "for Trainium; onnxruntime still runs it)")
@@ -108,10 +115,13 @@ def run(args) -> int:
         needs_statistics = args.calib and (not sequential or args.budget == "global" or quality_budget)
         statistics = _calibrate(args, source, model, selection, progress) if needs_statistics else None
         seconds["calibration"], clock = time.perf_counter() - clock, time.perf_counter()
+        if args.ranks_from:
+            forced_ranks = _ranks_from(args.ranks_from, model)
+            forced_reason = f"kept dense in {args.ranks_from}"
         if quality_budget:
             chosen = _choose_ranks(args, source, model, selection, statistics, quality_budget, progress)
             forced_ranks = chosen.ranks
-            forced_reason = f"kept dense: the most sensitive layers within the {quality_budget[2]}"
+            forced_reason = f"kept dense: the most sensitive layers within the {quality_budget.description}"
             seconds["rank selection"], clock = time.perf_counter() - clock, time.perf_counter()
         task = progress.add_task("factorizing" if not sequential else "observing and factorizing", total=None)
         report = rewrite_model(
@@ -131,9 +141,12 @@ def run(args) -> int:
         save_model(model, output, external_data=external, validate=check_model_file)
         seconds["writing"] = time.perf_counter() - clock
     report.seconds = seconds
+    if args.ranks_from:
+        report.rule = f"ranks from {args.ranks_from}"
     if chosen is not None:
-        report.rule = f"{quality_budget[2]}, align={args.align}"
-        report.quality_budget = {"metric": chosen.metric, "budget": chosen.budget, "measured": chosen.damage,
+        report.rule = f"{quality_budget.description}, align={args.align}"
+        report.quality_budget = {"metric": chosen.metric, "budget": chosen.budget, "keep": quality_budget.keep,
+                                 "measured": chosen.damage,
                                  "moves_applied": chosen.moves_applied, "moves_considered": chosen.moves_considered,
                                  "evaluations": chosen.evaluations}
 
@@ -165,31 +178,68 @@ def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics
     return statistics
 
 
-def _quality_budget(args) -> tuple[str, float, str] | None:
-    """(metric, budget in its unit, description) from --max-ppl-increase / --max-kl, or None."""
-    if args.max_ppl_increase is not None and args.max_kl is not None:
-        raise UserError("give one of --max-ppl-increase and --max-kl")
+@dataclass(frozen=True)
+class QualityBudget:
+    """How the sensitivity pass chooses ranks: `metric` ("ppl" or "kl") within `budget` of damage in its
+    unit, or at the least damage keeping the fraction `keep` of the target parameters."""
+
+    metric: str
+    budget: float | None
+    keep: float | None
+    description: str
+
+
+def _quality_budget(args) -> QualityBudget | None:
+    """What --max-ppl-increase, --max-kl or --keep F --budget sensitivity ask for, or None."""
+    asked = [flag for flag, value in (("--max-ppl-increase", args.max_ppl_increase), ("--max-kl", args.max_kl),
+                                      ("--budget sensitivity", args.budget == "sensitivity" or None)) if value is not None]
+    if len(asked) > 1:
+        raise UserError(f"give one of --max-ppl-increase, --max-kl and --budget sensitivity, not {' and '.join(asked)}")
     if args.max_ppl_increase is not None:
         if args.max_ppl_increase <= 0:
             raise UserError(f"--max-ppl-increase must be positive (0.1 = +10 %), got {args.max_ppl_increase}")
-        return "ppl", math.log1p(args.max_ppl_increase), f"perplexity budget +{args.max_ppl_increase:.1%}"
+        return QualityBudget("ppl", math.log1p(args.max_ppl_increase), None,
+                             f"perplexity budget +{args.max_ppl_increase:.1%}")
     if args.max_kl is not None:
         if args.max_kl <= 0:
             raise UserError(f"--max-kl must be positive, got {args.max_kl}")
-        return "kl", args.max_kl, f"KL budget {args.max_kl} nats"
+        return QualityBudget("kl", args.max_kl, None, f"KL budget {args.max_kl} nats")
+    if args.ranks_from and (asked or args.budget == "global"):
+        raise UserError(f"--ranks-from gives every rank already: drop {asked[0] if asked else '--budget global'}")
+    if args.budget == "sensitivity":
+        if args.keep is None:
+            raise UserError("--budget sensitivity removes the parameters --keep would remove: use it with --keep")
+        return QualityBudget("ppl", None, args.keep, f"sensitivity budget keeping {args.keep:.1%} of the parameters")
     return None
+
+
+def _ranks_from(path: str, model) -> dict[str, int | None]:
+    """Layer name → rank (None: dense) from a rewrite report of the same model."""
+    try:
+        layers = json.loads(Path(path).read_text())["layers"]
+        targeted = [layer for layer in layers if layer["status"] != "skipped"]
+        ranks = {layer["name"]: layer["rank"] if layer["status"] == "factorized" else None for layer in targeted}
+        shapes = {layer["name"]: (layer["k"], layer["n"]) for layer in targeted}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"--ranks-from {path} is not a report written by `rewrite --report` ({error})") from None
+    ours = {layer.name: (layer.k, layer.n) for layer in find_linear_layers(model)}
+    foreign = sorted(name for name, shape in shapes.items() if ours.get(name) != shape)
+    if foreign:
+        raise UserError(f"--ranks-from {path} names {len(foreign)} layers this model does not have with that shape "
+                        f"({foreign[0]}, ...): it reports a rewrite of another model")
+    return ranks
 
 
 def _choose_ranks(args, source, model, selection, statistics, quality_budget, progress):
     from onnx_nmm.sensitivity import choose_ranks
 
-    metric, budget, _ = quality_budget
     if args.sensitivity_windows < 1:
         raise UserError("--sensitivity-windows must be a positive integer")
     tokens = _windows(args, model).tokens[: args.sensitivity_windows]
     targets, _ = select_layers(find_linear_layers(model), selection)
     task = progress.add_task("measuring sensitivity", total=len(targets))
-    chosen = choose_ranks(source, selection, statistics, tokens, args.align, metric, budget,
+    chosen = choose_ranks(source, selection, statistics, tokens, args.align, quality_budget.metric,
+                          quality_budget.budget, quality_budget.keep,
                           on_step=lambda name: progress.update(task, advance=1, description=f"sensitivity: {name}"))
     progress.update(task, visible=False)
     return chosen
