@@ -9,7 +9,8 @@
    L(r)² = Σ_{i>r} σ_i² / Σ σ_i², through (0, 0) and the two measurements. The second one matters: the
    damage grows much faster than L(r)² at low ranks, and one reference scaled linearly made the greedy
    order send a few layers all the way to the lowest rank (SmolLM2, keep 0.9: 10 matrices at rank 32,
-   perplexity 2.5× that of dense on held-out text, worse than truncating all 90 matrices uniformly).
+   perplexity 2.5× that of dense on held-out text, worse than truncating all 90 matrices uniformly;
+   with both references 1.6×, docs/quality.md).
 3. A greedy order of moves — dense → the largest aligned rank that saves parameters, then one `align`
    step lower at a time — by parameters saved per unit of predicted damage.
 4. Within a quality budget: the longest prefix of that order whose real damage, measured with all its
@@ -84,6 +85,7 @@ class Selection:
     moves_applied: int
     moves_considered: int
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, damage) measured
+    sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # per candidate: its references
 
 
 def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
@@ -240,5 +242,8 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
             on_step(candidate.name)
     if keep is not None:
         target = math.ceil((1 - keep) * sum(layer.parameters for layer in layers))
-        return select_for_parameters(candidates, align, target, metric, damage_of)
-    return select_within_budget(candidates, align, budget, metric, damage_of)
+        chosen = select_for_parameters(candidates, align, target, metric, damage_of)
+    else:
+        chosen = select_within_budget(candidates, align, budget, metric, damage_of)
+    chosen.sensitivity = {candidate.name: candidate.references for candidate in candidates}
+    return chosen

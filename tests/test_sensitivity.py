@@ -91,6 +91,9 @@ def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
     kept_dense = [layer for layer in data["layers"] if layer["status"] == "dense"]
     assert all("perplexity budget" in layer["reason"] for layer in kept_dense)
     assert all(layer["rank"] % 32 == 0 for layer in data["layers"] if layer["status"] == "factorized")
+    measured = budget["sensitivity"]  # (rank, damage) at the middle and the lowest rank of every candidate
+    assert measured and all(len(references) in (1, 2) for references in measured.values())
+    assert all(rank % 32 == 0 for references in measured.values() for rank, _ in references)
 
 
 def test_both_budgets_at_once_is_an_error(capsys, export, tmp_path):

@@ -148,7 +148,7 @@ def run(args) -> int:
         report.quality_budget = {"metric": chosen.metric, "budget": chosen.budget, "keep": quality_budget.keep,
                                  "measured": chosen.damage,
                                  "moves_applied": chosen.moves_applied, "moves_considered": chosen.moves_considered,
-                                 "evaluations": chosen.evaluations}
+                                 "evaluations": chosen.evaluations, "sensitivity": chosen.sensitivity}
 
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})
