@@ -137,6 +137,13 @@ def test_ranks_from_a_report_reproduce_its_choice_with_another_calibration(capsy
     assert ranks(second) == ranks(first) and any(status == "dense" for status, _ in ranks(first).values())
 
 
+def test_ranks_from_with_a_quality_budget_is_an_error(capsys, export, tmp_path):
+    code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                                  "--ranks-from", tmp_path / "r.json", "--max-ppl-increase", "0.1")])
+    assert code == 2 and "drop --max-ppl-increase" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_ranks_from_something_else_is_an_error(capsys, export, tmp_path):
     not_a_report, other_model = tmp_path / "x.json", tmp_path / "other.json"
     not_a_report.write_text('{"rule": "?"}')

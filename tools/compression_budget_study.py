@@ -57,8 +57,8 @@ def main() -> int:
     def finetune(rewritten: Path, loss: str) -> Path:
         tuned = work / f"{rewritten.stem}-{loss}-{args.finetune_minutes:g}min.onnx"
         run.produce([tuned], "finetune", rewritten, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer,
-                    "--loss", LOSSES[loss], *(["--teacher", model] if loss == "distillation" else []), "--time-budget", int(args.finetune_minutes * 60),
-                    "--quiet", "--force")
+                    "--loss", LOSSES[loss], *(["--teacher", model] if loss == "distillation" else []),
+                    "--time-budget", int(args.finetune_minutes * 60), "--quiet", "--force")
         return tuned
 
     dense = perplexity(model)

@@ -195,6 +195,8 @@ def _quality_budget(args) -> QualityBudget | None:
                                       ("--budget sensitivity", args.budget == "sensitivity" or None)) if value is not None]
     if len(asked) > 1:
         raise UserError(f"give one of --max-ppl-increase, --max-kl and --budget sensitivity, not {' and '.join(asked)}")
+    if args.ranks_from and (asked or args.budget == "global"):
+        raise UserError(f"--ranks-from gives every rank already: drop {asked[0] if asked else '--budget global'}")
     if args.max_ppl_increase is not None:
         if args.max_ppl_increase <= 0:
             raise UserError(f"--max-ppl-increase must be positive (0.1 = +10 %), got {args.max_ppl_increase}")
@@ -204,8 +206,6 @@ def _quality_budget(args) -> QualityBudget | None:
         if args.max_kl <= 0:
             raise UserError(f"--max-kl must be positive, got {args.max_kl}")
         return QualityBudget("kl", args.max_kl, None, f"KL budget {args.max_kl} nats")
-    if args.ranks_from and (asked or args.budget == "global"):
-        raise UserError(f"--ranks-from gives every rank already: drop {asked[0] if asked else '--budget global'}")
     if args.budget == "sensitivity":
         if args.keep is None:
             raise UserError("--budget sensitivity removes the parameters --keep would remove: use it with --keep")
