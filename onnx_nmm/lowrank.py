@@ -30,6 +30,12 @@ def break_even_rank(k: int, n: int) -> float:
     return k * n / (k + n)
 
 
+def aligned_ranks(k: int, n: int, align: int) -> list[int]:
+    """The multiples of `align` that save parameters on a K×N matrix, largest first."""
+    top = align * math.floor((break_even_rank(k, n) - 1e-9) / align)
+    return list(range(top, 0, -align))
+
+
 def block_aligned_rank(k: int, n: int, keep: float, align: int) -> int:
     """The rank that keeps a fraction `keep` of W's parameters, rounded to a multiple of `align`.
 
