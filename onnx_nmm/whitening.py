@@ -14,6 +14,16 @@ G itself is made factorizable first. Too few calibration tokens, or dead feature
 its diagonal is damped, G + ε·mean(diag G)·I with growing ε, which also acts as a ridge term for the
 input directions the calibration never excited; if no damping helps, a symmetric eigendecomposition
 gives S = E Λ^½ (negative eigenvalues clipped). The report says which layers needed which.
+
+Two-sided (Fisher) weighting. With an output Gram G_out = T·Tᵀ as well (onnx_nmm.fisher: the gradients
+of the loss with respect to the layer's outputs), the error is measured as ‖Sᵀ·(W − U·V)·T‖_F, and the
+truncated SVD of Sᵀ·W·T = P Σ Qᵀ minimises it. The same identity gives
+
+    U·V = W · T Q_r · (T⁻ᵀ Q_r)ᵀ
+
+— W projected obliquely: the leading directions T·Q_r of its outputs, read through the dual directions
+T⁻ᵀ·Q_r (the two are biorthogonal). Without G_out, T = I and both are Q_r. Only T, which is damped to be
+well conditioned, is ever inverted.
 """
 
 from __future__ import annotations
@@ -30,37 +40,51 @@ DAMPING_STEPS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 
 @dataclass
 class WhitenedDecomposition(lowrank.RankedFactors):
-    """The decomposition of Sᵀ·W, with what is needed to form W's factors at any rank."""
+    """The decomposition of Sᵀ·W·T, with what is needed to form W's factors at any rank (T = I when
+    only the inputs weigh the error)."""
 
     weight: np.ndarray  # W [K, N], float64
-    directions: np.ndarray  # Q [N, q]: right singular vectors of Sᵀ·W, by decreasing σ
-    singular_values: np.ndarray  # σ [q] of Sᵀ·W (the activation-weighted spectrum)
-    total_energy: float  # ‖Sᵀ·W‖_F² = ‖X·W‖_F²
+    directions: np.ndarray  # T·Q [N, q]: Q the right singular vectors of Sᵀ·W·T, by decreasing σ
+    dual_directions: np.ndarray  # T⁻ᵀ·Q [N, q]; the same array as `directions` when T = I
+    singular_values: np.ndarray  # σ [q] of Sᵀ·W·T (the weighted spectrum)
+    total_energy: float  # ‖Sᵀ·W·T‖_F² (= ‖X·W‖_F² when T = I)
     conditioning: str  # "cholesky", "damped ε=…", or "eigendecomposition"
 
+    @property
+    def two_sided(self) -> bool:
+        return self.dual_directions is not self.directions
+
     def factors(self, rank: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-        """U [K, rank] = W Q_r D⁻¹ and V [rank, N] = D Q_rᵀ, D = diag(√‖W q_i‖) (balanced norms)."""
+        """U [K, rank] = W·(T Q_r)·D⁻¹ and V [rank, N] = D·(T⁻ᵀ Q_r)ᵀ, D balancing every column of U with
+        the matching row of V (equal norms: the factors train and store in the same range)."""
         self.check_rank(rank)
-        directions = self.directions[:, :rank]
-        projected = self.weight @ directions
-        balance = np.sqrt(np.linalg.norm(projected, axis=0))
+        projected = self.weight @ self.directions[:, :rank]
+        dual = self.dual_directions[:, :rank].T
+        balance = np.sqrt(np.linalg.norm(projected, axis=0) / np.maximum(np.linalg.norm(dual, axis=1), 1e-300))
         balance = np.where(balance > 0, balance, 1.0)
-        return (projected / balance).astype(dtype), (balance[:, None] * directions.T).astype(dtype)
+        return (projected / balance).astype(dtype), (balance[:, None] * dual).astype(dtype)
 
     def relative_error(self, rank: int) -> float:
-        """‖W − U·V‖_F / ‖W‖_F, the error in weight space (Q orthonormal: ‖W‖² − ‖W Q_r‖²)."""
+        """‖W − U·V‖_F / ‖W‖_F, the error in weight space."""
         total = float(np.sum(self.weight * self.weight))
         if total == 0.0:
             return 0.0
-        kept = float(np.sum((self.weight @ self.directions[:, :rank]) ** 2))
+        if self.two_sided:
+            residual = self.weight - (self.weight @ self.directions[:, :rank]) @ self.dual_directions[:, :rank].T
+            return math.sqrt(float(np.sum(residual * residual)) / total)
+        kept = float(np.sum((self.weight @ self.directions[:, :rank]) ** 2))  # Q orthonormal: ‖W‖² − ‖W Q_r‖²
         return math.sqrt(max(total - kept, 0.0) / total)
 
+    def truncated_energy(self, rank: int) -> float:
+        """Σ_{i>rank} σ_i² = ‖Sᵀ·(W − U·V)·T‖_F², the weighted error itself."""
+        return max(self.total_energy - float(np.sum(self.singular_values[:rank] ** 2)), 0.0)
+
     def whitened_loss(self, rank: int) -> float:
-        """‖X·W − X·U·V‖_F / ‖X·W‖_F on the calibration activations (damped G if it was damped)."""
+        """‖Sᵀ(W − U·V)T‖_F / ‖Sᵀ·W·T‖_F: with T = I, ‖X·W − X·U·V‖_F / ‖X·W‖_F on the calibration
+        activations (damped G if it was damped)."""
         if self.total_energy == 0.0:
             return 0.0
-        kept = float(np.sum(self.singular_values[:rank] ** 2))
-        return math.sqrt(max(self.total_energy - kept, 0.0) / self.total_energy)
+        return math.sqrt(self.truncated_energy(rank) / self.total_energy)
 
 
 def whitening_factor(gram: np.ndarray) -> tuple[np.ndarray, str]:
@@ -86,20 +110,51 @@ def whitening_factor(gram: np.ndarray) -> tuple[np.ndarray, str]:
 
 def whitened_decomposition(weight: np.ndarray, gram: np.ndarray, method: str = "exact",
                            rank_hint: int | None = None, power_iterations: int = 2, oversample: int = 64,
-                           seed: int = 0) -> WhitenedDecomposition:
-    """Decompose Sᵀ·W for W [K, N] and the inputs' Gram matrix G [K, K]."""
+                           seed: int = 0, output_gram: np.ndarray | None = None) -> WhitenedDecomposition:
+    """Decompose Sᵀ·W (or Sᵀ·W·T) for W [K, N], the inputs' Gram matrix G [K, K] and optionally the
+    output-gradient Gram G_out [N, N]."""
     weight = np.asarray(weight, dtype=np.float64)
     if gram.shape != (weight.shape[0],) * 2:
         raise ValueError(f"Gram matrix {gram.shape} does not match the weight's input size {weight.shape[0]}")
     factor, conditioning = whitening_factor(gram)
     whitened = factor.T @ weight
+    output_factor = None
+    if output_gram is not None:
+        if output_gram.shape != (weight.shape[1],) * 2:
+            raise ValueError(f"output Gram matrix {output_gram.shape} does not match the weight's output size "
+                             f"{weight.shape[1]}")
+        output_factor = output_whitening_factor(output_gram)
+        whitened = whitened @ output_factor
     decomposition = lowrank.decompose(whitened, method, rank_hint=rank_hint, oversample=oversample,
                                       power_iterations=power_iterations, seed=seed)
     sigma = decomposition.singular_values
     safe = np.where(sigma > 0, sigma, 1.0)
     directions = (decomposition.scaled_right / safe[:, None]).T  # rows σ_i q_iᵀ → columns q_i
-    return WhitenedDecomposition(weight=weight, directions=directions, singular_values=sigma,
+    dual = directions
+    if output_factor is not None:
+        dual = np.linalg.solve(output_factor.T, directions)  # T⁻ᵀ Q
+        directions = output_factor @ directions
+    return WhitenedDecomposition(weight=weight, directions=directions, dual_directions=dual, singular_values=sigma,
                                  total_energy=decomposition.total_energy, conditioning=conditioning)
+
+
+# Damping of the output-gradient Gram, relative to its mean diagonal. Estimated from a few thousand
+# gradients, G_out is dominated by a few directions; the damping keeps every output direction weighted
+# (a large damping gives back input-only whitening). On SmolLM2-135M (docs/quality.md), 0.1 beat 0.01
+# and 0.001 at every budget tried.
+OUTPUT_DAMPING = 0.1
+
+
+def output_whitening_factor(output_gram: np.ndarray) -> np.ndarray:
+    """T with T·Tᵀ = G_out + OUTPUT_DAMPING·mean(diag G_out)·I (lower triangular)."""
+    output_gram = np.asarray(output_gram, dtype=np.float64)
+    if not np.all(np.isfinite(output_gram)):
+        raise ValueError("the output-gradient Gram matrix holds NaN or Inf")
+    scale = float(np.mean(np.diag(output_gram)))
+    if not scale > 0:
+        raise ValueError("the output-gradient Gram matrix is zero: the loss does not depend on this layer")
+    factor, _ = whitening_factor(output_gram + OUTPUT_DAMPING * scale * np.eye(len(output_gram)))
+    return factor
 
 
 def activation_loss(gram: np.ndarray, weight: np.ndarray, u: np.ndarray, v: np.ndarray) -> float:
