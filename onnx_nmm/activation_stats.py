@@ -32,11 +32,13 @@ _STATS_MARKER = "__onnx_nmm_gram_statistics__"
 
 @dataclass
 class GramStatistics:
-    """G = XᵀX per layer-input value name, and how many token rows went into each."""
+    """G = XᵀX per layer-input value name, and how many token rows went into each; with `--method fisher`
+    also the output-gradient Gram of each layer, by layer name (onnx_nmm.fisher)."""
 
     grams: dict[str, np.ndarray] = field(default_factory=dict)
     tokens: int = 0
     description: str = ""
+    output_grams: dict[str, np.ndarray] = field(default_factory=dict)
 
     def gram(self, value_name: str) -> np.ndarray:
         if value_name not in self.grams:
@@ -44,13 +46,21 @@ class GramStatistics:
                             "another model or for other targets; gather them again")
         return self.grams[value_name]
 
+    def output_gram(self, layer_name: str) -> np.ndarray:
+        if layer_name not in self.output_grams:
+            raise UserError(f"the calibration statistics have no output-gradient Gram for '{layer_name}': "
+                            "--method fisher gathers them (from --calib text or token ids), and --save-calib-stats "
+                            "keeps them")
+        return self.output_grams[layer_name]
+
     def save(self, path: str | os.PathLike) -> None:
         """Store as .npz (written to a temporary file, then renamed)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         staged = path.with_name(f".{path.name}.partial.npz")
         np.savez(staged, **{_STATS_MARKER: np.array([self.tokens]), "__description__": np.array(self.description)},
-                 **{f"gram:{name}": gram for name, gram in self.grams.items()})
+                 **{f"gram:{name}": gram for name, gram in self.grams.items()},
+                 **{f"output_gram:{name}": gram for name, gram in self.output_grams.items()})
         staged.replace(path)
 
     @staticmethod
@@ -64,8 +74,11 @@ class GramStatistics:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "GramStatistics":
         with np.load(path) as archive:
-            grams = {key.removeprefix("gram:"): archive[key] for key in archive.files if key.startswith("gram:")}
-            return cls(grams=grams, tokens=int(archive[_STATS_MARKER][0]), description=str(archive["__description__"]))
+            def entries(prefix):
+                return {key.removeprefix(prefix): archive[key] for key in archive.files if key.startswith(prefix)}
+
+            return cls(grams=entries("gram:"), tokens=int(archive[_STATS_MARKER][0]),
+                       description=str(archive["__description__"]), output_grams=entries("output_gram:"))
 
 
 # Column blocks of X for the symmetric Gram: big enough for efficient GEMMs, small enough that

@@ -126,7 +126,7 @@ class CausalLmInputs:
                 continue
             if value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
                 raise UserError(f"model input '{value.name}' is {value.dtype}, not token ids, a mask or positions; "
-                                "fine-tuning needs a causal LM exported without a KV cache")
+                                "fine-tuning and Fisher statistics need a causal LM exported without a KV cache")
             self.inputs.append((value.name.lower(), value.dtype.numpy()))
 
     def __call__(self, tokens: np.ndarray) -> tuple[torch.Tensor, ...]:

@@ -22,7 +22,7 @@ if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("t
 
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
                                                 backend_named)
-from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain
+from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain, modules_by_output
 from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_parameters, set_backend, svd_ops_of
 
 
@@ -107,4 +107,4 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
 
 
 __all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
-           "factor_parameters", "lower", "set_backend", "svd_ops_of", "unsupported_nodes"]
+           "factor_parameters", "lower", "modules_by_output", "set_backend", "svd_ops_of", "unsupported_nodes"]

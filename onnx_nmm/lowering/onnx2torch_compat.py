@@ -219,8 +219,15 @@ _register_new_converters()
 
 def convert(proto):
     """onnx2torch.convert of a model whose shapes the caller has already inferred: onnx2torch would infer
-    them again, and its size probe (`ModelProto.ByteSize`) fails on a model above protobuf's 2 GiB."""
+    them again, and its size probe (`ModelProto.ByteSize`) fails on a model above protobuf's 2 GiB.
+    Every node's module keeps its `onnx_mapping` (the ONNX values it reads and writes)."""
     from unittest import mock
 
     with mock.patch.object(onnx2torch.converter, "safe_shape_inference", lambda model: model):
-        return onnx2torch.convert(proto)
+        return onnx2torch.convert(proto, attach_onnx_mapping=True)
+
+
+def modules_by_output(module: nn.Module) -> dict[str, nn.Module]:
+    """The module of a lowered graph that computes each ONNX value, by value name."""
+    return {output: child for child in module.modules() if hasattr(child, "onnx_mapping")
+            for output in child.onnx_mapping.outputs}
