@@ -4,7 +4,8 @@
                                                 └─ SvdFactorizationPass(factors) ─ model'
 
 With `--budget global` the ranks come from a first pass over every layer's spectrum
-(onnx_nmm.rank_allocation); the factors from a second.
+(onnx_nmm.rank_allocation): by each layer's relative truncation loss, or with Fisher statistics by the
+KL divergence each rank is predicted to add (onnx_nmm.fisher); the factors from a second.
 
 Weights are read one at a time and their memory-mapped storage released right after factorization,
 so the process never holds two full copies of the weights: the original stays on disk, the factors
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import lowrank, rank_allocation, sequential, whitening
+from onnx_nmm import fisher, lowrank, rank_allocation, sequential, whitening
 from onnx_nmm.activation_stats import GramStatistics
 from onnx_nmm.errors import UserError
 from onnx_nmm.passes import (FactorizedLayer, LinearLayer, Selection, SvdFactorizationPass, find_linear_layers,
@@ -103,7 +104,8 @@ class LayerOutcome:
     parameters_before: int = 0
     parameters_after: int = 0
     relative_error: float | None = None  # ‖W − UV‖_F / ‖W‖_F
-    whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set
+    whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set (fisher: ‖Sᵀ(W − UV)T‖ / ‖SᵀWT‖)
+    predicted_kl: float | None = None  # fisher: the mean KL per token this layer's truncation adds, to second order
     plain_svd_error: float | None = None  # ‖W − W_r‖_F / ‖W‖_F of plain SVD at the same rank (for comparison)
     conditioning: str = ""  # how XᵀX was factorized: cholesky, damped ε=…, eigendecomposition
     seconds: float = 0.0
@@ -143,13 +145,14 @@ class RewriteReport:
                 "layers": [asdict(layer) for layer in self.layers]}
 
 
-METHODS = ("svd", "whiten")
+METHODS = ("svd", "whiten", "fisher")
 BUDGETS = ("uniform", "global", "sensitivity")
 
 
 @dataclass(frozen=True)
 class FactorizationOptions:
-    """method: plain SVD of W, or SVD-LLM whitening (needs calibration statistics);
+    """method: plain SVD of W, SVD-LLM whitening (needs calibration statistics), or Fisher-weighted
+    (two-sided) whitening (needs output-gradient statistics too, onnx_nmm.fisher);
     svd: how the inner SVD is computed (lowrank.SVD_METHODS); budget: one keep fraction per matrix
     (uniform), one parameter budget for all targets spent where it removes most loss (global), or where
     it damages the model least (sensitivity: the ranks come from onnx_nmm.sensitivity, as forced ranks)."""
@@ -210,7 +213,8 @@ def rewrite_model(model: ir.Model, rule: RankRule, selection: Selection = Select
     if observer is not None:
         observer.prepare({group[0].x.name: group[0].k for group in groups})
     for group in groups:
-        group_stats = observer.observe(model, group[0].x.name) if observer is not None else None
+        observed = observer is not None and not all(factorizer.stays_dense(layer, forced_ranks) for layer in group)
+        group_stats = observer.observe(model, group[0].x.name) if observed else None
         factorized: list[FactorizedLayer] = []
         for layer in group:
             if forced_ranks is not None:
@@ -234,29 +238,49 @@ class _Factorizer:
     def __init__(self, rule: RankRule, options: FactorizationOptions, statistics: GramStatistics | None):
         self.rule, self.options, self.statistics = rule, options, statistics
 
-    def decompose(self, layer: LinearLayer, weight: np.ndarray, rank_hint: int | None, gram: np.ndarray | None = None):
+    def decompose(self, layer: LinearLayer, weight: np.ndarray, rank_hint: int | None, gram: np.ndarray | None = None,
+                  svd: str | None = None):
         o = self.options
-        if gram is not None or o.method == "whiten":
+        if gram is not None or o.method in ("whiten", "fisher"):
             gram = gram if gram is not None else self.statistics.gram(layer.x.name)
-            return whitening.whitened_decomposition(weight, gram, o.svd, rank_hint, o.power_iterations, o.oversample,
-                                                    o.seed)
+            output_gram = self.statistics.output_gram(layer.name) if o.method == "fisher" else None
+            return whitening.whitened_decomposition(weight, gram, svd or o.svd, rank_hint, o.power_iterations,
+                                                    o.oversample, o.seed, output_gram)
         return lowrank.decompose(weight, o.svd, rank_hint=rank_hint, oversample=o.oversample,
                                  power_iterations=o.power_iterations, seed=o.seed)
 
     def allocate(self, layers: list[LinearLayer], on_layer) -> dict[str, int | None]:
-        """First pass of --budget global: every layer's spectrum, then ranks for the same total
-        parameter count as the uniform rule would give."""
-        spectra, budget = [], 0
+        """First pass of --budget global: every layer's full spectrum, then ranks for the same total
+        parameter count as the uniform rule would give — by predicted KL with Fisher statistics, else by
+        relative truncation loss."""
+        spectra, options, budget = [], {}, 0
         for layer in layers:
             rank, _ = self.rule.rank_before_svd(layer.k, layer.n)
             budget += layer.parameters if rank is None else rank * (layer.k + layer.n)
             weight = layer.weight_matrix()
             _release(layer)
-            spectra.append(rank_allocation.LayerSpectrum(layer.name, layer.k, layer.n,
-                                                         self.decompose(layer, weight, None).singular_values))
+            decomposition = self.decompose(layer, weight, None, svd="exact")
+            if self.options.method == "fisher":
+                options[layer.name] = (layer.parameters, [
+                    (r, r * (layer.k + layer.n), fisher.predicted_kl(decomposition.truncated_energy(r),
+                                                                     self.statistics.tokens))
+                    for r in lowrank.aligned_ranks(layer.k, layer.n, self.rule.align)])
+            else:
+                spectra.append(rank_allocation.LayerSpectrum(layer.name, layer.k, layer.n,
+                                                             decomposition.singular_values))
             if on_layer is not None:
                 on_layer(_outcome(layer, "analysed"))
+        if self.options.method == "fisher":
+            return rank_allocation.allocate_by_damage(options, sum(layer.parameters for layer in layers) - budget)
         return rank_allocation.allocate_ranks(spectra, budget, self.rule.align)
+
+    def stays_dense(self, layer: LinearLayer, forced_ranks: dict[str, int | None] | None) -> bool:
+        """Whether the layer is known to stay dense before any decomposition (sequential calibration need
+        not observe its input)."""
+        if forced_ranks is not None:
+            return forced_ranks.get(layer.name) is None
+        rank, reason = self.rule.rank_before_svd(layer.k, layer.n)
+        return rank is None and reason is not None
 
     def factorize(self, layer: LinearLayer, forced_rank: int | None, use_forced: bool,
                   group_stats: sequential.GroupStatistics | None = None,
@@ -294,6 +318,8 @@ class _Factorizer:
         elif isinstance(decomposition, whitening.WhitenedDecomposition):
             outcome.whitened_loss = decomposition.whitened_loss(rank)
             outcome.conditioning = decomposition.conditioning
+            if decomposition.two_sided:
+                outcome.predicted_kl = fisher.predicted_kl(decomposition.truncated_energy(rank), self.statistics.tokens)
         if isinstance(decomposition, whitening.WhitenedDecomposition):
             outcome.plain_svd_error = lowrank.optimal_relative_error(weight, rank)
         elif self.statistics is not None and layer.x.name in self.statistics.grams:
@@ -318,8 +344,11 @@ def _check_options(rule: RankRule, options: FactorizationOptions, statistics: Gr
         raise UserError(f"--method must be one of {', '.join(METHODS)}")
     if options.method == "whiten" and statistics is None and observer is None:
         raise UserError("--method whiten needs calibration data: pass --calib")
-    if observer is not None and options.method != "whiten":
-        raise UserError("sequential calibration fits whitened factors: use it with --method whiten")
+    if options.method == "fisher" and (statistics is None or not statistics.output_grams):
+        raise UserError("--method fisher needs output-gradient statistics: pass --calib with a text (and "
+                        "--tokenizer) or token ids, or statistics saved by a fisher rewrite's --save-calib-stats")
+    if observer is not None and options.method not in ("whiten", "fisher"):
+        raise UserError("sequential calibration fits whitened factors: use it with --method whiten or fisher")
     if observer is not None and options.budget == "global" and statistics is None:
         raise UserError("--budget global ranks layers by their independent statistics: gather them too")
     if options.svd == "randomized" and rule.energy is not None:

@@ -11,8 +11,10 @@
    order send a few layers all the way to the lowest rank (SmolLM2, keep 0.9: 10 matrices at rank 32,
    perplexity 2.5× that of dense on held-out text, worse than truncating all 90 matrices uniformly;
    with both references 1.6×, docs/quality.md).
-3. A greedy order of moves — dense → the largest aligned rank that saves parameters, then one `align`
-   step lower at a time — by parameters saved per unit of predicted damage.
+   With Fisher statistics (`--method fisher`) nothing is measured here: the damage of every rank is the
+   KL divergence the layer's weighted spectrum predicts (onnx_nmm.fisher), in nats for every layer alike.
+3. A greedy order of moves by parameters saved per unit of predicted damage, each layer going from dense
+   down the lower convex hull of its (saving, damage) points (onnx_nmm.rank_allocation).
 4. Within a quality budget: the longest prefix of that order whose real damage, measured with all its
    moves applied at once, stays within the budget (a binary search; the damages of layers roughly add up,
    which is what made the order, but the measurement decides). For a parameter target (`--keep F
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_nmm import lowrank
+from onnx_nmm import fisher, lowrank, rank_allocation
 from onnx_nmm.errors import UserError
 
 DENSE = None
@@ -43,11 +45,11 @@ class Candidate:
     n: int
     decomposition: object  # whitening.WhitenedDecomposition
     references: list[tuple[int, float]] = field(default_factory=list)  # (rank, measured damage)
+    fisher_tokens: int | None = None  # Fisher-weighted decomposition over this many tokens: damage is predicted
 
     def ranks(self, align: int) -> list[int]:
         """Aligned ranks that save parameters, largest first."""
-        top = align * math.floor((lowrank.break_even_rank(self.k, self.n) - 1e-9) / align)
-        return list(range(top, 0, -align))
+        return lowrank.aligned_ranks(self.k, self.n, align)
 
     def reference_ranks(self, align: int) -> list[int]:
         """Where the damage is measured: the middle and the lowest of `ranks(align)`."""
@@ -59,8 +61,13 @@ class Candidate:
 
     def predicted_damage(self, rank: int | None) -> float:
         """Piecewise linear in the truncation loss through (0, 0) and the references (kept non-decreasing,
-        as measurements are noisy); past the last reference its slope goes on."""
-        if rank is DENSE or not self.references:
+        as measurements are noisy); past the last reference its slope goes on. With Fisher statistics: the
+        predicted KL."""
+        if rank is DENSE:
+            return 0.0
+        if self.fisher_tokens is not None:
+            return fisher.predicted_kl(self.decomposition.truncated_energy(rank), self.fisher_tokens)
+        if not self.references:
             return 0.0
         points = sorted((self.truncation_loss(r), damage) for r, damage in self.references)
         losses = np.array([0.0] + [loss for loss, _ in points])
@@ -85,32 +92,16 @@ class Selection:
     moves_applied: int
     moves_considered: int
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, damage) measured
-    sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # per candidate: its references
+    # per candidate: (rank, damage) measured at its references, or predicted at every rank
+    sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
-    """(candidate, new rank) moves, best parameters-saved per predicted damage first; each candidate's
-    moves come in order (dense → largest rank → smaller ranks)."""
-    ranks: dict[str, int | None] = {c.name: DENSE for c in candidates}
-    options = {c.name: c.ranks(align) for c in candidates}
-    by_name = {c.name: c for c in candidates}
-    order = []
-    while True:
-        best, best_ratio = None, -1.0
-        for name, candidate in by_name.items():
-            steps = options[name]
-            current = ranks[name]
-            following = steps[0] if current is DENSE and steps else next((r for r in steps if current and r < current), None)
-            if following is None:
-                continue
-            saved = candidate.parameters(current) - candidate.parameters(following)
-            damage = max(candidate.predicted_damage(following) - candidate.predicted_damage(current), 1e-12)
-            if saved / damage > best_ratio:
-                best, best_ratio = (name, following), saved / damage
-        if best is None:
-            return order
-        order.append(best)
-        ranks[best[0]] = best[1]
+    """(candidate, new rank) moves, most parameters saved per predicted damage first, each candidate's
+    along the lower convex hull of its (saving, damage) points (rank_allocation.cheapest_moves)."""
+    return rank_allocation.cheapest_moves({
+        c.name: (c.parameters(DENSE), [(rank, c.parameters(rank), c.predicted_damage(rank)) for rank in c.ranks(align)])
+        for c in candidates})
 
 
 def ranks_after(moves: list[tuple[str, int]], candidates: list[Candidate]) -> dict[str, int | None]:
@@ -179,12 +170,14 @@ METRICS = ("ppl", "kl")
 
 
 def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: int, metric: str,
-                 budget: float | None = None, keep: float | None = None,
+                 budget: float | None = None, keep: float | None = None, use_fisher: bool = False,
                  on_step: Callable[[str], None] | None = None) -> Selection:
     """Ranks for the selected layers of the model at `model_path`, by their damage on `tokens` [B, S]: the
     increase of mean log-loss ("ppl", budget = log(1 + allowed relative increase)) or the mean KL to the
     dense model ("kl", nats). Either within `budget` of damage, or keeping the fraction `keep` of the
-    selected layers' parameters at the least damage. Needs whitening statistics of every target."""
+    selected layers' parameters at the least damage. Needs whitening statistics of every target; with
+    `use_fisher`, their output-gradient statistics too, which predict every damage instead of measuring it
+    (`on_step` then hears of nothing)."""
     import onnx_ir as ir
     import torch
 
@@ -197,11 +190,15 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
     layers, _ = select_layers(find_linear_layers(model), selection)
     candidates, full_rank = [], []
     for layer in layers:
-        decomposition = whitening.whitened_decomposition(layer.weight_matrix(), statistics.gram(layer.x.name))
+        output_gram = statistics.output_gram(layer.name) if use_fisher else None
+        decomposition = whitening.whitened_decomposition(layer.weight_matrix(), statistics.gram(layer.x.name),
+                                                         output_gram=output_gram)
         u, v = decomposition.factors(decomposition.max_rank, dtype=np.float64)
-        full_rank.append(FactorizedLayer(layer=layer, u=u, v=v, align=align, method="whiten/exact"))
+        method = "fisher" if use_fisher else "whiten"
+        full_rank.append(FactorizedLayer(layer=layer, u=u, v=v, align=align, method=f"{method}/exact"))
         base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
-        candidate = Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n, decomposition)
+        candidate = Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n, decomposition,
+                              fisher_tokens=statistics.tokens if use_fisher else None)
         if candidate.ranks(align):
             candidates.append(candidate)
     SvdFactorizationPass(full_rank)(model)
@@ -236,7 +233,7 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
                 parameters[factor].data = originals[factor]
         return nll - base_nll if metric == "ppl" else kl
 
-    for candidate in candidates:
+    for candidate in candidates if not use_fisher else []:
         candidate.references = [(rank, damage_of({candidate.name: rank})) for rank in candidate.reference_ranks(align)]
         if on_step is not None:
             on_step(candidate.name)
@@ -245,5 +242,6 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
         chosen = select_for_parameters(candidates, align, target, metric, damage_of)
     else:
         chosen = select_within_budget(candidates, align, budget, metric, damage_of)
-    chosen.sensitivity = {candidate.name: candidate.references for candidate in candidates}
+    chosen.sensitivity = {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)]
+                          for c in candidates}
     return chosen

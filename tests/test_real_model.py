@@ -56,3 +56,24 @@ def test_full_rank_rewrite_of_smollm2_keeps_its_perplexity(capsys, smollm2, tmp_
     _run(capsys, "rewrite", model, "-o", out, "--rank", "full", "--quiet")
     assert _perplexity(capsys, out, tokenizer, windows=2) == pytest.approx(_perplexity(capsys, model, tokenizer, 2),
                                                                            rel=1e-4)
+
+
+def test_fisher_beats_whitening_at_the_same_parameter_count_on_smollm2(capsys, smollm2, tmp_path):
+    """Weighing each output direction by the loss's gradients beats weighing only the inputs, at the same ranks;
+    spending the same parameters where the predicted KL is least beats both (docs/quality.md)."""
+    model, tokenizer = smollm2
+    stats = tmp_path / "stats.npz"
+    _run(capsys, "rewrite", model, "-o", tmp_path / "calibrated.onnx", "--method", "fisher", "--calib",
+         assets.kjv_text("calibration"), "--tokenizer", tokenizer, "--calib-samples", "16", "--seq-len", "256",
+         "--save-calib-stats", stats, "--quiet")
+    perplexities, kept = {}, {}
+    for name, flags in (("whiten", ["--method", "whiten"]), ("fisher", ["--method", "fisher"]),
+                        ("fisher-global", ["--method", "fisher", "--budget", "global"])):
+        out, report = tmp_path / f"{name}.onnx", tmp_path / f"{name}.json"
+        _run(capsys, "rewrite", model, "-o", out, "--calib", stats, "--keep", "0.9", "--align", "32", *flags,
+             "--report", report, "--quiet")
+        perplexities[name] = _perplexity(capsys, out, tokenizer)
+        kept[name] = json.loads(report.read_text())["totals"]["parameters_after"]
+    assert kept["fisher-global"] <= kept["fisher"] == kept["whiten"]
+    assert _perplexity(capsys, model, tokenizer) < perplexities["fisher-global"] < perplexities["fisher"] \
+        < perplexities["whiten"]

@@ -28,11 +28,18 @@ def _candidates():
             Candidate("fragile", ("b.u", "b.v"), 64, 192, flat, references=[(16, 0.5)])]
 
 
-def test_moves_go_from_dense_down_in_aligned_steps_cheapest_damage_first():
+def test_moves_go_from_dense_down_aligned_ranks_cheapest_damage_first():
     moves = greedy_moves(_candidates(), align=16)
     robust = [rank for name, rank in moves if name == "robust"]
     assert robust == [32, 16] and all(rank % 16 == 0 for _, rank in moves)  # break-even of 64×192 is 48
-    assert moves[0][0] == "robust" and moves.index(("robust", 16)) < moves.index(("fragile", 32))
+    assert moves[0][0] == "robust" and moves.index(("robust", 16)) < moves.index(("fragile", 16))
+
+
+def test_a_move_jumps_over_a_rank_whose_saving_is_not_worth_its_damage():
+    # flat spectrum, damage linear in L(r)² = 1 − r/64: rank 32 costs 2/3 of rank 16's damage for half its
+    # saving, so the layer goes from dense straight to 16 (one aligned step at a time would stop at 32)
+    moves = greedy_moves(_candidates(), align=16)
+    assert [rank for name, rank in moves if name == "fragile"] == [16]
 
 
 def test_damage_between_references_is_interpolated_in_the_truncation_loss():

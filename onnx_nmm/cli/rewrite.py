@@ -32,7 +32,10 @@ def register(subparsers) -> None:
     _common.add_selection_options(parser)
     parser.add_argument("--method", choices=METHODS,
                         help="svd: truncated SVD of W; whiten: SVD-LLM activation-aware SVD, minimising the error of "
-                             "the layer's outputs on the calibration data (default: whiten with --calib, else svd)")
+                             "the layer's outputs on the calibration data; fisher: also weighs each output direction by "
+                             "how much the model's predictions depend on it (gradients through the model in PyTorch; "
+                             "the best quality, and --budget global then spends parameters by predicted KL) "
+                             "(default: whiten with --calib, else svd)")
     parser.add_argument("--budget", choices=BUDGETS, default="uniform",
                         help="uniform: every matrix keeps --keep of its parameters; global: the same total, spent "
                              "per layer where it removes the most truncation loss; sensitivity: the same total, "
@@ -112,14 +115,16 @@ def run(args) -> int:
     forced_ranks, forced_reason, chosen = None, "", None
     with _progress(args.quiet) as progress:
         observer = GroupObserver(source, _windows(args, model).batches(args.calib_batch)) if sequential else None
-        needs_statistics = args.calib and (not sequential or args.budget == "global" or quality_budget)
-        statistics = _calibrate(args, source, model, selection, progress) if needs_statistics else None
+        needs_statistics = args.calib and (not sequential or args.budget == "global" or quality_budget
+                                           or method == "fisher")
+        statistics = _calibrate(args, method, source, model, selection, progress) if needs_statistics else None
         seconds["calibration"], clock = time.perf_counter() - clock, time.perf_counter()
         if args.ranks_from:
             forced_ranks = _ranks_from(args.ranks_from, model)
             forced_reason = f"kept dense in {args.ranks_from}"
         if quality_budget:
-            chosen = _choose_ranks(args, source, model, selection, statistics, quality_budget, progress)
+            chosen = _choose_ranks(args, source, model, selection, statistics, quality_budget, method == "fisher",
+                                   progress)
             forced_ranks = chosen.ranks
             forced_reason = f"kept dense: the most sensitive layers within the {quality_budget.description}"
             seconds["rank selection"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -161,8 +166,9 @@ def run(args) -> int:
     return 0
 
 
-def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics:
-    """XᵀX of every target's input: loaded from a statistics file, or gathered in onnxruntime."""
+def _calibrate(args, method: str, source: Path, model, selection, progress) -> GramStatistics:
+    """XᵀX of every target's input (and, for fisher, the output-gradient Grams): loaded from a statistics
+    file, or gathered — in onnxruntime, or for fisher by backpropagation in PyTorch."""
     for path in (args.calib_stats, args.calib):
         if path and path.endswith(".npz") and GramStatistics.is_statistics_file(path):
             return GramStatistics.load(path)
@@ -170,8 +176,19 @@ def _calibrate(args, source: Path, model, selection, progress) -> GramStatistics
         raise UserError(f"{args.calib_stats} is not a statistics file saved by --save-calib-stats")
     windows = _windows(args, model)
     task = progress.add_task(f"calibrating ({windows.description})", total=windows.token_count)
-    statistics = collect_gram_matrices(source, target_inputs(model, selection), windows.batches(args.calib_batch),
-                                       windows.description, on_batch=lambda rows: progress.update(task, advance=rows))
+
+    def advance(rows: int) -> None:
+        progress.update(task, advance=rows)
+
+    if method == "fisher":
+        from onnx_nmm.fisher import collect_fisher_statistics
+
+        targets, _ = select_layers(find_linear_layers(model), selection)
+        statistics = collect_fisher_statistics(source, model.graph, targets, windows.batches(args.calib_batch),
+                                               windows.description, seed=args.seed, on_batch=advance)
+    else:
+        statistics = collect_gram_matrices(source, target_inputs(model, selection), windows.batches(args.calib_batch),
+                                           windows.description, on_batch=advance)
     progress.update(task, visible=False)
     if args.save_calib_stats:
         statistics.save(args.save_calib_stats)
@@ -230,16 +247,17 @@ def _ranks_from(path: str, model) -> dict[str, int | None]:
     return ranks
 
 
-def _choose_ranks(args, source, model, selection, statistics, quality_budget, progress):
+def _choose_ranks(args, source, model, selection, statistics, quality_budget, use_fisher: bool, progress):
     from onnx_nmm.sensitivity import choose_ranks
 
     if args.sensitivity_windows < 1:
         raise UserError("--sensitivity-windows must be a positive integer")
     tokens = _windows(args, model).tokens[: args.sensitivity_windows]
     targets, _ = select_layers(find_linear_layers(model), selection)
-    task = progress.add_task("measuring sensitivity", total=len(targets))
+    task = progress.add_task("measuring sensitivity" if not use_fisher else "measuring the predicted choice",
+                             total=len(targets) if not use_fisher else None)
     chosen = choose_ranks(source, selection, statistics, tokens, args.align, quality_budget.metric,
-                          quality_budget.budget, quality_budget.keep,
+                          quality_budget.budget, quality_budget.keep, use_fisher,
                           on_step=lambda name: progress.update(task, advance=1, description=f"sensitivity: {name}"))
     progress.update(task, visible=False)
     return chosen
@@ -274,9 +292,11 @@ def _print_summary(report, output: Path) -> None:
     prefix = _common.common_module_prefix([layer.module_path for layer in report.layers])
     table = Table(title=f"Rewrite ({report.rule}; {report.selection}; {report.method})"
                   + (f", module paths under {prefix}" if prefix else ""), title_justify="left")
+    fisher = any(layer.predicted_kl is not None for layer in report.layers)
     for column, justify in (("layer", "left"), ("role", "left"), ("K×N", "right"), ("rank", "right"),
                             ("params before", "right"), ("after", "right"), ("‖W−UV‖/‖W‖", "right"),
-                            ("‖X(W−UV)‖/‖XW‖", "right"), ("note", "left")):
+                            ("‖Sᵀ(W−UV)T‖/‖SᵀWT‖" if fisher else "‖X(W−UV)‖/‖XW‖", "right"),
+                            *([("predicted KL", "right")] if fisher else []), ("note", "left")):
         table.add_column(column, justify=justify)
     for layer in report.layers:
         if layer.status == "skipped":
@@ -286,6 +306,7 @@ def _print_summary(report, output: Path) -> None:
                       _common.millions(layer.parameters_after),
                       f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—",
                       f"{layer.whitened_loss:.4f}" if layer.whitened_loss is not None else "—",
+                      *([f"{layer.predicted_kl:.2e}" if layer.predicted_kl is not None else "—"] if fisher else []),
                       ", ".join(filter(None, [layer.reason, layer.conditioning if layer.conditioning != "cholesky" else ""])))
     _common.stdout.print(table)
     conditioned = [layer for layer in report.factorized if layer.conditioning not in ("", "cholesky")]
