@@ -1,20 +1,24 @@
 """How much of SmolLM2's MLPs can go within +10 % perplexity on held-out text, and what each step adds.
 
-    python tools/compression_budget_study.py [--budgets 0.05 0.2] [--keeps 0.9] [--finetune-minutes 15]
+    python tools/compression_budget_study.py [--keeps 0.96 0.94 0.92 0.9] [--whitened-keeps 0.99 0.9]
+                                             [--finetune-steps 100]
 
-Every model is scored on the held-out New Testament; the best parameter reduction whose perplexity stays
-within +10 % of the dense model's is reported for each method. Two ways to choose where to compress, both
-measuring each MLP matrix's sensitivity on Old Testament calibration windows:
+Every model removes a fixed share 1 − K of the MLP parameters where it costs least (`--keep K --budget
+sensitivity`) and is scored on the held-out New Testament. For each method, the study reports the largest
+share removed within +10 % of the dense model's perplexity:
 
-    rewrite --max-ppl-increase P           as many parameters as a selection budget P allows
-    rewrite --keep K --budget sensitivity  a fixed reduction (1 − K), taken where it costs least
+    whitened          SVD-LLM whitening; where to compress measured: each matrix truncated at two ranks on
+                      calibration windows (≈15 min a selection, so only at --whitened-keeps)
+    fisher            Fisher-weighted SVD; where to compress predicted by the same statistics (seconds)
+    fisher+sequential the fisher ranks refitted by error-aware calibration (`--ranks-from` its report)
+    fisher+fine-tuning distillation against the dense model, --finetune-steps on the CPU
 
-each as whitened (independent calibration) and sequential (error-aware factors refitted at the ranks the
-whitened selection chose, `--ranks-from` its report). At each K both models are then fine-tuned for the
-same time with both losses of `finetune`: distillation against the dense model, and next-token on the
-calibration text. Next-token fine-tuning also adapts the model to the text's style, which the held-out part
-shares, so the study fine-tunes a full-rank rewrite (the dense model's own MLPs) the same way and reports
-it: the dense model given that recipe.
+One calibration pass (`--method fisher`: input and output-gradient Grams) serves both methods. At the
+largest reduction the fisher model is also fine-tuned with next-token loss, beside the dense model
+fine-tuned the same way (next-token training also teaches the text's style, which the held-out part
+shares). And one row lets `--max-ppl-increase 0.1` choose on calibration windows, to show how a budget
+measured there carries over to held-out text.
+
 Every command is recorded in the page (a section of docs/quality.md). Models already in --work are kept,
 so an interrupted study resumes; delete the folder to start afresh.
 """
@@ -22,7 +26,7 @@ so an interrupted study resumes; delete the folder to start afresh.
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -34,116 +38,143 @@ from commands import CommandLog, write_section  # noqa: E402
 
 TOLERANCE = 0.10  # held-out perplexity increase allowed
 BAR = 0.10  # fraction of the MLP parameters that must go within it, with everything on (issue 6)
-LOSSES = {"distillation": "distill", "next-token": "next-token"}  # the study's name: finetune's --loss
+SELECTION_BUDGET = 0.1  # the --max-ppl-increase row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budgets", type=float, nargs="*", default=[0.05, 0.2])
-    parser.add_argument("--keeps", type=float, nargs="*", default=[0.9])
-    parser.add_argument("--stats", default="out/quality/smollm2-stats.npz", help="XᵀX statistics (quality_sweep.py)")
-    parser.add_argument("--calib-samples", type=int, default=8, help="windows of 512 tokens for sequential passes")
+    parser.add_argument("--keeps", type=float, nargs="*", default=[0.96, 0.94, 0.92, 0.9])
+    parser.add_argument("--whitened-keeps", type=float, nargs="*", default=[0.99, 0.9])
+    parser.add_argument("--calib-samples", type=int, default=64, help="windows of 512 tokens for the statistics")
+    parser.add_argument("--sequential-samples", type=int, default=16, help="windows for the sequential refits")
     parser.add_argument("--eval-windows", type=int, default=16)
-    parser.add_argument("--finetune-minutes", type=float, default=15)
+    parser.add_argument("--finetune-steps", type=int, default=100, help="2 × 512 tokens each; ≈10 min here")
     parser.add_argument("--work", default="out/budget")
     parser.add_argument("--out", default="docs/quality.md")
     args = parser.parse_args()
-    work = Path(args.work)
-    model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
-    run = CommandLog()
-    def perplexity(path) -> float:
-        return run.perplexity(path, evaluation, tokenizer, args.eval_windows)["perplexity"]
-
-    def finetune(rewritten: Path, loss: str) -> Path:
-        tuned = work / f"{rewritten.stem}-{loss}-{args.finetune_minutes:g}min.onnx"
-        run.produce([tuned], "finetune", rewritten, "-o", tuned, "--text", calibration, "--tokenizer", tokenizer,
-                    "--loss", LOSSES[loss], *(["--teacher", model] if loss == "distillation" else []),
-                    "--time-budget", int(args.finetune_minutes * 60), "--quiet", "--force")
-        return tuned
-
-    dense = perplexity(model)
-    calib = ["--calib", calibration, "--tokenizer", tokenizer, "--calib-samples", args.calib_samples, "--seq-len", "512",
-             "--align", "32"]
-    choices = ([(f"--max-ppl-increase {budget}", f"{budget}", ["--max-ppl-increase", budget]) for budget in args.budgets]
-               + [(f"--keep {keep} --budget sensitivity", f"keep-{keep}", ["--keep", keep, "--budget", "sensitivity"])
-                  for keep in args.keeps])
-    rows = []
-    for chosen_by, tag, flags in choices:
-        chosen = work / f"whitened-{tag}.json"  # the sequential rewrite refits the ranks this selection chose
-        for method, extra in (("whitened", ["--calib-stats", args.stats, "--sensitivity-windows", "2", *flags]),
-                              ("sequential", ["--calib-mode", "sequential", "--ranks-from", chosen])):
-            out, report = work / f"{method}-{tag}.onnx", work / f"{method}-{tag}.json"
-            run.produce([out, report], "rewrite", model, "-o", out, *calib, *extra, "--report", report,
-                        "--quiet", "--force")
-            rows.append((method, chosen_by, _kept(report), perplexity(out)))
-            print(rows[-1], flush=True)
-        if "--keep" in flags:
-            kept = rows[-1][2]
-            for method, loss in itertools.product(("sequential", "whitened"), LOSSES):
-                tuned = finetune(work / f"{method}-{tag}.onnx", loss)
-                rows.append((f"{method} + {loss} fine-tuning", chosen_by, kept, perplexity(tuned)))
-                print(rows[-1], flush=True)
-    control = None
-    if args.keeps:
-        full_rank = work / "full-rank.onnx"
-        run.produce([full_rank], "rewrite", model, "-o", full_rank, "--calib", args.stats, "--rank", "full",
-                    "--quiet", "--force")
-        control = perplexity(finetune(full_rank, "next-token"))
-    write_page(Path(args.out), dense, control, rows, run.lines, args)
+    study = Study(args)
+    study.run()
+    study.write_page(Path(args.out))
     return 0
 
 
+class Study:
+    def __init__(self, args):
+        self.args = args
+        self.work = Path(args.work)
+        self.model, self.tokenizer, self.calibration, self.evaluation = assets.smollm2_study(self.work)
+        self.commands = CommandLog()
+        self.stats = self.work / "stats.npz"
+        self.text = ["--calib", self.calibration, "--tokenizer", self.tokenizer, "--seq-len", "512", "--align", "32"]
+        self.rows: list[tuple[str, str, float, float]] = []  # (method, chosen by, fraction removed, perplexity)
+        self.dense = self.control = None
+
+    def perplexity(self, path) -> float:
+        return self.commands.perplexity(path, self.evaluation, self.tokenizer, self.args.eval_windows)["perplexity"]
+
+    def run(self) -> None:
+        a = self.args
+        self.dense = self.perplexity(self.model)
+        by_product = self.work / "calibrated.onnx"
+        self.commands.produce([self.stats], "rewrite", self.model, "-o", by_product, "--method", "fisher", *self.text,
+                              "--calib-samples", a.calib_samples, "--save-calib-stats", self.stats,
+                              "--quiet", "--force")
+        for keep in a.whitened_keeps:
+            self.rewrite("whitened", f"keep-{keep}", ["--method", "whiten", "--keep", keep, "--budget", "sensitivity"])
+        for keep in a.keeps:
+            fisher = self.rewrite("fisher", f"keep-{keep}",
+                                  ["--method", "fisher", "--keep", keep, "--budget", "sensitivity"])
+            self.rewrite("fisher+sequential", f"keep-{keep}", [
+                "--method", "fisher", "--calib-mode", "sequential", "--calib-samples", a.sequential_samples,
+                "--ranks-from", fisher.with_suffix(".json")])
+            self.finetune(fisher, "distill", f"keep {keep}")
+        self.rewrite("fisher", f"ppl-{SELECTION_BUDGET}",
+                     ["--method", "fisher", "--max-ppl-increase", SELECTION_BUDGET])
+        if a.keeps:
+            largest = self.work / f"fisher-keep-{min(a.keeps)}.onnx"
+            self.finetune(largest, "next-token", f"keep {min(a.keeps)}")
+            full_rank = self.work / "full-rank.onnx"
+            self.commands.produce([full_rank], "rewrite", self.model, "-o", full_rank, "--calib-stats", self.stats,
+                                  *self.text, "--rank", "full", "--quiet", "--force")
+            self.control = self.perplexity(self.finetune(full_rank, "next-token", None))
+
+    def rewrite(self, method: str, tag: str, flags: list) -> Path:
+        out = self.work / f"{method}-{tag}.onnx"
+        report = out.with_suffix(".json")
+        self.commands.produce([out, report], "rewrite", self.model, "-o", out, *self.text, "--calib-stats", self.stats,
+                              "--sensitivity-windows", "2", *flags, "--report", report, "--quiet", "--force")
+        chosen_by = " ".join(str(flag) for flag in flags if str(flag) not in ("--method", "fisher", "whiten"))
+        self.rows.append((method, chosen_by, 1 - _kept(report), self.perplexity(out)))
+        print(self.rows[-1], flush=True)
+        return out
+
+    def finetune(self, rewritten: Path, loss: str, chosen_by: str | None) -> Path:
+        tuned = self.work / f"{rewritten.stem}-{loss}-{self.args.finetune_steps}steps.onnx"
+        self.commands.produce([tuned], "finetune", rewritten, "-o", tuned, "--text", self.calibration,
+                              "--tokenizer", self.tokenizer, "--seq-len", "512", "--loss", loss,
+                              *(["--teacher", self.model] if loss == "distill" else []),
+                              "--steps", self.args.finetune_steps, "--quiet", "--force")
+        if chosen_by is not None:
+            method = f"fisher + {'distillation' if loss == 'distill' else 'next-token'} fine-tuning"
+            removed = 1 - _kept(rewritten.with_suffix(".json"))
+            self.rows.append((method, f"--keep {chosen_by.split()[-1]} --budget sensitivity", removed,
+                              self.perplexity(tuned)))
+            print(self.rows[-1], flush=True)
+        return tuned
+
+    def best_within(self) -> dict[str, float]:
+        """Per method family, the largest share removed within the tolerance (a family that fine-tunes counts
+        the models it starts from too)."""
+        limit = self.dense * (1 + TOLERANCE)
+        families = {"whitened": ("whitened",), "fisher": ("fisher",), "fisher + sequential": ("fisher+sequential",),
+                    "fisher + distillation fine-tuning": ("fisher", "fisher + distillation fine-tuning")}
+        return {family: max((removed for method, _, removed, ppl in self.rows if method in methods and ppl <= limit),
+                            default=None) for family, methods in families.items()}
+
+    def write_page(self, path: Path) -> None:
+        a, dense = self.args, self.dense
+        lines = [
+            "## Choosing where to compress: the best reduction within +10 % perplexity",
+            "",
+            f"Dense perplexity on the held-out New Testament ({a.eval_windows} windows of 512 tokens):",
+            f"**{dense:.3f}**; the bar is {dense * (1 + TOLERANCE):.3f} (+{TOLERANCE:.0%}). Every model removes a fixed",
+            "share of the MLP parameters (*removed*, of 79.6M) where it costs least, ranks aligned to 32. The",
+            f"statistics come from one pass over {a.calib_samples} Old Testament windows of 512 tokens. *whitened*",
+            "measures where to compress (every matrix truncated at two ranks on two calibration windows); *fisher*",
+            "predicts it from the KL each rank adds (onnx_nmm/fisher.py). *+sequential* refits the fisher ranks with",
+            f"error-aware calibration on {a.sequential_samples} windows. Fine-tuning: {a.finetune_steps} steps (about ten",
+            "minutes on this CPU) from the fisher model, only the factors trained, on Old Testament windows",
+            "(2 × 512 tokens a step, lr 1e-4).",
+            "",
+            "| method | chosen by | MLP parameters removed | held-out perplexity | increase | within +10 % |",
+            "|---|---|---:|---:|---:|:---:|",
+        ]
+        for method, chosen_by, removed, ppl in self.rows:
+            lines.append(f"| {method} | `{chosen_by}` | {removed:.2%} | {ppl:.3f} | {ppl / dense - 1:+.1%} | "
+                         f"{'yes' if ppl <= dense * (1 + TOLERANCE) else 'no'} |")
+        best = self.best_within()
+        lines += ["", "Largest share of the MLP parameters removed within +10 % held-out perplexity, of the models",
+                  "tried:", ""]
+        lines += [f"- {family}: **{removed:.2%}**" if removed is not None else f"- {family}: none of the models tried"
+                  for family, removed in best.items()]
+        met = (best["fisher + distillation fine-tuning"] or 0.0) >= BAR
+        lines += ["", f"The bar — with everything on, at least {BAR:.0%} of the MLP parameters removed within +10 % — "
+                  f"is **{'met' if met else 'not met'}**."]
+        if self.control is not None:
+            lines += ["", f"The dense model given the same {a.finetune_steps} steps of next-token fine-tuning (a full-rank "
+                      f"rewrite, so the same factors train): **{self.control:.3f}** ({self.control / dense - 1:+.1%}). "
+                      "Next-token fine-tuning also teaches the model the style of the text, which the held-out part "
+                      "shares; measured against this adapted dense model, the next-token row above is "
+                      + ", ".join(f"{ppl / self.control - 1:+.1%}" for method, _, _, ppl in self.rows
+                                  if "next-token" in method) + "."]
+        lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",
+                  f"Generated by `{shlex.join(['python', 'tools/compression_budget_study.py', *sys.argv[1:]])}`:",
+                  "", "```", *self.commands.lines, "```"]
+        write_section(path, "budget-study", lines)
+
+
 def _kept(report: Path) -> float:
-    import json
-
     return json.loads(report.read_text())["totals"]["kept_fraction"]
-
-
-def write_page(path: Path, dense: float, control: float | None, rows, commands, args) -> None:
-    lines = [
-        "## Choosing where to compress: the best reduction within +10 % perplexity",
-        "",
-        f"Dense perplexity on the held-out New Testament ({args.eval_windows} windows of 512 tokens): **{dense:.3f}**;",
-        f"the bar is {dense * (1 + TOLERANCE):.3f} (+{TOLERANCE:.0%}). Each model's layers and ranks are chosen by",
-        "measuring every MLP matrix's sensitivity on two Old Testament windows (ranks aligned to 32), either",
-        "within a selection budget (`--max-ppl-increase P`: as many parameters as +P on those windows allows) or",
-        "for a fixed reduction (`--keep K --budget sensitivity`). *Removed* is the fraction of the MLP parameters",
-        f"(79.6M) the model no longer has. Fine-tuning: {args.finetune_minutes:g} minutes on the CPU from the sequential",
-        "or the whitened model, only the factors trained, on Old Testament windows (2 × 256 tokens a step, lr",
-        "1e-4): distillation against the dense model's logits, or next-token loss on the text.",
-        "",
-        "| method | chosen by | MLP parameters removed | held-out perplexity | increase | within +10 % |",
-        "|---|---|---:|---:|---:|:---:|",
-    ]
-    best = {}
-    for method, chosen_by, kept, ppl in rows:
-        ok = ppl <= dense * (1 + TOLERANCE)
-        lines.append(f"| {method} | `{chosen_by}` | {1 - kept:.2%} | {ppl:.3f} | {ppl / dense - 1:+.1%} | "
-                     f"{'yes' if ok else 'no'} |")
-        family = method.split(" + ")[0] + (" + fine-tuning" if "fine-tuning" in method else "")
-        if ok and 1 - kept > best.get(family, -1.0):
-            best[family] = 1 - kept
-    for method in ("whitened", "sequential"):  # a model within the bar needs no fine-tuning to count
-        if method in best:
-            best[f"{method} + fine-tuning"] = max(best[method], best.get(f"{method} + fine-tuning", -1.0))
-    lines += ["", "Best reduction of the MLP parameters within +10 % held-out perplexity:", ""]
-    for method in ("whitened", "sequential", "sequential + fine-tuning", "whitened + fine-tuning"):
-        lines.append(f"- {method}: **{best[method]:.2%}**" if method in best else f"- {method}: none of the models tried")
-    met = max(best.get("sequential + fine-tuning", 0.0), best.get("whitened + fine-tuning", 0.0)) >= BAR
-    lines += ["", f"The bar — with everything on, at least {BAR:.0%} of the MLP parameters removed within +10 % — is "
-              f"**{'met' if met else 'not met'}**."]
-    if control is not None:
-        lines += ["", f"The dense model given the same {args.finetune_minutes:g} minutes of next-token fine-tuning (a "
-                  f"full-rank rewrite, so the same factors train): **{control:.3f}** ({control / dense - 1:+.1%}). "
-                  "Next-token fine-tuning also teaches the model the style of the text, which the held-out part "
-                  "shares; measured against this adapted dense model instead, the next-token rows above are:",
-                  ""]
-        lines += [f"- {method} (`{chosen_by}`): {ppl / control - 1:+.1%}" for method, chosen_by, _, ppl in rows
-                  if "next-token" in method]
-    lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",
-              f"Generated by `{shlex.join(['python', 'tools/compression_budget_study.py', *sys.argv[1:]])}`:",
-              "", "```", *commands, "```"]
-    write_section(path, "budget-study", lines)
 
 
 if __name__ == "__main__":
