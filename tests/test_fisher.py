@@ -3,7 +3,9 @@
 import json
 
 import numpy as np
+import onnx
 import pytest
+from graphs import swiglu_mlp
 from rewriting import assert_logits_close, run_both
 
 from onnx_nmm import ort_runner
@@ -130,3 +132,14 @@ def test_a_perplexity_budget_with_fisher_statistics_predicts_instead_of_measurin
     for predictions in budget["sensitivity"].values():
         ranks, damages = zip(*predictions)
         assert list(ranks) == sorted(ranks, reverse=True) and list(damages) == sorted(damages)
+
+
+def test_fisher_on_a_model_that_is_not_a_causal_lm_is_a_one_line_error(capsys, tmp_path):
+    source, ids = tmp_path / "mlp.onnx", tmp_path / "ids.npz"
+    onnx.save(swiglu_mlp(), source)
+    np.savez(ids, input_ids=np.zeros((2, 8), dtype=np.int64))
+    code = main([str(a) for a in ("rewrite", source, "-o", tmp_path / "o.onnx", "--method", "fisher", "--calib", ids,
+                                  "--quiet")])
+    error = capsys.readouterr().err
+    assert code == 2 and "Fisher statistics need a causal LM" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "o.onnx").exists()
