@@ -1,7 +1,7 @@
 """Where calibration and evaluation tokens come from: a text file, an .npz of inputs, or random ids.
 
 Text is tokenized once with a Hugging Face tokenizer (a tokenizer folder, or a GGUF file whose
-tokenizer transformers can read) and cut into consecutive windows of `seq_len` tokens.
+tokenizer transformers can read) and cut into non-overlapping windows of `seq_len` tokens.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
         return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
-def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, seq_len: int) -> TokenWindows:
-    """Consecutive, non-overlapping windows of `seq_len` tokens from the start of the text."""
+def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, seq_len: int,
+                      spread: bool = False) -> TokenWindows:
+    """Non-overlapping windows of `seq_len` tokens: consecutive from the start of the text, or with `spread`,
+    evenly spaced over the whole of it (a long text's opening need not look like the rest)."""
     ids = text_tokens(path, tokenizer)
     available = len(ids) // seq_len
     if available == 0:
@@ -77,8 +79,10 @@ def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, s
     count = available if samples is None else min(samples, available)
     if samples is not None and samples > available:
         warnings.warn(f"{path} has only {available} windows of {seq_len} tokens; using {available}, not {samples}")
-    return TokenWindows(ids[: count * seq_len].reshape(count, seq_len),
-                        f"{path}: {count} windows of {seq_len} tokens")
+    windows = ids[: available * seq_len].reshape(available, seq_len)
+    picks = np.linspace(0, available - 1, count).round().astype(int) if spread else np.arange(count)
+    where = f"spread over all {available}" if spread and count < available else "from the start"
+    return TokenWindows(windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}")
 
 
 def windows_from_npz(path: str | os.PathLike, samples: int | None) -> TokenWindows:
@@ -105,8 +109,9 @@ def random_windows(vocab: int, samples: int, seq_len: int, seed: int = 0) -> Tok
 
 
 def calibration_windows(source: str, tokenizer: str | None, samples: int | None, seq_len: int,
-                        vocab: int | None = None) -> TokenWindows:
-    """Windows from `--calib SOURCE`: a text file (with --tokenizer), an .npz, or `random`."""
+                        vocab: int | None = None, spread: bool = False) -> TokenWindows:
+    """Windows from `--calib SOURCE`: a text file (with --tokenizer; `spread` over it or from its start), an
+    .npz, or `random`."""
     if source == RANDOM:
         if vocab is None:
             raise UserError("random calibration needs the vocabulary size")
@@ -115,4 +120,4 @@ def calibration_windows(source: str, tokenizer: str | None, samples: int | None,
         return windows_from_npz(source, samples)
     if tokenizer is None:
         raise UserError(f"--calib {source} is text: give its tokenizer with --tokenizer (a folder or a .gguf file)")
-    return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len)
+    return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len, spread)

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import graphs
+from onnx_nmm import calibration_data
 from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import main
 from onnx_nmm.errors import UserError
@@ -117,6 +118,29 @@ def test_global_budget_spends_the_same_parameters(capsys, export, tmp_path):
 def test_whiten_without_calibration_is_an_error(capsys, export, tmp_path):
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--method", "whiten")
     assert code == 2 and "needs calibration data" in err and list(tmp_path.iterdir()) == []
+
+
+def _characters(text, add_special_tokens=False):
+    """A tokenizer with one token per character, so that window i starts at character i * seq_len."""
+    return {"input_ids": [ord(c) for c in text]}
+
+
+def test_calibration_windows_come_from_the_start_or_spread_over_the_text(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(chr(ord("a") + i) * 4 for i in range(10)))  # 10 windows of 4: aaaa bbbb ... jjjj
+    first = calibration_data.windows_from_text(text, _characters, 4, 4)
+    spread = calibration_data.windows_from_text(text, _characters, 4, 4, spread=True)
+    assert ["".join(map(chr, w)) for w in first.tokens] == ["aaaa", "bbbb", "cccc", "dddd"]
+    assert ["".join(map(chr, w)) for w in spread.tokens] == ["aaaa", "dddd", "gggg", "jjjj"]
+    everything = calibration_data.windows_from_text(text, _characters, 10, 4, spread=True)
+    np.testing.assert_array_equal(everything.tokens, calibration_data.windows_from_text(text, _characters, None, 4).tokens)
+
+
+def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
+    code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                        "--calib-spread")
+    assert code == 2 and "--calib-spread chooses windows of a text" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):

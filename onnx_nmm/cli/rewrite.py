@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     calibration.add_argument("--calib-samples", type=int, default=128, help="sequences to use (default 128)")
     calibration.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    calibration.add_argument("--calib-spread", action="store_true",
+                             help="take the --calib-samples windows evenly spaced over the whole text, not from its "
+                                  "start (better when the text's opening is not like the rest)")
     calibration.add_argument("--calib-batch", type=int, default=1, help="sequences per onnxruntime run (default 1)")
     calibration.add_argument("--calib-mode", choices=("independent", "sequential"), default="independent",
                              help="independent: whiten every layer from the dense model's activations; sequential: fit "
@@ -95,6 +98,8 @@ def run(args) -> int:
                         ("--calib-batch", args.calib_batch)):
         if value < 1:
             raise UserError(f"{flag} must be a positive integer, got {value}")
+    if args.calib_spread and (not args.calib or args.calib == calibration_data.RANDOM or args.calib.endswith(".npz")):
+        raise UserError("--calib-spread chooses windows of a text: give --calib a text file (with --tokenizer)")
     method = args.method or ("whiten" if args.calib else "svd")
     options = FactorizationOptions(method=method, svd=args.svd, power_iterations=args.power_iterations,
                                    seed=args.seed, budget=args.budget)
@@ -269,7 +274,8 @@ def _windows(args, model) -> calibration_data.TokenWindows:
         raise UserError(f"{args.calib} holds statistics, but sequential calibration runs the model on tokens: "
                         "give --calib a text or an .npz of input_ids")
     vocab = _vocabulary(model) if args.calib == calibration_data.RANDOM else None
-    return calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab)
+    return calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab,
+                                                args.calib_spread)
 
 
 def _vocabulary(model) -> int:
