@@ -233,10 +233,12 @@ def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: i
                 parameters[factor].data = originals[factor]
         return nll - base_nll if metric == "ppl" else kl
 
-    for candidate in candidates if not use_fisher else []:
-        candidate.references = [(rank, damage_of({candidate.name: rank})) for rank in candidate.reference_ranks(align)]
-        if on_step is not None:
-            on_step(candidate.name)
+    if not use_fisher:  # Fisher statistics predict every damage; otherwise measure two references per candidate
+        for candidate in candidates:
+            candidate.references = [(rank, damage_of({candidate.name: rank}))
+                                    for rank in candidate.reference_ranks(align)]
+            if on_step is not None:
+                on_step(candidate.name)
     if keep is not None:
         target = math.ceil((1 - keep) * sum(layer.parameters for layer in layers))
         chosen = select_for_parameters(candidates, align, target, metric, damage_of)
