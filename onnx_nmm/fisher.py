@@ -8,8 +8,9 @@ Gram matrices over the T calibration tokens,
 
 where g_t = ∂ℓ/∂y_t is the gradient of a window's log-loss ℓ with respect to the layer's output, with the
 next tokens *sampled from the model's own distribution*: that makes F the Fisher, the curvature of the KL
-divergence to the dense model (the empirical Fisher of the text's own tokens measured slightly worse on
-SmolLM2). A change ΔW of the weight then raises the mean KL divergence per token by about
+divergence to the dense model (the empirical Fisher of the text's own tokens did slightly worse on
+SmolLM2 in a side experiment). A change ΔW of the weight then raises the mean KL divergence per token
+by about
 
     ΔKL ≈ ½ tr(ΔWᵀ A ΔW G) / T²  =  ½ ‖Sᵀ·ΔW·T_G‖_F² / T²          (A = S Sᵀ, G = T_G T_Gᵀ)
 
