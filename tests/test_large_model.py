@@ -3,6 +3,8 @@
 Slow (writes ~5 GB): runs in CI, skip locally with -m "not slow".
 """
 
+import shutil
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -12,7 +14,7 @@ from onnx import TensorProto, helper
 from onnx_nmm.cli import main
 from onnx_nmm.model_io import PROTOBUF_LIMIT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gigabytes")]  # one at a time with test_real_model.py
 
 K, N, LAYERS = 2048, 40000, 8  # 8 × 328 MB of float32 weights
 
@@ -43,7 +45,9 @@ def _write_large_model(folder):
 
 @pytest.fixture(scope="module")
 def large_model(tmp_path_factory):
-    return _write_large_model(tmp_path_factory.mktemp("large") / "in")
+    folder = tmp_path_factory.mktemp("large")
+    yield _write_large_model(folder / "in")
+    shutil.rmtree(folder)
 
 
 def _weights(model_path):

@@ -12,7 +12,8 @@ from filelock import FileLock
 import assets
 from onnx_nmm.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
+# one worker runs every test that writes GBs (here and test_large_model.py), so their files never add up
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gigabytes")]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,12 @@ def _perplexity(capsys, model, tokenizer, windows=4):
     return json.loads(out)["perplexity"]
 
 
+def _discard(model):
+    """Remove a rewritten model once measured: these tests would otherwise hold GBs of them at once."""
+    for path in (model, model.with_name(model.name + ".data")):
+        path.unlink(missing_ok=True)
+
+
 def test_whitened_svd_beats_plain_svd_on_smollm2(capsys, smollm2, tmp_path):
     model, tokenizer = smollm2
     dense = _perplexity(capsys, model, tokenizer)
@@ -46,6 +53,7 @@ def test_whitened_svd_beats_plain_svd_on_smollm2(capsys, smollm2, tmp_path):
         out = tmp_path / f"{method}.onnx"
         _run(capsys, "rewrite", model, "-o", out, "--keep", "0.8", "--align", "32", "--method", method, *extra, "--quiet")
         perplexities[method] = _perplexity(capsys, out, tokenizer)
+        _discard(out)
     assert dense < perplexities["whiten"] < perplexities["svd"]
     assert perplexities["whiten"] < 0.01 * perplexities["svd"]  # plain SVD wrecks it; whitening does not
 
@@ -66,6 +74,7 @@ def test_fisher_beats_whitening_at_the_same_parameter_count_on_smollm2(capsys, s
     _run(capsys, "rewrite", model, "-o", tmp_path / "calibrated.onnx", "--method", "fisher", "--calib",
          assets.kjv_text("calibration"), "--tokenizer", tokenizer, "--calib-samples", "16", "--seq-len", "256",
          "--save-calib-stats", stats, "--quiet")
+    _discard(tmp_path / "calibrated.onnx")
     perplexities, kept = {}, {}
     for name, flags in (("whiten", ["--method", "whiten"]), ("fisher", ["--method", "fisher"]),
                         ("fisher-global", ["--method", "fisher", "--budget", "global"])):
@@ -73,6 +82,7 @@ def test_fisher_beats_whitening_at_the_same_parameter_count_on_smollm2(capsys, s
         _run(capsys, "rewrite", model, "-o", out, "--calib", stats, "--keep", "0.9", "--align", "32", *flags,
              "--report", report, "--quiet")
         perplexities[name] = _perplexity(capsys, out, tokenizer)
+        _discard(out)
         kept[name] = json.loads(report.read_text())["totals"]["parameters_after"]
     assert kept["fisher-global"] <= kept["fisher"] == kept["whiten"]
     assert _perplexity(capsys, model, tokenizer) < perplexities["fisher-global"] < perplexities["fisher"] \
