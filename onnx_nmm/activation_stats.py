@@ -32,8 +32,8 @@ _STATS_MARKER = "__onnx_nmm_gram_statistics__"
 
 @dataclass
 class GramStatistics:
-    """G = XᵀX per layer-input value name, and how many token rows went into each; with `--method fisher`
-    also the output-gradient Gram of each layer, by layer name (onnx_nmm.fisher)."""
+    """G = XᵀX per layer-input value name (float64), and how many token rows went into each; with
+    `--method fisher` also the output-gradient Gram of each layer, by layer name (float32: onnx_nmm.fisher)."""
 
     grams: dict[str, np.ndarray] = field(default_factory=dict)
     tokens: int = 0

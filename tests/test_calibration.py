@@ -143,6 +143,27 @@ def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_sensitivity_windows_are_spread_like_the_calibration(capsys, export, tmp_path, monkeypatch):
+    from onnx_nmm import sensitivity
+
+    text = tmp_path / "t.txt"
+    text.write_text("".join(chr(ord("a") + i) * 4 for i in range(10)))
+    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    measured_on = []
+
+    def recording(model_path, selection, statistics, tokens, *args, **kwargs):
+        measured_on.extend("".join(map(chr, window)) for window in tokens)
+        return choose_ranks(model_path, selection, statistics, tokens, *args, **kwargs)
+
+    choose_ranks = sensitivity.choose_ranks
+    monkeypatch.setattr(sensitivity, "choose_ranks", recording)
+    code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
+                        "--tokenizer", text, "--seq-len", "4", "--calib-samples", "10", "--calib-spread",
+                        "--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--quiet")
+    assert code == 0, err
+    assert measured_on == ["aaaa", "jjjj"]  # not the first two of the ten: both ends of the text
+
+
 def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("some words")

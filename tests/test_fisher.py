@@ -37,6 +37,9 @@ def test_input_grams_equal_onnxruntimes(export):
         np.testing.assert_allclose(fisher.grams[name], gram, rtol=1e-4, atol=1e-4 * np.abs(gram).max())
     assert fisher.tokens == reference.tokens == windows.size
     assert fisher.output_grams.keys() == {layer.name for layer in targets}
+    # the output-gradient Grams, the bigger half, are kept in float32 (damped before use: onnx_nmm.whitening)
+    assert {g.dtype for g in fisher.grams.values()} == {np.dtype(np.float64)}
+    assert {g.dtype for g in fisher.output_grams.values()} == {np.dtype(np.float32)}
 
 
 def test_the_lm_heads_output_gram_is_the_fisher_of_the_softmax(export):

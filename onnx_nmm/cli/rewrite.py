@@ -69,7 +69,8 @@ def register(subparsers) -> None:
     budget.add_argument("--max-kl", type=float, metavar="NATS",
                         help="the same, bounding the mean KL divergence to the dense model's next-token distributions")
     budget.add_argument("--sensitivity-windows", type=int, default=4,
-                        help="calibration windows the budget is measured on (default 4)")
+                        help="calibration windows the budget is measured on (default 4), chosen as --calib's are: "
+                             "from the start of the text, or spread over it with --calib-spread")
     budget.add_argument("--ranks-from", metavar="REPORT.json",
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
                              "a quality budget's choice with --calib-mode sequential without measuring it again")
@@ -257,7 +258,7 @@ def _choose_ranks(args, source, model, selection, statistics, quality_budget, us
 
     if args.sensitivity_windows < 1:
         raise UserError("--sensitivity-windows must be a positive integer")
-    tokens = _windows(args, model).tokens[: args.sensitivity_windows]
+    tokens = _windows(args, model, samples=args.sensitivity_windows).tokens  # chosen like the calibration's
     targets, _ = select_layers(find_linear_layers(model), selection)
     task = progress.add_task("measuring sensitivity" if not use_fisher else "measuring the predicted choice",
                              total=len(targets) if not use_fisher else None)
@@ -268,14 +269,15 @@ def _choose_ranks(args, source, model, selection, statistics, quality_budget, us
     return chosen
 
 
-def _windows(args, model) -> calibration_data.TokenWindows:
-    """The calibration token windows of --calib (text, input .npz, or random)."""
+def _windows(args, model, samples: int | None = None) -> calibration_data.TokenWindows:
+    """The calibration token windows of --calib (text, input .npz, or random): --calib-samples of them, or
+    `samples`."""
     if args.calib.endswith(".npz") and GramStatistics.is_statistics_file(args.calib):
         raise UserError(f"{args.calib} holds statistics, but sequential calibration runs the model on tokens: "
                         "give --calib a text or an .npz of input_ids")
     vocab = _vocabulary(model) if args.calib == calibration_data.RANDOM else None
-    return calibration_data.calibration_windows(args.calib, args.tokenizer, args.calib_samples, args.seq_len, vocab,
-                                                args.calib_spread)
+    return calibration_data.calibration_windows(args.calib, args.tokenizer, samples or args.calib_samples, args.seq_len,
+                                                vocab, args.calib_spread)
 
 
 def _vocabulary(model) -> int:
