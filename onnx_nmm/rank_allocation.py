@@ -21,6 +21,7 @@ order sorted by it keeps every layer's moves in sequence.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,12 @@ def _push(heap, layer: LayerSpectrum, rank: int, fractions: np.ndarray, align: i
 
 
 RankOption = tuple[int, int, float]  # (rank, parameters at that rank, damage)
+
+
+def rank_options(k: int, n: int, align: int, damage_of: Callable[[int], float]) -> tuple[int, list[RankOption]]:
+    """A K×N layer's dense parameter count and its (rank, parameters, damage) at every aligned rank that
+    saves parameters: what `cheapest_moves` and `allocate_by_damage` choose among."""
+    return k * n, [(rank, rank * (k + n), damage_of(rank)) for rank in lowrank.aligned_ranks(k, n, align)]
 
 
 def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tuple[str, int]]:

@@ -261,10 +261,9 @@ class _Factorizer:
             _release(layer)
             decomposition = self.decompose(layer, weight, None, svd="exact")
             if self.options.method == "fisher":
-                options[layer.name] = (layer.parameters, [
-                    (r, r * (layer.k + layer.n), fisher.predicted_kl(decomposition.truncated_energy(r),
-                                                                     self.statistics.tokens))
-                    for r in lowrank.aligned_ranks(layer.k, layer.n, self.rule.align)])
+                options[layer.name] = rank_allocation.rank_options(
+                    layer.k, layer.n, self.rule.align,
+                    lambda r: fisher.predicted_kl(decomposition.truncated_energy(r), self.statistics.tokens))
             else:
                 spectra.append(rank_allocation.LayerSpectrum(layer.name, layer.k, layer.n,
                                                              decomposition.singular_values))

@@ -99,9 +99,8 @@ class Selection:
 def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
     """(candidate, new rank) moves, most parameters saved per predicted damage first, each candidate's
     along the lower convex hull of its (saving, damage) points (rank_allocation.cheapest_moves)."""
-    return rank_allocation.cheapest_moves({
-        c.name: (c.parameters(DENSE), [(rank, c.parameters(rank), c.predicted_damage(rank)) for rank in c.ranks(align)])
-        for c in candidates})
+    return rank_allocation.cheapest_moves({c.name: rank_allocation.rank_options(c.k, c.n, align, c.predicted_damage)
+                                           for c in candidates})
 
 
 def ranks_after(moves: list[tuple[str, int]], candidates: list[Candidate]) -> dict[str, int | None]:
