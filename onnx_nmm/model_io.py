@@ -49,11 +49,16 @@ def uses_external_data(model: ir.Model) -> bool:
     return any(True for _ in _external_tensors(model))
 
 
+def external_data_path(model_path: str | os.PathLike) -> Path:
+    """Where a model written at `model_path` keeps its weights: `<name>.data` beside it."""
+    model_path = Path(model_path)
+    return model_path.with_name(model_path.name + ".data")
+
+
 def check_output_path(source: str | os.PathLike, destination: str | os.PathLike, force: bool) -> None:
     """Refuse to write over the input model (or its external data) unless `force` is set."""
     source, destination = Path(source).resolve(), Path(destination).resolve()
-    data = destination.with_name(destination.name + ".data")
-    clobbered = {destination, data} & {source, *_external_files_of(source)}
+    clobbered = {destination, external_data_path(destination)} & {source, *_external_files_of(source)}
     if clobbered and not force:
         raise UserError(f"the output {destination} would overwrite the input's {', '.join(sorted(p.name for p in clobbered))}; "
                         "choose another -o, or pass --force to replace it")
@@ -68,7 +73,7 @@ def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool,
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data_name = path.name + ".data"
+    data_name = external_data_path(path).name
     with _temporary_folder(path.parent) as folder:
         staged = folder / path.name
         ir.save(model, staged, external_data=data_name if external_data else None)

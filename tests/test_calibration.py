@@ -125,9 +125,15 @@ def _characters(text, add_special_tokens=False):
     return {"input_ids": [ord(c) for c in text]}
 
 
+def _ten_lettered_windows(folder):
+    """A text of 10 windows of 4 characters, aaaa bbbb ... jjjj (with `_characters`)."""
+    text = folder / "t.txt"
+    text.write_text("".join(chr(ord("a") + i) * 4 for i in range(10)))
+    return text
+
+
 def test_calibration_windows_come_from_the_start_or_spread_over_the_text(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("".join(chr(ord("a") + i) * 4 for i in range(10)))  # 10 windows of 4: aaaa bbbb ... jjjj
+    text = _ten_lettered_windows(tmp_path)
     first = calibration_data.windows_from_text(text, _characters, 4, 4)
     spread = calibration_data.windows_from_text(text, _characters, 4, 4, spread=True)
     assert ["".join(map(chr, w)) for w in first.tokens] == ["aaaa", "bbbb", "cccc", "dddd"]
@@ -146,8 +152,7 @@ def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
 def test_sensitivity_windows_are_spread_like_the_calibration(capsys, export, tmp_path, monkeypatch):
     from onnx_nmm import sensitivity
 
-    text = tmp_path / "t.txt"
-    text.write_text("".join(chr(ord("a") + i) * 4 for i in range(10)))
+    text = _ten_lettered_windows(tmp_path)
     monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
     measured_on = []
 

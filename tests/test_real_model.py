@@ -11,6 +11,7 @@ from filelock import FileLock
 
 import assets
 from onnx_nmm.cli import main
+from onnx_nmm.model_io import external_data_path
 
 # one worker runs every test that writes GBs (here and test_large_model.py), so their files never add up
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gigabytes")]
@@ -38,7 +39,7 @@ def _perplexity(capsys, model, tokenizer, windows=4):
 
 def _discard(model):
     """Remove a rewritten model once measured: these tests would otherwise hold GBs of them at once."""
-    for path in (model, model.with_name(model.name + ".data")):
+    for path in (model, external_data_path(model)):
         path.unlink(missing_ok=True)
 
 

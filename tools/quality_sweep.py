@@ -18,6 +18,8 @@ import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
 from commands import CommandLog, write_section  # noqa: E402
 
+from onnx_nmm.model_io import external_data_path  # noqa: E402
+
 METHODS = {  # column → rewrite flags
     "plain SVD": ["--method", "svd"],
     "whitened": ["--method", "whiten"],
@@ -55,7 +57,7 @@ def main() -> int:
                 row[column] = run.perplexity(out, evaluation, tokenizer, args.eval_windows)["perplexity"]
                 row[f"{column} kept"] = totals["kept_fraction"]
                 out.unlink()
-                out.with_name(out.name + ".data").unlink(missing_ok=True)
+                external_data_path(out).unlink(missing_ok=True)
             rows.append(row)
             print(row, flush=True)
     write_page(Path(args.out), dense, rows, run.lines, args)
