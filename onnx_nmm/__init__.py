@@ -1,3 +1,42 @@
-"""onnx-nmm: SVD-factorize the linear layers of exported LLM graphs, lower them to fused NKI kernels."""
+"""onnx-nmm: SVD-factorize the linear layers of exported LLM graphs, lower them to fused NKI kernels.
+
+The Python API; the `onnx-nmm` command is a thin shell over it (one function per command):
+
+    import onnx_nmm
+
+    result = onnx_nmm.rewrite("llama.onnx", onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8)))
+    result.save("llama.nmm.onnx")
+    onnx_nmm.diff("llama.onnx", "llama.nmm.onnx")
+
+Models may be paths or in-memory models (onnx_ir.Model, onnx.ModelProto); an in-memory model is never
+changed. Every error is an OnnxNmmError subclass saying what is wrong and what to do.
+"""
 
 __version__ = "0.1.0"
+
+from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
+from onnx_nmm.calibration_data import load_tokenizer
+from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
+from onnx_nmm.compilation import Compilation, CompileOptions, compile
+from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
+                             NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
+from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
+from onnx_nmm.export import TinyShape, build_model, export_causal_lm, load_gguf_causal_lm
+from onnx_nmm.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
+from onnx_nmm.inspection import Inspection, LayerInfo, inspect
+from onnx_nmm.model_io import check_output_path, external_data_path
+from onnx_nmm.options import (CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection)
+from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
+from onnx_nmm.progress import Phase, Progress
+from onnx_nmm.rank_plan import Dense, RankPlan
+
+__all__ = [
+    "RUN_BACKENDS", "CalibrationOptions", "Compilation", "CompileOptions", "DataError", "Dense", "Diff", "DiffOptions",
+    "Evaluation", "ExecutionError", "FactorizationOptions", "FinetuneOptions", "FinetuneResult", "Inspection",
+    "LayerInfo", "LayerOutcome", "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "NeuronSdkMissing",
+    "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
+    "RewriteReport", "RewriteResult", "RunResult", "Selection", "TextDiff", "TextOptions", "TinyShape",
+    "TrainingData", "TrainingDiverged", "TrainingOptions", "build_model", "check_output_path", "compile", "diff", "diff_on_text",
+    "evaluate", "export_causal_lm", "external_data_path", "finetune", "inspect", "load_gguf_causal_lm", "load_tokenizer",
+    "rewrite", "run_model",
+]

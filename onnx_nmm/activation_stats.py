@@ -11,7 +11,7 @@ transA=1) computes X_aᵀX_b for a ≤ b only, since G is symmetric — and its 
 those blocks; every node the blocks do not depend on is pruned (onnxruntime would still run the
 lm_head otherwise). Neither the activations nor the logits leave the runtime. The augmented graph is
 built on the model's protobuf without loading its weights; onnxruntime reads the external data from
-the original folder, so calibration never copies a multi-GB model.
+the original folder, so calibration never copies a multi-GB model (model_source.ModelSource).
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 
 from onnx_nmm import ort_runner
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, ExecutionError, ModelError
+from onnx_nmm.graph_probe import prune, value_types
+
+if TYPE_CHECKING:
+    from onnx_nmm.model_source import ModelSource
 
 _STATS_MARKER = "__onnx_nmm_gram_statistics__"
 
@@ -42,15 +47,15 @@ class GramStatistics:
 
     def gram(self, value_name: str) -> np.ndarray:
         if value_name not in self.grams:
-            raise UserError(f"the calibration statistics have no entry for '{value_name}': they were gathered on "
+            raise DataError(f"the calibration statistics have no entry for '{value_name}': they were gathered on "
                             "another model or for other targets; gather them again")
         return self.grams[value_name]
 
     def output_gram(self, layer_name: str) -> np.ndarray:
         if layer_name not in self.output_grams:
-            raise UserError(f"the calibration statistics have no output-gradient Gram for '{layer_name}': "
-                            "--method fisher gathers them (from --calib text or token ids), and --save-calib-stats "
-                            "keeps them")
+            raise DataError(f"the calibration statistics have no output-gradient Gram for '{layer_name}': "
+                            "a fisher rewrite gathers them (from a calibration text or token ids) and keeps them "
+                            "with {save}", save="calibration.save_statistics")
         return self.output_grams[layer_name]
 
     def save(self, path: str | os.PathLike) -> None:
@@ -86,28 +91,30 @@ class GramStatistics:
 GRAM_BLOCK = 512
 
 
-def collect_gram_matrices(model_path: str | os.PathLike, inputs: dict[str, int], batches: Iterable,
-                          description: str = "", make_feeds: Callable = ort_runner.token_inputs,
+def collect_gram_matrices(source: "ModelSource", inputs: dict[str, int], batches: Iterable, description: str = "",
+                          make_feeds: Callable = ort_runner.token_inputs,
                           on_batch: Callable[[int], None] | None = None) -> GramStatistics:
-    """Run the model on every batch; accumulate XᵀX for each input value name → its width K.
+    """Run the original model of `source` on every batch; accumulate XᵀX for each input value name → its
+    width K.
 
     `make_feeds(session, batch)` turns a batch into the model's feeds (default: token ids [B, S] of a
     causal LM). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
-    Raises UserError if an activation is not finite.
+    Raises ExecutionError if onnxruntime fails or an activation is not finite.
     """
     plan = _GramPlan(inputs)
-    session = _gram_session(Path(model_path), plan)
+    session = source.session_of(_gram_graph(source.graph_proto(), plan))
     sums: list[np.ndarray] | None = None
     tokens = 0
     for index, batch in enumerate(batches):
         try:
             *blocks, rows = session.run(None, make_feeds(session, batch))
         except Exception as error:
-            raise UserError(f"onnxruntime failed on calibration batch {index}: {str(error).splitlines()[0]}") from None
+            raise ExecutionError(f"onnxruntime failed on calibration batch {index}: "
+                                 f"{str(error).splitlines()[0]}") from None
         bad = plan.non_finite_input(blocks)
         if bad is not None:
-            raise UserError(f"calibration batch {index} gives non-finite activations at '{bad}' (NaN or Inf): the "
-                            "model overflows on these inputs; check the calibration data, or run in float32")
+            raise ExecutionError(f"calibration batch {index} gives non-finite activations at '{bad}' (NaN or Inf): "
+                                 "the model overflows on these inputs; check the calibration data, or run in float32")
         if sums is None:
             sums = [block.astype(np.float64) for block in blocks]
         else:
@@ -117,7 +124,7 @@ def collect_gram_matrices(model_path: str | os.PathLike, inputs: dict[str, int],
         if on_batch is not None:
             on_batch(int(rows))
     if sums is None or tokens == 0:
-        raise UserError("the calibration set is empty")
+        raise DataError("the calibration set is empty")
     return GramStatistics(plan.assemble(sums), tokens, description)
 
 
@@ -158,17 +165,16 @@ class _GramPlan:
         return grams
 
 
-def _gram_session(model_path: Path, plan: _GramPlan):
-    """An onnxruntime session whose outputs are the Gram blocks X_aᵀX_b (float32) of every planned
-    input, then the number of rows; nodes the blocks do not need are pruned."""
-    proto = onnx.load(str(model_path), load_external_data=False)
+def _gram_graph(proto: onnx.ModelProto, plan: _GramPlan) -> onnx.ModelProto:
+    """`proto` (changed in place) whose outputs are the Gram blocks X_aᵀX_b (float32) of every planned input,
+    then the number of rows; nodes the blocks do not need are pruned."""
     graph = proto.graph
-    types = _value_types(proto)
+    types = value_types(proto)
     helper, numpy_helper = onnx.helper, onnx.numpy_helper
     outputs, nodes = [], []
     for index, (name, width) in enumerate(plan.inputs.items()):
         if name not in types:
-            raise UserError(f"cannot observe '{name}': the model declares no type for it")
+            raise ModelError(f"cannot observe '{name}': the model declares no type for it")
         prefix = f"onnx_nmm_gram_{index}"
         graph.initializer.append(numpy_helper.from_array(np.array([-1, width], np.int64), f"{prefix}_shape"))
         rows = f"{prefix}_rows"
@@ -194,37 +200,5 @@ def _gram_session(model_path: Path, plan: _GramPlan):
     del graph.output[:]
     graph.output.extend(outputs)
     graph.output.append(helper.make_tensor_value_info("onnx_nmm_gram_row_count", onnx.TensorProto.INT64, []))
-    _prune(graph)
-    config = {"session.model_external_initializers_file_folder_path": str(model_path.parent.resolve())}
-    return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=model_path)
-
-
-def _prune(graph: onnx.GraphProto) -> None:
-    """Drop every node the graph outputs do not depend on."""
-    producers = {output: node for node in graph.node for output in node.output}
-    needed, stack = set(), [output.name for output in graph.output]
-    while stack:
-        node = producers.get(stack.pop())
-        if node is not None and id(node) not in needed:
-            needed.add(id(node))
-            stack.extend(value for value in node.input if value)
-            for attribute in node.attribute:  # values captured by subgraphs (If/Loop bodies)
-                for subgraph in [attribute.g, *attribute.graphs]:
-                    stack.extend(value for inner in subgraph.node for value in inner.input if value)
-    kept = [node for node in graph.node if id(node) in needed]
-    del graph.node[:]
-    graph.node.extend(kept)
-
-
-def _value_types(proto: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every value, with shape inference filling in what the exporter left out."""
-    types = {}
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:
-        inferred = proto
-    graph = inferred.graph
-    for info in list(graph.value_info) + list(graph.input) + list(graph.output):
-        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
-            types[info.name] = info.type.tensor_type.elem_type
-    return types
+    prune(graph)
+    return proto

@@ -8,14 +8,21 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from onnx_nmm import ort_runner
-from onnx_nmm.errors import UserError
+from onnx_nmm.causal_lm import vocabulary_size
+from onnx_nmm.errors import DataError, OptionError
+from onnx_nmm.model_source import ModelSource
 
 RUN_BACKENDS = ("ort", "torch", "emulator")
+TARGETS = ("trn1", "trn2")
+
+Model = str | os.PathLike | ir.Model | onnx.ModelProto
 
 
 class ModelRunner:
@@ -24,21 +31,21 @@ class ModelRunner:
     `kernel_calls` lists the kernel launches so far (emulator backend only).
     """
 
-    def __init__(self, path: str | os.PathLike, backend: str = "ort", target: str = "trn2"):
-        if backend not in RUN_BACKENDS:
-            raise UserError(f"unknown backend {backend!r}; choose from {', '.join(RUN_BACKENDS)}")
-        self.backend = backend
-        graph = onnx.load(str(path), load_external_data=False).graph
-        initializers = {tensor.name for tensor in graph.initializer}
-        self.input_names = [value.name for value in graph.input if value.name not in initializers]
-        self.output_names = [value.name for value in graph.output]
-        self.session = ort_runner.create_session(path)  # the reference, and the input specs for every backend
+    def __init__(self, model: Model | ModelSource, backend: str = "ort", target: str = "trn2"):
+        check_backend(backend, target)
+        source = ModelSource.of(model)
+        self.backend, self.label = backend, source.label
+        graph = source.model.graph
+        self.input_names = [value.name for value in graph.inputs if not value.is_initializer()]
+        self.output_names = [value.name for value in graph.outputs]
+        self.vocabulary = vocabulary_size(graph)
+        self.session = source.session()  # the reference, and the input specs for every backend
         self.kernels = None
         if backend != "ort":
             from onnx_nmm.lowering import backend_named, lower
 
             self.kernels = backend_named(backend, target)
-            self.module = lower(path, self.kernels)
+            self.module = lower(source.path if source.path is not None else source.full_proto(), self.kernels)
 
     @property
     def kernel_calls(self) -> list:
@@ -47,7 +54,8 @@ class ModelRunner:
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [name for name in self.input_names if name not in inputs]
         if missing:
-            raise UserError(f"no value given for model input(s) {', '.join(missing)}")
+            raise DataError(f"{self.label} takes input(s) {', '.join(missing)}, which were not given (given: "
+                            f"{', '.join(inputs) or 'nothing'})")
         if self.backend == "ort":
             return ort_runner.run(self.session, inputs)
         import torch
@@ -62,3 +70,35 @@ class ModelRunner:
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """The first output (the logits of a causal LM) for token ids [B, S]."""
         return self(ort_runner.token_inputs(self.session, tokens))[self.output_names[0]]
+
+    def inputs(self, inputs: str | os.PathLike | dict[str, np.ndarray] | None, batch: int, seq_len: int,
+               seed: int) -> dict[str, np.ndarray]:
+        """Feeds for this model: read from an .npz, given as arrays, or random token ids [batch, seq_len]."""
+        if isinstance(inputs, dict):
+            return inputs
+        if inputs is not None:
+            return ort_runner.load_inputs(inputs, self.session)
+        return ort_runner.random_inputs(self.session, self.vocabulary, batch, seq_len, seed)
+
+
+def check_backend(backend: str, target: str) -> None:
+    if backend not in RUN_BACKENDS:
+        raise OptionError(f"{{backend}} must be one of {', '.join(RUN_BACKENDS)}, got {backend!r}", backend="backend")
+    if target not in TARGETS:
+        raise OptionError(f"{{target}} must be one of {', '.join(TARGETS)}, got {target!r}", target="target")
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, np.ndarray]
+    kernel_calls: list = field(default_factory=list)  # lowering.KernelCall per launch (emulator backend)
+
+
+def run_model(model: Model, inputs: str | os.PathLike | dict[str, np.ndarray] | None = None, backend: str = "ort",
+              target: str = "trn2", batch: int = 1, seq_len: int = 16, seed: int = 0) -> RunResult:
+    """One forward pass of `model` on `backend`: on `inputs` (an .npz or arrays), or on random token ids."""
+    if batch < 1 or seq_len < 1:
+        raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")
+    runner = ModelRunner(model, backend, target)
+    outputs = runner(runner.inputs(inputs, batch, seq_len, seed))
+    return RunResult(outputs, list(runner.kernel_calls))

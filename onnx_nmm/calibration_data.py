@@ -1,21 +1,25 @@
-"""Where calibration and evaluation tokens come from: a text file, an .npz of inputs, or random ids.
+"""Where calibration, training and evaluation tokens come from, decided in one place.
 
-Text is tokenized once with a Hugging Face tokenizer (a tokenizer folder, or a GGUF file whose
-tokenizer transformers can read) and cut into non-overlapping windows of `seq_len` tokens.
+A source is one of: a text file (tokenized once with a Hugging Face tokenizer — a tokenizer folder, or a
+GGUF file whose tokenizer transformers can read — and cut into non-overlapping windows), an .npz holding
+input_ids [samples, seq_len], token ids given as an array, "random" ids (tests only), or, for calibration,
+statistics saved by an earlier rewrite. `token_windows` turns any token source into windows;
+`CalibrationData` decides once what a rewrite's calibration options point at.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from onnx_nmm.errors import UserError
-
-RANDOM = "random"
+from onnx_nmm.activation_stats import GramStatistics
+from onnx_nmm.errors import DataError, MissingDependencyError, OptionError
+from onnx_nmm.options import RANDOM_CALIBRATION, CalibrationOptions
 
 
 @dataclass
@@ -39,10 +43,10 @@ def load_tokenizer(spec: str | os.PathLike):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise UserError("reading text needs transformers: pip install 'onnx-nmm[export]'") from None
+        raise MissingDependencyError("reading text needs transformers: pip install 'onnx-nmm[export]'") from None
     path = Path(spec)
     if not path.exists():
-        raise UserError(f"tokenizer {spec}: no such file or folder; give a tokenizer folder or a .gguf file")
+        raise DataError(f"tokenizer {spec}: no such file or folder; give a tokenizer folder or a .gguf file")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         with warnings.catch_warnings():
@@ -51,17 +55,17 @@ def load_tokenizer(spec: str | os.PathLike):
                 return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             return AutoTokenizer.from_pretrained(str(path))
     except Exception as error:
-        raise UserError(f"cannot load a tokenizer from {spec}: {str(error).splitlines()[0]}") from None
+        raise DataError(f"cannot load a tokenizer from {spec}: {str(error).splitlines()[0]}") from None
 
 
 def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
     """All token ids of a text file, as one sequence."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"text file {path}: no such file")
+        raise DataError(f"text file {path}: no such file")
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
-        raise UserError(f"text file {path} is empty")
+        raise DataError(f"text file {path} is empty")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sequence longer than the model's maximum": we cut it ourselves
         return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
@@ -74,8 +78,8 @@ def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, s
     ids = text_tokens(path, tokenizer)
     available = len(ids) // seq_len
     if available == 0:
-        raise UserError(f"{path} holds {len(ids)} tokens, fewer than one window of {seq_len}; use a longer text "
-                        "or a smaller --seq-len")
+        raise DataError(f"{path} holds {len(ids)} tokens, fewer than one window of {seq_len}; use a longer text "
+                        "or shorter windows")
     count = available if samples is None else min(samples, available)
     if samples is not None and samples > available:
         warnings.warn(f"{path} has only {available} windows of {seq_len} tokens; using {available}, not {samples}")
@@ -85,39 +89,101 @@ def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, s
     return TokenWindows(windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}")
 
 
+def windows_from_array(ids, samples: int | None, description: str) -> TokenWindows:
+    """Token ids [samples, seq_len] as windows, the first `samples` of them."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise DataError(f"{description}: token ids must be integers [samples, seq_len], got {ids.dtype} "
+                        f"{list(ids.shape)}")
+    ids = ids.astype(np.int64)[:samples]
+    return TokenWindows(ids, f"{description}: {len(ids)} sequences of {ids.shape[1]} tokens")
+
+
 def windows_from_npz(path: str | os.PathLike, samples: int | None) -> TokenWindows:
     """Token ids from an .npz holding `input_ids` [samples, seq_len]."""
     try:
         with np.load(path) as archive:
             if "input_ids" not in archive.files:
-                raise UserError(f"{path} has no 'input_ids' array (it has {', '.join(archive.files) or 'nothing'})")
-            ids = np.asarray(archive["input_ids"], dtype=np.int64)
-    except UserError:
+                raise DataError(f"{path} has no 'input_ids' array (it has {', '.join(archive.files) or 'nothing'})")
+            ids = np.asarray(archive["input_ids"])
+    except DataError:
         raise
     except Exception as error:
-        raise UserError(f"cannot read {path}: {error}; give an .npz saved with numpy.savez") from None
-    if ids.ndim != 2:
-        raise UserError(f"{path}: input_ids must be [samples, seq_len], got shape {list(ids.shape)}")
-    ids = ids if samples is None else ids[:samples]
-    return TokenWindows(ids, f"{path}: {len(ids)} sequences of {ids.shape[1]} tokens")
+        raise DataError(f"cannot read {path}: {error}; give an .npz saved with numpy.savez") from None
+    return windows_from_array(ids, samples, str(path))
 
 
-def random_windows(vocab: int, samples: int, seq_len: int, seed: int = 0) -> TokenWindows:
-    warnings.warn("calibrating on random token ids: fine for tests, meaningless for quality; use --calib TEXT")
-    ids = np.random.default_rng(seed).integers(0, vocab, size=(samples, seq_len), dtype=np.int64)
+def random_windows(vocabulary: int, samples: int, seq_len: int, seed: int = 0) -> TokenWindows:
+    warnings.warn("calibrating on random token ids: fine for tests, meaningless for quality; calibrate on text")
+    ids = np.random.default_rng(seed).integers(0, vocabulary, size=(samples, seq_len), dtype=np.int64)
     return TokenWindows(ids, f"random: {samples} sequences of {seq_len} tokens")
 
 
-def calibration_windows(source: str, tokenizer: str | None, samples: int | None, seq_len: int,
-                        vocab: int | None = None, spread: bool = False) -> TokenWindows:
-    """Windows from `--calib SOURCE`: a text file (with --tokenizer; `spread` over it or from its start), an
-    .npz, or `random`."""
-    if source == RANDOM:
-        if vocab is None:
-            raise UserError("random calibration needs the vocabulary size")
-        return random_windows(vocab, samples or 16, seq_len)
-    if source.endswith(".npz"):
+def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | None, seq_len: int,
+                  spread: bool = False, vocabulary: Callable[[], int] | None = None,
+                  tokenizer_option: str = "tokenizer") -> TokenWindows:
+    """Windows of any token source: a text file (with `tokenizer`), an .npz of input_ids, an array of token
+    ids, or "random" (ids below `vocabulary()`). `spread` applies to text only."""
+    if spread and (not _is_text(source)):
+        raise OptionError("{spread} chooses windows of a text: give a text file as the source",
+                          spread="calibration.spread")
+    if isinstance(source, np.ndarray):
+        return windows_from_array(source, samples, "token ids")
+    if str(source) == RANDOM_CALIBRATION:
+        if vocabulary is None:
+            raise DataError("random token ids need the model's vocabulary size")
+        return random_windows(vocabulary(), samples or 16, seq_len)
+    if str(source).endswith(".npz"):
         return windows_from_npz(source, samples)
     if tokenizer is None:
-        raise UserError(f"--calib {source} is text: give its tokenizer with --tokenizer (a folder or a .gguf file)")
+        raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
+                          tokenizer=tokenizer_option)
     return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len, spread)
+
+
+def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: str = "tokenizer") -> np.ndarray:
+    """All token ids of a text file, or of an .npz's input_ids read as one sequence."""
+    if str(source).endswith(".npz"):
+        return windows_from_npz(source, None).tokens.reshape(-1)
+    if tokenizer is None:
+        raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
+                          tokenizer=tokenizer_option)
+    return text_tokens(source, load_tokenizer(tokenizer))
+
+
+def _is_text(source) -> bool:
+    return not isinstance(source, np.ndarray) and str(source) != RANDOM_CALIBRATION and not str(source).endswith(".npz")
+
+
+class CalibrationData:
+    """What a rewrite's calibration options point at: token windows to run the model on, statistics saved
+    earlier, or both (saved statistics, and a text for what must run the model)."""
+
+    def __init__(self, options: CalibrationOptions, vocabulary: Callable[[], int]):
+        self.options = options
+        self.vocabulary = vocabulary
+        source = options.source
+        source_is_statistics = isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") \
+            and GramStatistics.is_statistics_file(source)
+        if options.statistics is not None and not GramStatistics.is_statistics_file(options.statistics):
+            raise DataError(f"{options.statistics} is not a statistics file saved by an earlier rewrite")
+        self.statistics_file = options.statistics or (source if source_is_statistics else None)
+        self.token_source = None if source_is_statistics else source
+        if options.spread and (self.token_source is None or not _is_text(self.token_source)):
+            raise OptionError("{spread} chooses windows of a text: give {source} a text file",
+                              spread="calibration.spread", source="calibration.source")
+
+    def saved_statistics(self) -> GramStatistics | None:
+        return GramStatistics.load(self.statistics_file) if self.statistics_file is not None else None
+
+    def windows(self, samples: int | None = None) -> TokenWindows:
+        """The calibration windows: `samples` of them (default: the options' count), chosen from the text's
+        start or spread over it as the options say."""
+        if self.token_source is None:
+            raise OptionError(f"{self.statistics_file} holds statistics, but this rewrite runs the model on "
+                              "calibration tokens (sequential calibration, a quality budget, or fisher): give "
+                              "{source} a text or token ids, and the statistics as {statistics}",
+                              source="calibration.source", statistics="calibration.statistics")
+        o = self.options
+        return token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
+                             self.vocabulary, tokenizer_option="calibration.tokenizer")

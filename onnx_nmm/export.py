@@ -149,10 +149,11 @@ def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", e
 def _move_weights_to_external_data(path: Path) -> None:
     import onnx
 
-    from onnx_nmm.model_io import external_data_path
+    from onnx_nmm.model_io import external_data_path, make_public
 
     model = onnx.load(str(path))
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".onnx", delete=False) as handle:
         temporary = Path(handle.name)
     onnx.save(model, str(temporary), save_as_external_data=True, location=external_data_path(path).name, size_threshold=1024)
+    make_public(temporary)
     temporary.replace(path)

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from onnx_nmm.errors import UserError
-from onnx_nmm.finetune import TrainingResult
+from onnx_nmm.errors import MissingDependencyError
+from onnx_nmm.factor_training import TrainingResult
 
 RUNNING_MEAN_FRACTION = 0.1  # of the steps, at least one (the summary's "tenth")
 
@@ -19,7 +19,7 @@ def plot_loss_curve(result: TrainingResult, path: str | os.PathLike, title: str,
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'onnx-nmm[plot]'") from None
+        raise MissingDependencyError("plotting needs matplotlib: pip install 'onnx-nmm[plot]'") from None
     steps = np.array([record.step for record in result.records])
     losses = np.array(result.losses)
     width = max(1, round(RUNNING_MEAN_FRACTION * len(losses)))

@@ -29,16 +29,18 @@ Qwen2.5-0.5B the 48 gate and up outputs are 4864 wide, 4.5 GB of G in float32 ag
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_nmm.activation_stats import GramStatistics
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, ExecutionError, ModelError
 from onnx_nmm.passes import LinearLayer
+
+if TYPE_CHECKING:
+    from onnx_nmm.model_source import ModelSource
 
 
 def predicted_kl(truncated_energy: float, tokens: int) -> float:
@@ -47,23 +49,23 @@ def predicted_kl(truncated_energy: float, tokens: int) -> float:
     return 0.5 * truncated_energy / tokens**2
 
 
-def collect_fisher_statistics(model_path: str | os.PathLike, graph: ir.Graph, layers: list[LinearLayer],
-                              batches: Iterable[np.ndarray], description: str = "", seed: int = 0,
+def collect_fisher_statistics(source: "ModelSource", layers: list[LinearLayer], batches: Iterable[np.ndarray],
+                              description: str = "", seed: int = 0,
                               on_batch: Callable[[int], None] | None = None) -> GramStatistics:
     """Input Grams (by input value name) and output-gradient Grams (by layer name) of `layers`, over the
-    token-id windows [B, S] of `batches`, for the causal LM at `model_path` whose graph is `graph`.
+    token-id windows [B, S] of `batches`, for the causal LM `source` (its original model).
 
-    Raises UserError if a Gram is not finite or a layer's output does not reach the loss.
+    Raises ExecutionError if a Gram is not finite, ModelError if a layer's output does not reach the loss.
     """
     import torch
     import torch.nn.functional as F
 
-    from onnx_nmm.finetune import CausalLmInputs
+    from onnx_nmm.factor_training import CausalLmInputs
     from onnx_nmm.lowering import lower, modules_by_output
 
-    module = lower(model_path)
+    module = lower(source.full_proto())
     producers = modules_by_output(module)
-    inputs = CausalLmInputs(graph)
+    inputs = CausalLmInputs(source.model.graph)
     input_grams = {layer.x.name: _Sum(torch.float64) for layer in layers}
     output_grams = {layer.name: _Sum(torch.float32) for layer in layers}
     observed: set[str] = set()  # inputs already counted in this batch (gate and up share one)
@@ -103,7 +105,7 @@ def collect_fisher_statistics(model_path: str | os.PathLike, graph: ir.Graph, la
         for handle in handles:
             handle.remove()
     if tokens == 0:
-        raise UserError("the calibration set is empty")
+        raise DataError("the calibration set is empty")
     return GramStatistics(grams=_finished(input_grams, "input"), tokens=tokens, description=description,
                           output_grams=_finished(output_grams, "output-gradient"))
 
@@ -128,9 +130,9 @@ class _Sum:
 def _finished(sums: dict[str, _Sum], kind: str) -> dict[str, np.ndarray]:
     for name, total in sums.items():
         if total.total is None:
-            raise UserError(f"no {kind} Gram was gathered for '{name}': its output does not reach the model's "
-                            "first output (the logits)")
+            raise ModelError(f"no {kind} Gram was gathered for '{name}': its output does not reach the model's "
+                             "first output (the logits)")
         if not bool(total.total.diagonal().isfinite().all()):
-            raise UserError(f"the {kind} Gram of '{name}' is not finite (NaN or Inf): the model overflows on "
-                            "these inputs; check the calibration data, or run in float32")
+            raise ExecutionError(f"the {kind} Gram of '{name}' is not finite (NaN or Inf): the model overflows on "
+                                 "these inputs; check the calibration data, or run in float32")
     return {name: total.total.numpy() for name, total in sums.items()}

@@ -56,9 +56,11 @@ def energy_rank(singular_values: np.ndarray, energy: float, align: int) -> int:
 
 
 class RankedFactors:
-    """What every decomposition offers: how many triplets it holds, and factors at a checked rank."""
+    """What every decomposition offers: how many triplets it holds, the energy a truncation leaves out,
+    and factors at a checked rank."""
 
-    singular_values: np.ndarray
+    singular_values: np.ndarray  # descending
+    total_energy: float  # the decomposed matrix's ‖·‖_F², float64
 
     @property
     def max_rank(self) -> int:
@@ -67,6 +69,27 @@ class RankedFactors:
     def check_rank(self, rank: int) -> None:
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"rank {rank} outside 1..{self.max_rank}")
+
+    def truncated_energy(self, rank: int) -> float:
+        """Σ_{i>rank} σ_i², the squared Frobenius error of the rank-`rank` truncation."""
+        return max(self.total_energy - float(np.sum(self.singular_values[:rank].astype(np.float64) ** 2)), 0.0)
+
+
+@dataclass
+class Spectrum(RankedFactors):
+    """Every singular value of a matrix and its energy: enough to choose a rank, not to form factors."""
+
+    singular_values: np.ndarray
+    total_energy: float
+
+
+def spectrum(w: np.ndarray) -> Spectrum:
+    """All singular values of `w`, from the eigenvalues of the short side's float64 Gram matrix (the same
+    values `decompose(w, "exact")` finds, without its vectors)."""
+    w64 = np.asarray(w, dtype=np.float64)
+    short = w64 @ w64.T if w64.shape[0] <= w64.shape[1] else w64.T @ w64
+    eigenvalues = np.sort(np.clip(np.linalg.eigvalsh(short), 0.0, None))[::-1]
+    return Spectrum(singular_values=np.sqrt(eigenvalues), total_energy=float(np.sum(w64 * w64)))
 
 
 @dataclass
@@ -94,15 +117,13 @@ class Decomposition(RankedFactors):
         """‖W − U·V‖_F / ‖W‖_F. Exact: U·V is W's orthogonal projection onto the leading left vectors."""
         if self.total_energy == 0.0:
             return 0.0
-        kept = float(np.sum(self.singular_values[:rank].astype(np.float64) ** 2))
-        return math.sqrt(max(self.total_energy - kept, 0.0) / self.total_energy)
+        return math.sqrt(self.truncated_energy(rank) / self.total_energy)
 
 
 def optimal_relative_error(w: np.ndarray, rank: int) -> float:
     """‖W − W_r‖_F / ‖W‖_F of the best rank-r approximation (plain truncated SVD), from eigenvalues only."""
-    w64 = np.asarray(w, dtype=np.float64)
-    short = w64 @ w64.T if w64.shape[0] <= w64.shape[1] else w64.T @ w64
-    energies = np.sort(np.clip(np.linalg.eigvalsh(short), 0.0, None))[::-1]
+    values = spectrum(w)
+    energies = values.singular_values**2
     total = float(energies.sum())
     return math.sqrt(max(float(energies[rank:].sum()), 0.0) / total) if total > 0 else 0.0
 

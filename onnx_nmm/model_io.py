@@ -18,24 +18,24 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import ModelError, OutputError
 
 # Protobuf cannot serialize a single message above 2 GiB; bigger models must use external data.
 PROTOBUF_LIMIT = 2**31 - 1
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
-    """Load an ONNX model (external data memory-mapped), or raise a UserError saying what is wrong."""
+    """Load an ONNX model (external data memory-mapped), or raise a ModelError saying what is wrong."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such file; give the path of an .onnx model")
+        raise ModelError(f"{path}: no such file; give the path of an .onnx model")
     try:
         model = ir.load(path)
     except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError by version
-        raise UserError(f"{path} is not an ONNX model ({type(error).__name__}: {_first_line(error)}); "
-                        "give a .onnx file, e.g. from torch.onnx.export") from None
+        raise ModelError(f"{path} is not an ONNX model ({type(error).__name__}: {_first_line(error)}); "
+                         "give a .onnx file, e.g. from torch.onnx.export") from None
     if not model.graph.outputs:
-        raise UserError(f"{path} parsed, but holds no graph outputs: it is not an ONNX model")
+        raise ModelError(f"{path} parsed, but holds no graph outputs: it is not an ONNX model")
     _check_external_data(path, model)
     return model
 
@@ -55,13 +55,14 @@ def external_data_path(model_path: str | os.PathLike) -> Path:
     return model_path.with_name(model_path.name + ".data")
 
 
-def check_output_path(source: str | os.PathLike, destination: str | os.PathLike, force: bool) -> None:
-    """Refuse to write over the input model (or its external data) unless `force` is set."""
+def check_output_path(source: str | os.PathLike, destination: str | os.PathLike, overwrite_input: bool) -> None:
+    """Refuse to write over the input model (or its external data) unless `overwrite_input` is set."""
     source, destination = Path(source).resolve(), Path(destination).resolve()
     clobbered = {destination, external_data_path(destination)} & {source, *_external_files_of(source)}
-    if clobbered and not force:
-        raise UserError(f"the output {destination} would overwrite the input's {', '.join(sorted(p.name for p in clobbered))}; "
-                        "choose another -o, or pass --force to replace it")
+    if clobbered and not overwrite_input:
+        names = ", ".join(sorted(p.name for p in clobbered))
+        raise OutputError(f"the output {destination} would overwrite the input's {names}; choose another {{output}}, "
+                          "or set {overwrite} to replace it", output="output", overwrite="overwrite_input")
 
 
 def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool,
@@ -85,13 +86,38 @@ def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool,
     return path
 
 
+def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` through a temporary file renamed into place, with the permissions a plain
+    `open` would give (tempfile's are private)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".onnx-nmm-", delete=False, encoding="utf-8") as handle:
+        handle.write(text)
+        staged = Path(handle.name)
+    make_public(staged)
+    staged.replace(path)
+    return path
+
+
+def make_public(path: str | os.PathLike) -> None:
+    """Give a file or folder made by tempfile (private: 0600, 0700) the permissions a plain open or mkdir
+    would."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def check_model_file(path: Path) -> None:
     """onnx.checker with full_check (shape inference included), by path so > 2 GB models work."""
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as error:
-        raise UserError(f"the rewritten model fails onnx.checker: {_first_line(error)} "
-                        "(a bug in onnx-nmm: please report it with the input model)") from None
+        raise ModelError(f"the rewritten model fails onnx.checker: {_first_line(error)} "
+                         "(a bug in onnx-nmm: please report it with the input model)") from None
 
 
 def weight_bytes(model: ir.Model) -> int:
@@ -118,12 +144,12 @@ def _check_external_data(path: Path, model: ir.Model) -> None:
     for tensor in _external_tensors(model):
         file = Path(tensor.path)
         if not file.is_file():
-            raise UserError(f"{path} keeps its weights in external data file '{tensor.location}', which is missing "
-                            f"(looked for {file}); copy it next to the model")
+            raise ModelError(f"{path} keeps its weights in external data file '{tensor.location}', which is missing "
+                             f"(looked for {file}); copy it next to the model")
         needed = tensor.offset + tensor.length if tensor.length is not None else tensor.offset
         if file.stat().st_size < needed:
-            raise UserError(f"external data file {file} is truncated: tensor '{tensor.name}' needs {needed} bytes, "
-                            f"the file has {file.stat().st_size}; copy the complete file")
+            raise ModelError(f"external data file {file} is truncated: tensor '{tensor.name}' needs {needed} bytes, "
+                             f"the file has {file.stat().st_size}; copy the complete file")
 
 
 def _external_files_of(model_path: Path) -> set[Path]:

@@ -2,7 +2,7 @@
 
 The Neuron SDK (torch-neuronx, neuronx-cc, nki) is distributed only from AWS's package repository;
 PyPI's packages of those names are placeholders. Where it is missing, compile does every step up to
-the trace and says so (exit code EXIT_NO_NEURON_SDK).
+the trace and says so (errors.NeuronSdkMissing).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import onnx
 
-from onnx_nmm import svd_ops
-from onnx_nmm.errors import UserError
+from onnx_nmm.passes import svd_ops
+from onnx_nmm.errors import ModelError
 
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
-EXIT_NO_NEURON_SDK = 3
 TARGETS = ("trn1", "trn2")
 
 
@@ -37,7 +36,7 @@ def missing_neuron_packages() -> list[str]:
 def missing_sdk_message(missing: list[str]) -> str:
     return (f"the Neuron SDK is not installed (missing: {', '.join(missing)}); everything up to the trace ran. "
             f"On a Trainium machine: pip install --extra-index-url {NEURON_INDEX} {' '.join(missing)}; "
-            "or pass --dry-run to write the manifest without tracing")
+            "or set {dry_run} to write the manifest without tracing")
 
 
 @dataclass
@@ -74,7 +73,7 @@ class KernelSummary:
 def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: bool) -> KernelSummary:
     """A kernel and its block sizes for every ai.onnx_nmm node at `tokens` rows; modelled costs if asked.
 
-    Raises UserError naming the node when no blocking of its shape fits the target's SBUF.
+    Raises ModelError naming the node when no blocking of its shape fits the target's SBUF.
     """
     from onnx_nmm.kernels.blocking import plan_mlp, plan_xuv
 
@@ -86,7 +85,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
             continue
         factors = [shapes.get(name) for name in node.input[1:]]
         if any(shape is None or len(shape) != 2 for shape in factors[:6 if node.op_type == svd_ops.SVD_GATED_MLP else 2]):
-            raise UserError(f"node '{node.name}': its factors are not 2-D initializers; the kernels need constant U, V")
+            raise ModelError(f"node '{node.name}': its factors are not 2-D initializers; the kernels need constant U, V")
         try:
             if node.op_type == svd_ops.SVD_MATMUL:
                 (k, rank), (_, n) = factors[0], factors[1]
@@ -99,7 +98,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
                 plan = plan_mlp(tokens, h, i, rg, ru, rd, "bfloat16", target=target)
                 entry = KernelEntry(node.name, node.op_type, "fused_svd_mlp", tokens, dims, _plan_dict(plan))
         except ValueError as error:
-            raise UserError(f"node '{node.name}' cannot run on {target} at {tokens} tokens: {error}") from None
+            raise ModelError(f"node '{node.name}' cannot run on {target} at {tokens} tokens: {error}") from None
         if model_costs:
             key = (entry.kernel, tuple(dims.values()))
             if key not in costs:

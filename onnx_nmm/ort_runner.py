@@ -10,10 +10,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, ExecutionError, ModelError
 
 _NUMPY_OF_ORT = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -36,28 +35,16 @@ def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"onnxruntime cannot load {label or model}: {message}") from None
+        raise ModelError(f"onnxruntime cannot load {label or model}: {message}") from None
 
 
-def vocabulary_size(session: ort.InferenceSession, path: str | os.PathLike) -> int:
-    """The token vocabulary: the logits' last dimension, else the rows of the embedding table."""
-    for output in session.get_outputs():
-        if output.shape and isinstance(output.shape[-1], int) and output.shape[-1] > 1:
-            return output.shape[-1]
-    proto = onnx.load(str(path), load_external_data=False)
-    initializers = {tensor.name: tensor for tensor in proto.graph.initializer}
-    input_names = {value.name for value in proto.graph.input}
-    for node in proto.graph.node:
-        if node.op_type == "Gather" and node.input[1] in input_names and node.input[0] in initializers:
-            return int(initializers[node.input[0]].dims[0])
-    raise UserError(f"cannot tell the vocabulary size of {path}; pass the inputs with --inputs FILE.npz")
-
-
-def random_inputs(session: ort.InferenceSession, path: str | os.PathLike, batch: int, seq_len: int,
+def random_inputs(session: ort.InferenceSession, vocabulary: int | None, batch: int, seq_len: int,
                   seed: int) -> dict[str, np.ndarray]:
-    """Inputs for a causal LM: random token ids, a full attention mask, positions 0..S-1."""
-    vocab = vocabulary_size(session, path)
-    tokens = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq_len), dtype=np.int64)
+    """Inputs for a causal LM: random token ids below `vocabulary`, a full attention mask, positions 0..S-1."""
+    if vocabulary is None:
+        raise DataError("cannot tell the model's vocabulary size to draw token ids from; give the {inputs}",
+                        inputs="inputs")
+    tokens = np.random.default_rng(seed).integers(0, vocabulary, size=(batch, seq_len), dtype=np.int64)
     return token_inputs(session, tokens, seed)
 
 
@@ -69,7 +56,8 @@ def token_inputs(session: ort.InferenceSession, tokens: np.ndarray, seed: int = 
     for spec in session.get_inputs():
         dtype = _NUMPY_OF_ORT.get(spec.type)
         if dtype is None:
-            raise UserError(f"input '{spec.name}' has type {spec.type}; pass the inputs with --inputs FILE.npz")
+            raise DataError(f"input '{spec.name}' has type {spec.type}, not token ids; give the {{inputs}}",
+                            inputs="inputs")
         shape = _concrete_shape(spec, batch, seq_len)
         name = spec.name.lower()
         if np.issubdtype(dtype, np.integer):
@@ -95,11 +83,11 @@ def load_inputs(path: str | os.PathLike, session: ort.InferenceSession) -> dict[
         with np.load(path) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except Exception as error:
-        raise UserError(f"cannot read inputs from {path}: {error}; give an .npz saved with numpy.savez") from None
+        raise DataError(f"cannot read inputs from {path}: {error}; give an .npz saved with numpy.savez") from None
     wanted = [spec.name for spec in session.get_inputs()]
     missing = [name for name in wanted if name not in arrays]
     if missing:
-        raise UserError(f"{path} lacks model input(s) {', '.join(missing)}; it has {', '.join(arrays) or 'nothing'}")
+        raise DataError(f"{path} lacks model input(s) {', '.join(missing)}; it has {', '.join(arrays) or 'nothing'}")
     return {name: arrays[name] for name in wanted}
 
 
@@ -109,7 +97,7 @@ def run(session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> dict[st
         return dict(zip(names, session.run(names, inputs)))
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"onnxruntime failed to run the model: {message}") from None
+        raise ExecutionError(f"onnxruntime failed to run the model: {message}") from None
 
 
 def _concrete_shape(spec, batch: int, seq_len: int) -> tuple[int, ...]:
@@ -124,5 +112,5 @@ def _concrete_shape(spec, batch: int, seq_len: int) -> tuple[int, ...]:
         elif position == 1 or dim is None or "seq" in str(dim).lower():
             shape.append(seq_len)
         else:
-            raise UserError(f"input '{spec.name}' has a free dimension '{dim}'; pass the inputs with --inputs FILE.npz")
+            raise DataError(f"input '{spec.name}' has a free dimension '{dim}'; give the {{inputs}}", inputs="inputs")
     return tuple(shape)

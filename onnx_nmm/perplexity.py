@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from onnx_nmm import metrics
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, OptionError
 
 # token ids [1, S] → logits [1, S, vocab]: a model on some backend (backend_runner.ModelRunner.logits)
 LogitsFn = Callable[[np.ndarray], np.ndarray]
@@ -31,10 +31,15 @@ class Windows:
     stride: int
     max_windows: int | None = None
 
+    def __post_init__(self):
+        if self.window < 2 or self.stride < 1 or self.stride > self.window:
+            raise OptionError(f"need {{window}} ≥ 2 and 1 ≤ {{stride}} ≤ {{window}}, got window {self.window}, stride "
+                              f"{self.stride}", window="window", stride="stride")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise OptionError("{max_windows} must be a positive integer", max_windows="max_windows")
+
     def spans(self, length: int) -> Iterator[tuple[int, int, int]]:
         """(begin, end, first scored position) of every window over `length` tokens."""
-        if self.window < 2 or self.stride < 1 or self.stride > self.window:
-            raise UserError(f"need window ≥ 2 and 1 ≤ stride ≤ window, got window {self.window}, stride {self.stride}")
         scored_up_to, count = 1, 0
         for begin in range(0, max(length - 1, 0), self.stride):
             end = min(begin + self.window, length)
@@ -120,7 +125,7 @@ class _NllSum:
 
     def result(self, windows: Windows) -> PerplexityResult:
         if self.count == 0:
-            raise UserError("the text is too short to score a single token; give a longer text")
+            raise DataError("the text is too short to score a single token; give a longer text")
         mean = self.total / self.count
         return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, tokens_scored=self.count,
                                 windows=self.windows, window=windows.window, stride=windows.stride)

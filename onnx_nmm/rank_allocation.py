@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_nmm import lowrank
+from onnx_nmm.rank_plan import Dense, RankPlan, parameters
 
-DENSE = None
+KEPT_DENSE = Dense("the global budget keeps it dense")
 
 
 @dataclass
@@ -44,9 +45,9 @@ class LayerSpectrum:
         return energy / total if total > 0 else np.zeros_like(energy)
 
 
-def allocate_ranks(layers: list[LayerSpectrum], budget: int, align: int) -> dict[str, int | None]:
-    """Rank per layer name (None: stay dense) with total parameters ≤ `budget` where possible."""
-    ranks: dict[str, int | None] = {}
+def allocate_ranks(layers: list[LayerSpectrum], budget: int, align: int) -> RankPlan:
+    """Rank per layer name with total parameters ≤ `budget` where possible."""
+    ranks: RankPlan = {}
     spent = 0
     heap: list[tuple[float, int, str]] = []
     by_name = {layer.name: layer for layer in layers}
@@ -64,26 +65,22 @@ def allocate_ranks(layers: list[LayerSpectrum], budget: int, align: int) -> dict
             continue  # does not fit; a cheaper step elsewhere may
         spent += step_cost
         ranks[name] = step_rank
-        if step_rank is not DENSE:
+        if not isinstance(step_rank, Dense):
             _push(heap, layer, step_rank, fractions[name], align, order)
     return ranks
 
 
-def parameters(layer: LayerSpectrum, rank: int | None) -> int:
-    return layer.k * layer.n if rank is DENSE else rank * (layer.k + layer.n)
-
-
-def _next_step(layer: LayerSpectrum, rank: int, align: int) -> tuple[int | None, int]:
+def _next_step(layer: LayerSpectrum, rank: int, align: int) -> tuple[int | Dense, int]:
     """The next rank (or dense) after `rank`, and its extra parameter cost."""
     grown = min(rank + align, len(layer.singular_values))
     if grown >= lowrank.break_even_rank(layer.k, layer.n) or grown == rank:
-        return DENSE, layer.k * layer.n - rank * (layer.k + layer.n)
+        return KEPT_DENSE, layer.k * layer.n - rank * (layer.k + layer.n)
     return grown, (grown - rank) * (layer.k + layer.n)
 
 
 def _push(heap, layer: LayerSpectrum, rank: int, fractions: np.ndarray, align: int, order: int) -> None:
     step_rank, cost = _next_step(layer, rank, align)
-    removed = fractions[rank:].sum() if step_rank is DENSE else fractions[rank:step_rank].sum()
+    removed = fractions[rank:].sum() if isinstance(step_rank, Dense) else fractions[rank:step_rank].sum()
     if cost > 0 and removed > 0:
         heapq.heappush(heap, (-removed / cost, order, layer.name))
 
@@ -94,7 +91,7 @@ RankOption = tuple[int, int, float]  # (rank, parameters at that rank, damage)
 def rank_options(k: int, n: int, align: int, damage_of: Callable[[int], float]) -> tuple[int, list[RankOption]]:
     """A K×N layer's dense parameter count and its (rank, parameters, damage) at every aligned rank that
     saves parameters: what `cheapest_moves` and `allocate_by_damage` choose among."""
-    return k * n, [(rank, rank * (k + n), damage_of(rank)) for rank in lowrank.aligned_ranks(k, n, align)]
+    return k * n, [(rank, parameters(k, n, rank), damage_of(rank)) for rank in lowrank.aligned_ranks(k, n, align)]
 
 
 def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tuple[str, int]]:
@@ -105,30 +102,29 @@ def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tup
     """
     moves = []
     for order, (name, (dense, ranks)) in enumerate(options.items()):
-        hull = _lower_hull([(0, 0.0, DENSE)] + sorted((dense - parameters, damage, rank)
-                                                       for rank, parameters, damage in ranks))
+        hull = _lower_hull([(0, 0.0, KEPT_DENSE)] + sorted((dense - count, damage, rank)
+                                                            for rank, count, damage in ranks))
         for (removed_before, damage_before, _), (removed, damage, rank) in zip(hull, hull[1:]):
             moves.append(((damage - damage_before) / (removed - removed_before), order, removed, name, rank))
     return [(name, rank) for *_, name, rank in sorted(moves)]
 
 
-def allocate_by_damage(options: dict[str, tuple[int, list[RankOption]]],
-                       parameters_to_remove: int) -> dict[str, int | None]:
-    """Rank per layer (None: dense) removing at least `parameters_to_remove` parameters, or as many as all
-    moves remove, along `cheapest_moves`."""
-    ranks: dict[str, int | None] = {name: DENSE for name in options}
+def allocate_by_damage(options: dict[str, tuple[int, list[RankOption]]], parameters_to_remove: int) -> RankPlan:
+    """Rank per layer removing at least `parameters_to_remove` parameters, or as many as all moves remove,
+    along `cheapest_moves`."""
+    ranks: RankPlan = dict.fromkeys(options, KEPT_DENSE)
     removed = 0
     for name, rank in cheapest_moves(options):
         if removed >= parameters_to_remove:
             break
         dense, choices = options[name]
-        before = dense if ranks[name] is DENSE else next(p for r, p, _ in choices if r == ranks[name])
+        before = dense if isinstance(ranks[name], Dense) else next(p for r, p, _ in choices if r == ranks[name])
         removed += before - next(p for r, p, _ in choices if r == rank)
         ranks[name] = rank
     return ranks
 
 
-def _lower_hull(points: list[tuple[int, float, int | None]]) -> list[tuple[int, float, int | None]]:
+def _lower_hull(points: list[tuple[int, float, object]]) -> list[tuple[int, float, object]]:
     """The lower convex hull of (x, y, label) points sorted by x, from the first point on."""
     hull: list[tuple[int, float, int | None]] = []
     for point in points:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import MissingDependencyError
 from onnx_nmm.rewrite import RewriteReport
 
 
@@ -15,7 +15,7 @@ def plot_report(report: RewriteReport, path: str | os.PathLike, title: str = "")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'onnx-nmm[plot]'") from None
+        raise MissingDependencyError("plotting needs matplotlib: pip install 'onnx-nmm[plot]'") from None
     layers = [layer for layer in report.layers if layer.status != "skipped"]
     positions = range(len(layers))
     figure, (ranks, losses) = plt.subplots(2, 1, figsize=(max(8, 0.18 * len(layers)), 7), sharex=True)

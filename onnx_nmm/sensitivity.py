@@ -1,7 +1,9 @@
-"""Choose where and how much to compress within a quality budget (`rewrite --max-ppl-increase / --max-kl`).
+"""Choose where and how much to compress within a quality budget (`max_ppl_increase`, `max_kl`, or `keep`
+with the sensitivity budget).
 
-1. Lower an exact full-rank whitened rewrite of the targets to PyTorch: it computes what the dense model
-   does, and any one layer can be switched to a rank-r truncation by swapping its factor parameters.
+1. A damage probe (pipeline.plan builds it): the model with every candidate factorized at full rank,
+   lowered to PyTorch. It computes what the dense model does, and any layer can be switched to a rank-r
+   truncation by swapping its factor parameters, whose names the factorization pass reported.
 2. Sensitivity, precisely: the damage (increase of the mean next-token log-loss, or KL to the dense
    model's next-token distributions) on calibration windows with only that layer truncated, at two
    reference ranks: the middle and the lowest of its aligned ranks that save parameters. Cheaply,
@@ -11,14 +13,14 @@
    order send a few layers all the way to the lowest rank (SmolLM2, keep 0.9: 10 matrices at rank 32,
    perplexity 2.5× that of dense on held-out text, worse than truncating all 90 matrices uniformly;
    with both references 1.6×, docs/quality.md).
-   With Fisher statistics (`--method fisher`) nothing is measured here: the damage of every rank is the
-   KL divergence the layer's weighted spectrum predicts (onnx_nmm.fisher), in nats for every layer alike.
+   With Fisher statistics nothing is measured here: the damage of every rank is the KL divergence the
+   layer's weighted spectrum predicts (onnx_nmm.fisher), in nats for every layer alike.
 3. A greedy order of moves by parameters saved per unit of predicted damage, each layer going from dense
    down the lower convex hull of its (saving, damage) points (onnx_nmm.rank_allocation).
 4. Within a quality budget: the longest prefix of that order whose real damage, measured with all its
    moves applied at once, stays within the budget (a binary search; the damages of layers roughly add up,
-   which is what made the order, but the measurement decides). For a parameter target (`--keep F
-   --budget sensitivity`): the shortest prefix that removes enough parameters, its damage measured once.
+   which is what made the order, but the measurement decides). For a parameter target (keep with the
+   sensitivity budget): the shortest prefix that removes enough parameters, its damage measured once.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx_ir as ir
 
 from onnx_nmm import fisher, lowrank, rank_allocation
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import OptionError
+from onnx_nmm.metrics import log_softmax
+from onnx_nmm.rank_plan import Dense, RankPlan, parameters
 
-DENSE = None
+METRICS = ("ppl", "kl")
 
 
 @dataclass
@@ -40,10 +45,9 @@ class Candidate:
     """A target layer: its shape, whitened spectrum and factors at any rank, and its measured damage."""
 
     name: str
-    factor_names: tuple[str, str]  # U and V initializer names in the full-rank rewrite
     k: int
     n: int
-    decomposition: object  # whitening.WhitenedDecomposition
+    decomposition: lowrank.RankedFactors  # plain or whitened: its spectrum, and factors at any rank
     references: list[tuple[int, float]] = field(default_factory=list)  # (rank, measured damage)
     fisher_tokens: int | None = None  # Fisher-weighted decomposition over this many tokens: damage is predicted
 
@@ -57,13 +61,15 @@ class Candidate:
         return sorted({ranks[(len(ranks) - 1) // 2], ranks[-1]}, reverse=True)
 
     def truncation_loss(self, rank: int) -> float:
-        return self.decomposition.whitened_loss(rank) ** 2
+        """L(r)² = Σ_{i>r} σ_i² / Σ σ_i² of the (whitened) spectrum."""
+        total = self.decomposition.total_energy
+        return self.decomposition.truncated_energy(rank) / total if total > 0 else 0.0
 
-    def predicted_damage(self, rank: int | None) -> float:
+    def predicted_damage(self, rank: int | Dense) -> float:
         """Piecewise linear in the truncation loss through (0, 0) and the references (kept non-decreasing,
         as measurements are noisy); past the last reference its slope goes on. With Fisher statistics: the
         predicted KL."""
-        if rank is DENSE:
+        if isinstance(rank, Dense):
             return 0.0
         if self.fisher_tokens is not None:
             return fisher.predicted_kl(self.decomposition.truncated_energy(rank), self.fisher_tokens)
@@ -79,14 +85,16 @@ class Candidate:
         slope = (damages[-1] - damages[-2]) / run if run > 0 else 0.0
         return float(damages[-1] + slope * (loss - losses[-1]))
 
-    def parameters(self, rank: int | None) -> int:
-        return self.k * self.n if rank is DENSE else rank * (self.k + self.n)
+    def parameters(self, rank: int | Dense) -> int:
+        return parameters(self.k, self.n, rank)
 
 
 @dataclass
-class Selection:
-    ranks: dict[str, int | None]  # chosen rank per candidate (None: stays dense)
-    damage: float  # measured with all of them applied
+class BudgetChoice:
+    """The ranks a quality budget chose, and how: what the report's `quality_budget` holds."""
+
+    plan: RankPlan
+    damage: float  # measured with all of the plan applied
     budget: float | None  # the damage allowed; None when the goal was a parameter count
     metric: str
     moves_applied: int
@@ -94,6 +102,14 @@ class Selection:
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, damage) measured
     # per candidate: (rank, damage) measured at its references, or predicted at every rank
     sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def to_dict(self, keep: float | None) -> dict:
+        return {"metric": self.metric, "budget": self.budget, "keep": keep, "measured": self.damage,
+                "moves_applied": self.moves_applied, "moves_considered": self.moves_considered,
+                "evaluations": self.evaluations, "sensitivity": self.sensitivity}
+
+
+DamageOf = Callable[[RankPlan], float]
 
 
 def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
@@ -103,22 +119,22 @@ def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int
                                            for c in candidates})
 
 
-def ranks_after(moves: list[tuple[str, int]], candidates: list[Candidate]) -> dict[str, int | None]:
-    ranks: dict[str, int | None] = {c.name: DENSE for c in candidates}
+def plan_after(moves: list[tuple[str, int]], candidates: list[Candidate], kept_dense: Dense) -> RankPlan:
+    plan: RankPlan = {c.name: kept_dense for c in candidates}
     for name, rank in moves:
-        ranks[name] = rank
-    return ranks
+        plan[name] = rank
+    return plan
 
 
-def select_within_budget(candidates: list[Candidate], align: int, budget: float, metric: str,
-                         damage_of: Callable[[dict[str, int | None]], float]) -> Selection:
-    """The longest greedy prefix whose measured damage (`damage_of(ranks)`) is at most `budget`."""
+def select_within_budget(candidates: list[Candidate], align: int, budget: float, metric: str, damage_of: DamageOf,
+                         kept_dense: Dense) -> BudgetChoice:
+    """The longest greedy prefix whose measured damage (`damage_of(plan)`) is at most `budget`."""
     moves = greedy_moves(candidates, align)
     measured: dict[int, float] = {0: 0.0}
 
     def damage(prefix: int) -> float:
         if prefix not in measured:
-            measured[prefix] = damage_of(ranks_after(moves[:prefix], candidates))
+            measured[prefix] = damage_of(plan_after(moves[:prefix], candidates, kept_dense))
         return measured[prefix]
 
     low, high = 0, len(moves)  # damage(low) ≤ budget; find the largest such prefix
@@ -130,34 +146,33 @@ def select_within_budget(candidates: list[Candidate], align: int, budget: float,
             low = middle
         else:
             high = middle
-    return Selection(ranks_after(moves[:low], candidates), damage(low), budget, metric, low, len(moves),
-                     sorted(measured.items()))
+    return BudgetChoice(plan_after(moves[:low], candidates, kept_dense), damage(low), budget, metric, low, len(moves),
+                        sorted(measured.items()))
 
 
 def select_for_parameters(candidates: list[Candidate], align: int, parameters_to_remove: int, metric: str,
-                          damage_of: Callable[[dict[str, int | None]], float]) -> Selection:
+                          damage_of: DamageOf, kept_dense: Dense) -> BudgetChoice:
     """The shortest greedy prefix removing at least `parameters_to_remove` parameters, its damage measured.
 
-    Raises UserError when even every move together removes fewer.
+    Raises OptionError when even every move together removes fewer.
     """
     moves = greedy_moves(candidates, align)
     by_name = {c.name: c for c in candidates}
-    ranks: dict[str, int | None] = {c.name: DENSE for c in candidates}
+    plan: RankPlan = {c.name: kept_dense for c in candidates}
     removed = 0
     for applied, (name, rank) in enumerate(moves, start=1):
-        removed += by_name[name].parameters(ranks[name]) - by_name[name].parameters(rank)
-        ranks[name] = rank
+        removed += by_name[name].parameters(plan[name]) - by_name[name].parameters(rank)
+        plan[name] = rank
         if removed >= parameters_to_remove:
-            damage = damage_of(ranks)
-            return Selection(ranks, damage, None, metric, applied, len(moves), [(applied, damage)])
-    raise UserError(f"removing {parameters_to_remove:,} parameters is more than every target at its lowest aligned "
-                    f"rank removes ({removed:,}): raise --keep or lower --align")
+            damage = damage_of(plan)
+            return BudgetChoice(plan, damage, None, metric, applied, len(moves), [(applied, damage)])
+    raise OptionError(f"removing {parameters_to_remove:,} parameters is more than every target at its lowest aligned "
+                      f"rank removes ({removed:,}): raise {{keep}} or lower {{align}}", keep="ranks.keep",
+                      align="ranks.align")
 
 
 def mean_log_loss_and_kl(logits: np.ndarray, tokens: np.ndarray, reference_log_probs: np.ndarray) -> tuple[float, float]:
     """Mean next-token negative log-likelihood of `tokens`, and mean KL(reference ‖ model), over [B, S] windows."""
-    from onnx_nmm.metrics import log_softmax
-
     log_probs = log_softmax(logits[:, :-1].astype(np.float64))
     targets = tokens[:, 1:]
     nll = -np.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
@@ -165,84 +180,79 @@ def mean_log_loss_and_kl(logits: np.ndarray, tokens: np.ndarray, reference_log_p
     return float(nll), float(kl)
 
 
-METRICS = ("ppl", "kl")
+class DamageProbe:
+    """The damage of any ranks of the candidates, measured on calibration windows.
+
+    `model` holds every candidate factorized at full rank (so it computes what the dense model does), its
+    factor initializers named by `factor_names`; `decompositions` give each candidate's factors at any rank.
+    The damage is the increase of the mean log-loss ("ppl") or the mean KL to the dense model ("kl").
+    """
+
+    def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
+                 tokens: np.ndarray, metric: str):
+        import torch
+
+        from onnx_nmm.lowering import factor_parameters, lower
+
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        ir.external_data.load_to_model(model)  # the lowering reads weights from the proto
+        self.module = lower(ir.to_proto(model))
+        self.parameters = factor_parameters(self.module)
+        missing = [name for pair in factor_names.values() for name in pair if name not in self.parameters]
+        if missing:
+            raise RuntimeError(f"the lowered model has no factor parameters {missing[:3]}")
+        self.factor_names, self.decompositions, self.metric = factor_names, decompositions, metric
+        self.tokens = tokens
+        self.batch = torch.from_numpy(tokens.astype(np.int64))
+        self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64))
+        self.base_nll, _ = mean_log_loss_and_kl(self._logits(), tokens, self.reference)
+
+    def __call__(self, plan: RankPlan) -> float:
+        import torch
+
+        originals = {}
+        for name, rank in plan.items():
+            if isinstance(rank, Dense):
+                continue
+            for factor, array in zip(self.factor_names[name], self.decompositions[name].factors(rank, np.float32)):
+                originals[factor] = self.parameters[factor].data
+                self.parameters[factor].data = torch.from_numpy(array)
+        try:
+            nll, kl = mean_log_loss_and_kl(self._logits(), self.tokens, self.reference)
+        finally:
+            for factor, data in originals.items():
+                self.parameters[factor].data = data
+        return nll - self.base_nll if self.metric == "ppl" else kl
+
+    def _logits(self) -> np.ndarray:
+        import torch
+
+        from onnx_nmm.lowering import call_lowered
+
+        return call_lowered(self.module, self.batch, torch.ones_like(self.batch)).numpy()
 
 
-def choose_ranks(model_path, selection, statistics, tokens: np.ndarray, align: int, metric: str,
-                 budget: float | None = None, keep: float | None = None, use_fisher: bool = False,
-                 on_step: Callable[[str], None] | None = None) -> Selection:
-    """Ranks for the selected layers of the model at `model_path`, by their damage on `tokens` [B, S]: the
-    increase of mean log-loss ("ppl", budget = log(1 + allowed relative increase)) or the mean KL to the
-    dense model ("kl", nats). Either within `budget` of damage, or keeping the fraction `keep` of the
-    selected layers' parameters at the least damage. Needs whitening statistics of every target; with
-    `use_fisher`, their output-gradient statistics too, which predict every damage instead of measuring it
-    (`on_step` then hears of nothing)."""
-    import onnx_ir as ir
-    import torch
-
-    from onnx_nmm import whitening
-    from onnx_nmm.lowering import call_lowered, factor_parameters, lower
-    from onnx_nmm.model_io import load_model
-    from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass, find_linear_layers, select_layers
-
-    model = load_model(model_path)
-    layers, _ = select_layers(find_linear_layers(model), selection)
-    candidates, full_rank = [], []
-    for layer in layers:
-        output_gram = statistics.output_gram(layer.name) if use_fisher else None
-        decomposition = whitening.whitened_decomposition(layer.weight_matrix(), statistics.gram(layer.x.name),
-                                                         output_gram=output_gram)
-        u, v = decomposition.factors(decomposition.max_rank, dtype=np.float64)
-        method = "fisher" if use_fisher else "whiten"
-        full_rank.append(FactorizedLayer(layer=layer, u=u, v=v, align=align, method=f"{method}/exact"))
-        base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
-        candidate = Candidate(layer.name, (f"{base}.svd_u", f"{base}.svd_v"), layer.k, layer.n, decomposition,
-                              fisher_tokens=statistics.tokens if use_fisher else None)
-        if candidate.ranks(align):
-            candidates.append(candidate)
-    SvdFactorizationPass(full_rank)(model)
-    ir.external_data.load_to_model(model)  # the lowering reads weights from the proto, not from beside the input
-    module = lower(ir.to_proto(model))
-    parameters = factor_parameters(module)
-    missing = [c.name for c in candidates if any(name not in parameters for name in c.factor_names)]
-    if missing:
-        raise RuntimeError(f"factor parameters not found for {missing[:3]}")
-    originals = {name: parameter.data for name, parameter in parameters.items()}
-    batch = torch.from_numpy(tokens.astype(np.int64))
-    mask = torch.ones_like(batch)
-
-    def logits() -> np.ndarray:
-        return call_lowered(module, batch, mask).numpy()
-
-    from onnx_nmm.metrics import log_softmax
-
-    reference = log_softmax(logits()[:, :-1].astype(np.float64))
-    base_nll, _ = mean_log_loss_and_kl(logits(), tokens, reference)
-    by_name = {c.name: c for c in candidates}
-
-    def damage_of(ranks: dict[str, int | None]) -> float:
-        for name, rank in ranks.items():
-            if rank is not DENSE:
-                u, v = by_name[name].decomposition.factors(rank, dtype=np.float32)
-                parameters[by_name[name].factor_names[0]].data = torch.from_numpy(u)
-                parameters[by_name[name].factor_names[1]].data = torch.from_numpy(v)
-        nll, kl = mean_log_loss_and_kl(logits(), tokens, reference)
-        for name in ranks:
-            for factor in by_name[name].factor_names:
-                parameters[factor].data = originals[factor]
-        return nll - base_nll if metric == "ppl" else kl
-
-    if not use_fisher:  # Fisher statistics predict every damage; otherwise measure two references per candidate
-        for candidate in candidates:
+def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric: str, budget: float | None,
+           parameters_to_remove: int | None, kept_dense: Dense,
+           on_measured: Callable[[str], None] | None = None) -> BudgetChoice:
+    """Measure each candidate's references (unless Fisher statistics predict its damage), then choose: within
+    `budget` of damage, or removing `parameters_to_remove` at the least damage."""
+    for candidate in candidates:
+        if candidate.fisher_tokens is None:
             candidate.references = [(rank, damage_of({candidate.name: rank}))
                                     for rank in candidate.reference_ranks(align)]
-            if on_step is not None:
-                on_step(candidate.name)
-    if keep is not None:
-        target = math.ceil((1 - keep) * sum(layer.parameters for layer in layers))
-        chosen = select_for_parameters(candidates, align, target, metric, damage_of)
+            if on_measured is not None:
+                on_measured(candidate.name)
+    if parameters_to_remove is not None:
+        chosen = select_for_parameters(candidates, align, parameters_to_remove, metric, damage_of, kept_dense)
     else:
-        chosen = select_within_budget(candidates, align, budget, metric, damage_of)
+        chosen = select_within_budget(candidates, align, budget, metric, damage_of, kept_dense)
     chosen.sensitivity = {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)]
                           for c in candidates}
     return chosen
+
+
+def budget_in_nats(metric: str, allowed: float) -> float:
+    """A perplexity increase (0.1 = +10 %) as the log-loss increase it allows; a KL budget as it is."""
+    return math.log1p(allowed) if metric == "ppl" else allowed

@@ -31,15 +31,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from onnx_nmm import ort_runner
-from onnx_nmm.activation_stats import _prune, _value_types
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, ExecutionError
+from onnx_nmm.graph_probe import expose, value_types
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import LinearLayer
 
 
@@ -100,13 +100,12 @@ class GroupObserver:
     """Runs the dense and the working (partly compressed) model on the calibration batches, pruned to
     one group's input, and returns that group's statistics."""
 
-    def __init__(self, model_path: str | Path, batches: Iterable, make_feeds: Callable = ort_runner.token_inputs):
-        self.model_path = Path(model_path)
-        self.folder = str(self.model_path.parent.resolve())
+    def __init__(self, source: ModelSource, batches: Iterable, make_feeds: Callable = ort_runner.token_inputs):
+        self.source = source
         self.batches = list(batches)
         self.make_feeds = make_feeds
-        self.dense_proto = onnx.load(str(self.model_path), load_external_data=False)
-        self.types = _value_types(self.dense_proto)
+        self.dense_proto = source.graph_proto()
+        self.types = value_types(self.dense_proto)
         self.dense_cache: dict[str, list[np.ndarray]] = {}
 
     def prepare(self, widths: dict[str, int]) -> None:
@@ -138,18 +137,12 @@ class GroupObserver:
                 gram_d += products[2]
             tokens += len(x_d)
         if gram_c is None:
-            raise UserError("the calibration set is empty")
+            raise DataError("the calibration set is empty")
         return GroupStatistics(gram_c, cross, gram_d, tokens)
 
     def _session(self, proto: onnx.ModelProto, *values: str):
         proto = onnx.ModelProto.FromString(proto.SerializeToString()) if proto is self.dense_proto else proto
-        del proto.graph.output[:]
-        for value in values:
-            elem_type = self.types.get(value, onnx.TensorProto.FLOAT)
-            proto.graph.output.append(onnx.helper.make_tensor_value_info(value, elem_type, None))
-        _prune(proto.graph)
-        config = {"session.model_external_initializers_file_folder_path": self.folder}
-        return ort_runner.create_session(proto.SerializeToString(), extra_config=config, label=self.model_path)
+        return self.source.session_of(expose(proto, list(values), self.types))
 
     def _activation(self, session, batch, value: str, index: int) -> np.ndarray:
         (x,) = session.run([value], self.make_feeds(session, batch))
@@ -159,6 +152,6 @@ class GroupObserver:
     def _rows(x: np.ndarray, value: str, index: int) -> np.ndarray:
         x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
         if not np.all(np.isfinite(x)):
-            raise UserError(f"calibration batch {index} gives non-finite activations at '{value}' (NaN or Inf): "
-                            "check the calibration data")
+            raise ExecutionError(f"calibration batch {index} gives non-finite activations at '{value}' (NaN or "
+                                 "Inf): check the calibration data")
         return x

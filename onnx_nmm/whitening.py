@@ -75,10 +75,6 @@ class WhitenedDecomposition(lowrank.RankedFactors):
         kept = float(np.sum((self.weight @ self.directions[:, :rank]) ** 2))  # Q orthonormal: ‖W‖² − ‖W Q_r‖²
         return math.sqrt(max(total - kept, 0.0) / total)
 
-    def truncated_energy(self, rank: int) -> float:
-        """Σ_{i>rank} σ_i² = ‖Sᵀ·(W − U·V)·T‖_F², the weighted error itself."""
-        return max(self.total_energy - float(np.sum(self.singular_values[:rank] ** 2)), 0.0)
-
     def whitened_loss(self, rank: int) -> float:
         """‖Sᵀ(W − U·V)T‖_F / ‖Sᵀ·W·T‖_F: with T = I, ‖X·W − X·U·V‖_F / ‖X·W‖_F on the calibration
         activations (damped G if it was damped)."""
@@ -108,11 +104,15 @@ def whitening_factor(gram: np.ndarray) -> tuple[np.ndarray, str]:
     return eigenvectors * np.sqrt(np.clip(eigenvalues, 0.0, None)), "eigendecomposition"
 
 
-def whitened_decomposition(weight: np.ndarray, gram: np.ndarray, method: str = "exact",
-                           rank_hint: int | None = None, power_iterations: int = 2, oversample: int = 64,
-                           seed: int = 0, output_gram: np.ndarray | None = None) -> WhitenedDecomposition:
-    """Decompose Sᵀ·W (or Sᵀ·W·T) for W [K, N], the inputs' Gram matrix G [K, K] and optionally the
-    output-gradient Gram G_out [N, N]."""
+def weighted_spectrum(weight: np.ndarray, gram: np.ndarray, output_gram: np.ndarray | None = None) -> lowrank.Spectrum:
+    """Every singular value of Sᵀ·W (or Sᵀ·W·T), as `whitened_decomposition` would find them."""
+    whitened, _, _ = _weighted(weight, gram, output_gram)
+    return lowrank.spectrum(whitened)
+
+
+def _weighted(weight: np.ndarray, gram: np.ndarray,
+              output_gram: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """(Sᵀ·W·T, T or None, how S was obtained) for W [K, N], G [K, K] and optionally G_out [N, N]."""
     weight = np.asarray(weight, dtype=np.float64)
     if gram.shape != (weight.shape[0],) * 2:
         raise ValueError(f"Gram matrix {gram.shape} does not match the weight's input size {weight.shape[0]}")
@@ -125,6 +125,16 @@ def whitened_decomposition(weight: np.ndarray, gram: np.ndarray, method: str = "
                              f"{weight.shape[1]}")
         output_factor = output_whitening_factor(output_gram)
         whitened = whitened @ output_factor
+    return whitened, output_factor, conditioning
+
+
+def whitened_decomposition(weight: np.ndarray, gram: np.ndarray, method: str = "exact",
+                           rank_hint: int | None = None, power_iterations: int = 2, oversample: int = 64,
+                           seed: int = 0, output_gram: np.ndarray | None = None) -> WhitenedDecomposition:
+    """Decompose Sᵀ·W (or Sᵀ·W·T) for W [K, N], the inputs' Gram matrix G [K, K] and optionally the
+    output-gradient Gram G_out [N, N]."""
+    weight = np.asarray(weight, dtype=np.float64)
+    whitened, output_factor, conditioning = _weighted(weight, gram, output_gram)
     decomposition = lowrank.decompose(whitened, method, rank_hint=rank_hint, oversample=oversample,
                                       power_iterations=power_iterations, seed=seed)
     sigma = decomposition.singular_values

@@ -1,18 +1,21 @@
-"""Graph passes: small, pure steps over an onnx-ir model (no file I/O of their own)."""
+"""Graph passes: small, pure steps over an onnx-ir model. They know graphs, not files, flags or maths:
+the factors a pass swaps in come computed."""
 
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.gated_mlp_fusion import FuseGatedMlpPass
 from onnx_nmm.passes.linear_layers import LinearLayer, WeightSource, find_linear_layers
-from onnx_nmm.passes.selection import TARGETS, Selection, select_layers
+from onnx_nmm.passes.selection import TARGETS, LayerFilter, select_layers
 from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
 
 __all__ = [
     "TARGETS",
     "FactorizedLayer",
     "FuseGatedMlpPass",
+    "LayerFilter",
     "LinearLayer",
-    "Selection",
     "SvdFactorizationPass",
     "WeightSource",
     "find_linear_layers",
     "select_layers",
+    "svd_ops",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnx_nmm import svd_ops
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes import roles
 
 

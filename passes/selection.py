@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Protocol
 
 from onnx_nmm.passes import roles
 from onnx_nmm.passes.linear_layers import LinearLayer
@@ -11,28 +11,17 @@ from onnx_nmm.passes.linear_layers import LinearLayer
 TARGETS = ("mlp", "attention", "all")
 
 
-@dataclass(frozen=True)
-class Selection:
-    """`targets` picks groups; `include`/`exclude` are regexes searched in node names and module
-    paths (exclude wins); the lm_head is only taken when `lm_head` is set (the paper leaves it alone)."""
+class LayerFilter(Protocol):
+    """`targets` picks groups; `include`/`exclude` are regexes searched in node names and module paths
+    (exclude wins); the lm_head is only taken when `lm_head` is set (the paper leaves it alone)."""
 
-    targets: str = "mlp"
-    include: str | None = None
-    exclude: str | None = None
-    lm_head: bool = False
-
-    def describe(self) -> str:
-        parts = [f"targets={self.targets}"]
-        if self.include:
-            parts.append(f"include={self.include!r}")
-        if self.exclude:
-            parts.append(f"exclude={self.exclude!r}")
-        if self.lm_head:
-            parts.append("lm_head")
-        return ", ".join(parts)
+    targets: str
+    include: str | None
+    exclude: str | None
+    lm_head: bool
 
 
-def select_layers(layers: list[LinearLayer], selection: Selection) -> tuple[list[LinearLayer], dict[str, str]]:
+def select_layers(layers: list[LinearLayer], selection: LayerFilter) -> tuple[list[LinearLayer], dict[str, str]]:
     """The layers to rewrite, and for every other layer the reason it is left alone."""
     if selection.targets not in TARGETS:
         raise ValueError(f"targets must be one of {', '.join(TARGETS)}, got {selection.targets!r}")
@@ -48,14 +37,14 @@ def select_layers(layers: list[LinearLayer], selection: Selection) -> tuple[list
     return chosen, reasons
 
 
-def _reason_to_skip(layer: LinearLayer, selection: Selection, include, exclude) -> str | None:
+def _reason_to_skip(layer: LinearLayer, selection: LayerFilter, include, exclude) -> str | None:
     names = (layer.name, layer.module_path)
     if exclude is not None and any(exclude.search(name) for name in names):
-        return f"excluded by --exclude {exclude.pattern!r}"
+        return f"excluded by {exclude.pattern!r}"
     if include is not None and not any(include.search(name) for name in names):
-        return f"not matched by --include {include.pattern!r}"
+        return f"not matched by {include.pattern!r}"
     if layer.group == roles.LM_HEAD:
-        return None if selection.lm_head else "lm_head (pass --lm-head to factorize it)"
+        return None if selection.lm_head else "lm_head, targeted only on request"
     if selection.targets == "all" or layer.group == selection.targets:
         return None
     return f"{layer.group} layer, targets are {selection.targets}"

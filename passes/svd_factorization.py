@@ -2,7 +2,7 @@
 
     Y = X·W (+ b)   →   Y = SvdMatMul(X, U, V (, b))      with  U·V ≈ W,  U [K, r], V [r, N]
 
-The pass is pure graph surgery: the factors come computed (see onnx_nmm.rewrite). U and V become
+The pass is pure graph surgery: the factors come computed (onnx_nmm.pipeline.factorize). U and V become
 initializers in W's storage dtype; if W was read through a Cast, U and V get the same Cast. The new
 node keeps the replaced node's name and metadata (so module paths survive) and records the names of
 the nodes it replaced. Weights, Transposes and Identities nobody reads any more are removed; a weight
@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from onnx_nmm import svd_ops
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer
 
 
@@ -37,28 +37,34 @@ class FactorizedLayer:
 
 
 class SvdFactorizationPass(ir.passes.InPlacePass):
-    """Swap each given layer for an SvdMatMul node with its factors as new initializers."""
+    """Swap each given layer for an SvdMatMul node with its factors as new initializers.
+
+    `factor_names` maps each layer's name to the names its U and V initializers were given.
+    """
 
     def __init__(self, factorized: list[FactorizedLayer]):
         super().__init__()
         self.factorized = factorized
+        self.factor_names: dict[str, tuple[str, str]] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names = _NameAllocator(model.graph)
         for item in self.factorized:
-            _replace_layer(model, item, names)
+            self.factor_names[item.layer.name] = _replace_layer(model, item, names)
         if self.factorized:
             RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=bool(self.factorized))
 
 
-def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocator") -> None:
+def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocator") -> tuple[str, str]:
+    """Swap one layer for its SvdMatMul; the names of the U and V initializers."""
     layer = item.layer
     graph = model.graph
     base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
     storage_dtype = layer.dtype
     u = _initializer(graph, names.fresh(f"{base}.svd_u"), item.u, storage_dtype)
     v = _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, storage_dtype)
+    factor_names = (u.name, v.name)
     new_nodes: list[ir.Node] = []
     if layer.weight.cast_to is not None:
         u, v = (_cast(value, layer.weight.cast_to, new_nodes) for value in (u, v))
@@ -76,6 +82,7 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
         graph, layer.node, old_nodes=layer.nodes, new_nodes=new_nodes,
         old_values=[layer.output], new_values=call.outputs,
     )
+    return factor_names
 
 
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:

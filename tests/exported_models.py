@@ -20,7 +20,7 @@ def exported_model(architecture: str, exporter: str, external_data: bool = False
     import torch
     import transformers
 
-    from onnx_nmm.export import build_model, export_causal_lm
+    from onnx_nmm import build_model, export_causal_lm
 
     key = f"{architecture}-{exporter}{'-external' if external_data else ''}-s{seed}-torch{torch.__version__}-tf{transformers.__version__}"
     folder = CACHE / key

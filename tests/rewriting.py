@@ -7,16 +7,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnx_nmm.model_io import check_model_file, load_model, save_model, uses_external_data
-from onnx_nmm.passes import Selection
-from onnx_nmm.rewrite import RankRule, rewrite_model
+import onnx_nmm
 
 
-def rewrite_file(source: Path, destination: Path, rule: RankRule, selection: Selection = Selection()):
-    model = load_model(source)
-    report = rewrite_model(model, rule, selection)
-    save_model(model, destination, external_data=uses_external_data(model), validate=check_model_file)
-    return report
+def rewrite_file(source: Path, destination: Path, ranks: onnx_nmm.RankOptions,
+                 selection: onnx_nmm.Selection = onnx_nmm.Selection()) -> onnx_nmm.RewriteReport:
+    result = onnx_nmm.rewrite(source, onnx_nmm.RewriteOptions(ranks=ranks, selection=selection))
+    result.save(destination)
+    return result.report
 
 
 def run_both(reference: Path, candidate: Path, batch: int, seq_len: int, seed: int, vocab: int = 1000):

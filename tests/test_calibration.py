@@ -6,15 +6,15 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 import graphs
-from onnx_nmm import calibration_data
+from onnx_nmm import ExecutionError, Selection, calibration_data
 from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import main
-from onnx_nmm.errors import UserError
-from onnx_nmm.passes import Selection
-from onnx_nmm.rewrite import target_inputs
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes import find_linear_layers, select_layers
+from onnx_nmm.pipeline.statistics import observed_inputs
 
 
 def _float_feeds(session, x):
@@ -26,10 +26,11 @@ def test_grams_equal_numpy_on_the_layer_inputs(tmp_path, hidden, intermediate):
     """The MLP's first layers read X itself, the down projection reads silu(X·Wg)·(X·Wu)."""
     path = tmp_path / "mlp.onnx"
     onnx.save(graphs.swiglu_mlp(hidden=hidden, intermediate=intermediate), path)
-    inputs = target_inputs(ir.load(path), Selection())
+    targets, _ = select_layers(find_linear_layers(ir.load(path)), Selection())
+    inputs = observed_inputs(targets)
     assert inputs == {"X": hidden, "act": intermediate}  # gate and up share one entry
     batches = [np.random.default_rng(seed).standard_normal((2, 7, hidden)).astype(np.float32) for seed in range(3)]
-    stats = collect_gram_matrices(path, inputs, batches, make_feeds=_float_feeds)
+    stats = collect_gram_matrices(ModelSource(path), inputs, batches, make_feeds=_float_feeds)
     x = np.concatenate([batch.reshape(-1, hidden) for batch in batches]).astype(np.float64)
     np.testing.assert_allclose(stats.grams["X"], x.T @ x, rtol=1e-4, atol=1e-4 * hidden)
     wg = graphs.weight(hidden, intermediate, 1).astype(np.float64)
@@ -46,8 +47,8 @@ def test_non_finite_activations_are_an_error(tmp_path):
     path = tmp_path / "nan.onnx"
     onnx.save(graphs.model(nodes, {"W": graphs.weight(16, 24)}), path)
     batches = [-np.ones((1, 3, 16), np.float32)]
-    with pytest.raises(UserError, match="non-finite activations at 'root'"):
-        collect_gram_matrices(path, {"root": 16}, batches, make_feeds=_float_feeds)
+    with pytest.raises(ExecutionError, match="non-finite activations at 'root'"):
+        collect_gram_matrices(ModelSource(path), {"root": 16}, batches, make_feeds=_float_feeds)
 
 
 def test_statistics_round_trip(tmp_path):
@@ -117,7 +118,8 @@ def test_global_budget_spends_the_same_parameters(capsys, export, tmp_path):
 
 def test_whiten_without_calibration_is_an_error(capsys, export, tmp_path):
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--method", "whiten")
-    assert code == 2 and "needs calibration data" in err and list(tmp_path.iterdir()) == []
+    assert code == 2 and "--method whiten learns from calibration data: give --calib" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def _characters(text, add_special_tokens=False):
@@ -156,12 +158,12 @@ def test_sensitivity_windows_are_spread_like_the_calibration(capsys, export, tmp
     monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
     measured_on = []
 
-    def recording(model_path, selection, statistics, tokens, *args, **kwargs):
-        measured_on.extend("".join(map(chr, window)) for window in tokens)
-        return choose_ranks(model_path, selection, statistics, tokens, *args, **kwargs)
+    class RecordingProbe(sensitivity.DamageProbe):
+        def __init__(self, model, factor_names, decompositions, tokens, metric):
+            measured_on.extend("".join(map(chr, window)) for window in tokens)
+            super().__init__(model, factor_names, decompositions, tokens, metric)
 
-    choose_ranks = sensitivity.choose_ranks
-    monkeypatch.setattr(sensitivity, "choose_ranks", recording)
+    monkeypatch.setattr(sensitivity, "DamageProbe", RecordingProbe)
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
                         "--tokenizer", text, "--seq-len", "4", "--calib-samples", "10", "--calib-spread",
                         "--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--quiet")

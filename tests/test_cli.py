@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import graphs
-from onnx_nmm import svd_ops
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.cli import main
 
 

@@ -11,9 +11,8 @@ import torch
 from exported_models import exported_model
 from onnx_nmm.backend_runner import ModelRunner
 from onnx_nmm.cli import main
-from onnx_nmm.cli.finetune import LOSSES as CLI_LOSSES
-from onnx_nmm.errors import UserError
-from onnx_nmm.finetune import LOSSES, CausalLmInputs, FinetuneOptions, finetune, next_token_loss, replace_factors
+from onnx_nmm import TrainingDiverged, TrainingOptions
+from onnx_nmm.factor_training import CausalLmInputs, finetune, next_token_loss, replace_factors
 from onnx_nmm.lowering import call_lowered, factor_parameters, lower
 from onnx_nmm.model_io import check_model_file, load_model, save_model
 from rewriting import assert_logits_close
@@ -69,7 +68,7 @@ def test_finetuning_lowers_the_loss_and_changes_only_the_factors(rewritten_llama
     factors = {name: factor.clone() for name, factor in factor_parameters(module).items()}
     loss_before = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
 
-    result = finetune(module, windows, inputs, FinetuneOptions(steps=30, learning_rate=1e-3, batch=4))
+    result = finetune(module, windows, inputs, TrainingOptions(steps=30, learning_rate=1e-3, batch=4, loss="next-token"))
 
     loss_after = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
     assert len(result.records) == 30 and result.stopped_by == "steps"
@@ -90,7 +89,7 @@ def test_written_model_runs_in_onnxruntime_with_the_tuned_factors(tmp_path):
     model = load_model(rewritten)
     module = lower(rewritten)
     inputs = CausalLmInputs(model.graph)
-    finetune(module, _token_ids(4, 16), inputs, FinetuneOptions(steps=5, learning_rate=1e-3))
+    finetune(module, _token_ids(4, 16), inputs, TrainingOptions(steps=5, learning_rate=1e-3, loss="next-token"))
     replace_factors(model, factor_parameters(module))
     tuned = save_model(model, tmp_path / "tuned.onnx", external_data=False, validate=check_model_file)
 
@@ -150,7 +149,7 @@ def test_a_rising_loss_is_warned_about(capsys, rewritten_llama, tmp_path):
 def test_time_budget_ends_training(rewritten_llama):
     module = lower(rewritten_llama)
     inputs = CausalLmInputs(load_model(rewritten_llama).graph)
-    result = finetune(module, _token_ids(2, 16), inputs, FinetuneOptions(steps=100_000, time_budget=0.5, batch=1))
+    result = finetune(module, _token_ids(2, 16), inputs, TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
     last = result.records[-1]
     assert result.stopped_by == "time" and 1 < last.step < 100_000
     assert last.seconds <= 0.5 + 2 * last.seconds / last.step  # at most about one step over
@@ -170,7 +169,7 @@ def test_write_back_keeps_the_dtype_and_refuses_non_finite_factors(rewritten_lla
 
     tuned[names[1]][0, 0] = float("nan")
     tuned[names[0]] = torch.full_like(tuned[names[0]], 0.25)
-    with pytest.raises(UserError, match="NaN or Inf"):
+    with pytest.raises(TrainingDiverged, match="NaN or Inf"):
         replace_factors(model, tuned)
     assert np.all(model.graph.initializers[names[0]].const_value.numpy() == 0.5)  # nothing half-written
 
@@ -179,7 +178,7 @@ def test_write_back_keeps_the_dtype_and_refuses_non_finite_factors(rewritten_lla
     (["--steps", "0"], "steps must be a positive integer"),
     (["--loss", "distill"], "needs the dense model"),
     (["--batch", "9"], "batch of 9 windows"),
-    (["--time-budget", "-1"], "time budget must be positive"),
+    (["--time-budget", "-1"], "--time-budget must be positive"),
 ])
 def test_bad_options_are_one_line_errors(capsys, rewritten_llama, tmp_path, extra, message):
     np.savez(tmp_path / "train.npz", input_ids=_token_ids(8, 16))
@@ -195,11 +194,10 @@ def test_bad_models_and_data_are_one_line_errors(capsys, tmp_path, rewritten_lla
     output = tmp_path / "tuned.onnx"
     cases = [
         (exported_model("llama", "dynamo"), "train.npz", "no ai.onnx_nmm SVD ops"),  # not rewritten
-        (rewritten_llama, "foreign.npz", "outside the model's vocabulary of 1000"),
-        (rewritten_llama, "missing.txt", "give its tokenizer"),
+        (rewritten_llama, "foreign.npz", "vocabulary of 1000: tokenize with the model's own tokenizer"),
+        (rewritten_llama, "missing.txt", "give its --tokenizer"),
     ]
     for model, data, message in cases:
         code, _, err = _cli(capsys, "finetune", model, "--text", tmp_path / data, "-o", output)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (data, err)
         assert not output.exists()
-    assert CLI_LOSSES == LOSSES

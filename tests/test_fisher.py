@@ -12,9 +12,10 @@ from onnx_nmm import ort_runner
 from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import main
 from onnx_nmm.fisher import collect_fisher_statistics
-from onnx_nmm.model_io import load_model
-from onnx_nmm.passes import Selection, find_linear_layers, select_layers
-from onnx_nmm.rewrite import target_inputs
+from onnx_nmm import Selection
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes import find_linear_layers, select_layers
+from onnx_nmm.pipeline.statistics import observed_inputs
 
 
 def _windows(samples=16, seq_len=64, vocab=1000, seed=0):
@@ -26,12 +27,11 @@ def _batches(windows, size=4):
 
 
 def test_input_grams_equal_onnxruntimes(export):
-    source = export("llama", "dynamo")
-    model = load_model(source)
-    targets, _ = select_layers(find_linear_layers(model), Selection())
+    source = ModelSource(export("llama", "dynamo"))
+    targets, _ = select_layers(find_linear_layers(source.model), Selection())
     windows = _windows(samples=4, seq_len=32)
-    fisher = collect_fisher_statistics(source, model.graph, targets, _batches(windows))
-    reference = collect_gram_matrices(source, target_inputs(model, Selection()), _batches(windows))
+    fisher = collect_fisher_statistics(source, targets, _batches(windows))
+    reference = collect_gram_matrices(source, observed_inputs(targets), _batches(windows))
     assert fisher.grams.keys() == reference.grams.keys()  # gate and up share one input Gram
     for name, gram in reference.grams.items():
         np.testing.assert_allclose(fisher.grams[name], gram, rtol=1e-4, atol=1e-4 * np.abs(gram).max())
@@ -45,12 +45,11 @@ def test_input_grams_equal_onnxruntimes(export):
 def test_the_lm_heads_output_gram_is_the_fisher_of_the_softmax(export):
     """The lm_head's output is the logits z, and ∂ℓ/∂z = softmax(z) − onehot(sampled), so in expectation
     over the sampled tokens G = Σ_t diag(p_t) − p_t p_tᵀ, which onnxruntime's logits give exactly."""
-    source = export("llama", "dynamo")
-    model = load_model(source)
-    head = [layer for layer in find_linear_layers(model) if layer.role == "lm_head"]
+    source = ModelSource(export("llama", "dynamo"))
+    head = [layer for layer in find_linear_layers(source.model) if layer.role == "lm_head"]
     windows = _windows(samples=32)
-    statistics = collect_fisher_statistics(source, model.graph, head, _batches(windows))
-    session = ort_runner.create_session(source)
+    statistics = collect_fisher_statistics(source, head, _batches(windows))
+    session = source.session()
     expected = 0.0
     for batch in _batches(windows):
         logits = session.run(None, ort_runner.token_inputs(session, batch))[0].reshape(-1, 1000).astype(np.float64)
@@ -119,7 +118,7 @@ def test_fisher_with_statistics_that_lack_gradients_is_an_error(capsys, export, 
     code = main([str(a) for a in ("rewrite", source, "-o", tmp_path / "b.onnx", "--calib", stats,
                                   "--method", "fisher", "--quiet")])
     error = capsys.readouterr().err
-    assert code == 2 and "--method fisher needs output-gradient statistics" in error and len(error.splitlines()) == 1
+    assert code == 2 and "hold no output-gradient Grams, which --method fisher weighs by" in error and len(error.splitlines()) == 1
     assert not (tmp_path / "b.onnx").exists()
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from onnx_nmm.rank_allocation import DENSE, allocate_by_damage, cheapest_moves
+from onnx_nmm.rank_allocation import KEPT_DENSE as DENSE, allocate_by_damage, cheapest_moves
 
 
 def _layer(dense, damages):

@@ -11,7 +11,7 @@ from filelock import FileLock
 
 import assets
 from onnx_nmm.cli import main
-from onnx_nmm.model_io import external_data_path
+from onnx_nmm import external_data_path
 
 # one worker runs every test that writes GBs (here and test_large_model.py), so their files never add up
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gigabytes")]

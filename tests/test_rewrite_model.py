@@ -8,18 +8,22 @@ import pytest
 from onnx import numpy_helper
 
 import graphs
-from onnx_nmm import svd_ops
-from onnx_nmm.errors import UserError
+import onnx_nmm
+from onnx_nmm import ModelError, OnnxNmmError, OptionError, RankOptions, RewriteOptions, Selection
 from onnx_nmm.model_io import check_model_file, save_model
-from onnx_nmm.passes import Selection
-from onnx_nmm.rewrite import RankRule, rewrite_model
+from onnx_nmm.passes import svd_ops
 from rewriting import rewrite_file
 
+EVERY_LAYER = Selection(targets="all", lm_head=True)
 
-def _rewrite_proto(proto, rule, selection=Selection(targets="all", lm_head=True)):
-    model = ir.serde.deserialize_model(proto)
-    report = rewrite_model(model, rule, selection)
-    return ir.serde.serialize_model(model), report
+
+def _rewrite(model, ranks, selection=EVERY_LAYER) -> onnx_nmm.RewriteResult:
+    return onnx_nmm.rewrite(model, RewriteOptions(ranks=ranks, selection=selection))
+
+
+def _rewrite_proto(proto, ranks, selection=EVERY_LAYER):
+    result = _rewrite(proto, ranks, selection)
+    return ir.serde.serialize_model(result.model), result.report
 
 
 def _run(proto, x):
@@ -38,7 +42,7 @@ def _svd_nodes(proto):
                                      graphs.constant_weight, graphs.matmul_identity_cast])
 def test_full_rank_rewrite_of_each_pattern_is_exact(builder):
     original = builder()
-    rewritten, _ = _rewrite_proto(original, RankRule(keep=None, rank="full"))
+    rewritten, _ = _rewrite_proto(original, RankOptions(rank="full"))
     onnx.checker.check_model(rewritten, full_check=True)
     assert [node.op_type for node in rewritten.graph.node if node.op_type in ("MatMul", "Gemm")] == []
     x = _x()
@@ -48,13 +52,13 @@ def test_full_rank_rewrite_of_each_pattern_is_exact(builder):
 
 def test_gemm_rewrite_is_exact():
     original = graphs.gemm(trans_b=1, alpha=0.5, beta=2.0)
-    rewritten, _ = _rewrite_proto(original, RankRule(keep=None, rank="full"))
+    rewritten, _ = _rewrite_proto(original, RankOptions(rank="full"))
     x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
     np.testing.assert_allclose(_run(rewritten, x), _run(original, x), atol=2e-5)
 
 
 def test_the_op_carries_its_function_attributes_and_origin():
-    rewritten, _ = _rewrite_proto(graphs.matmul_bias(16, 24), RankRule(keep=None, rank=4))
+    rewritten, _ = _rewrite_proto(graphs.matmul_bias(16, 24), RankOptions(rank=4))
     (node,) = _svd_nodes(rewritten)
     assert node.op_type == svd_ops.SVD_MATMUL and node.overload == svd_ops.BIAS_OVERLOAD
     assert node.name == "mm" and len(node.input) == 4
@@ -72,7 +76,7 @@ def test_the_op_carries_its_function_attributes_and_origin():
 
 def test_low_rank_output_error_matches_the_reported_weight_error():
     original = graphs.matmul(64, 96)
-    rewritten, report = _rewrite_proto(original, RankRule(keep=None, rank=8))
+    rewritten, report = _rewrite_proto(original, RankOptions(rank=8))
     w = graphs.weight(64, 96)
     u = numpy_helper.to_array(next(t for t in rewritten.graph.initializer if t.name == "W.svd_u"))
     v = numpy_helper.to_array(next(t for t in rewritten.graph.initializer if t.name == "W.svd_v"))
@@ -88,35 +92,39 @@ def test_factors_keep_the_weight_dtype(dtype):
     weight = model.graph.initializers["W"]
     stored = ir.tensor(graphs.weight(32, 48).astype(dtype.numpy()), dtype=dtype, name="W")
     weight.const_value, weight.type = stored, ir.TensorType(dtype)
-    rewrite_model(model, RankRule(keep=None, rank=16), Selection(targets="all", lm_head=True))
-    u, v = model.graph.initializers["W.svd_u"], model.graph.initializers["W.svd_v"]
+    rewritten = _rewrite(model, RankOptions(rank=16)).model
+    u, v = rewritten.graph.initializers["W.svd_u"], rewritten.graph.initializers["W.svd_v"]
     assert u.const_value.dtype == dtype and v.const_value.dtype == dtype
     assert u.const_value.shape == (32, 16) and v.const_value.shape == (16, 48)
 
 
 def test_a_rank_that_saves_nothing_stays_dense():
-    proto = graphs.matmul(16, 24)
-    model = ir.serde.deserialize_model(proto)
-    report = rewrite_model(model, RankRule(keep=0.9, align=16), Selection(targets="all", lm_head=True))
-    (outcome,) = report.layers
+    result = _rewrite(graphs.matmul(16, 24), RankOptions(keep=0.9, align=16))
+    (outcome,) = result.report.layers
     assert outcome.status == "dense" and "saves nothing" in outcome.reason
-    assert [node.op_type for node in model.graph] == ["MatMul"]
+    assert [node.op_type for node in result.model.graph] == ["MatMul"]
 
 
 def test_no_linear_layers_is_an_error():
-    model = ir.serde.deserialize_model(graphs.no_linear_layers())
-    with pytest.raises(UserError, match="no linear layer found"):
-        rewrite_model(model, RankRule())
+    with pytest.raises(ModelError, match="no linear layer found"):
+        _rewrite(graphs.no_linear_layers(), RankOptions())
 
 
-def test_explicit_rank_above_min_k_n_is_an_error():
+def test_explicit_rank_above_min_k_n_is_an_error_in_the_apis_terms():
+    with pytest.raises(OptionError, match="ranks.rank 17 is above min") as caught:
+        _rewrite(graphs.matmul(16, 24), RankOptions(rank=17))
+    assert caught.value.message(lambda option: f"<{option}>").startswith("<ranks.rank> 17 is above min")
+
+
+def test_an_in_memory_model_is_left_unchanged():
     model = ir.serde.deserialize_model(graphs.matmul(16, 24))
-    with pytest.raises(UserError, match="above min"):
-        rewrite_model(model, RankRule(keep=None, rank=17), Selection(targets="all", lm_head=True))
+    result = _rewrite(model, RankOptions(rank=4))
+    assert [node.op_type for node in model.graph] == ["MatMul"]
+    assert [node.op_type for node in result.model.graph] == [svd_ops.SVD_MATMUL]
 
 
 def test_mlp_targets_leave_attention_alone(export, tmp_path):
-    report = rewrite_file(export("llama", "dynamo"), tmp_path / "mlp.onnx", RankRule(keep=0.5, align=32))
+    report = rewrite_file(export("llama", "dynamo"), tmp_path / "mlp.onnx", RankOptions(keep=0.5, align=32))
     factorized = {(layer.group, layer.role) for layer in report.factorized}
     assert factorized == {("mlp", "gate"), ("mlp", "up"), ("mlp", "down")}
     assert len(report.factorized) == 6
@@ -127,7 +135,7 @@ def test_mlp_targets_leave_attention_alone(export, tmp_path):
 
 def test_tied_lm_head_keeps_the_embedding_weight(export, tmp_path):
     source = export("llama-tied", "dynamo")
-    rewrite_file(source, tmp_path / "head.onnx", RankRule(keep=0.5, align=32), Selection(targets="all", lm_head=True))
+    rewrite_file(source, tmp_path / "head.onnx", RankOptions(keep=0.5, align=32), EVERY_LAYER)
     original = onnx.load(source)
     rewritten = onnx.load(tmp_path / "head.onnx")
     gather = next(node for node in rewritten.graph.node if node.op_type == "Gather")
@@ -141,7 +149,7 @@ def test_external_data_in_external_data_out(export, tmp_path):
     source = export("llama", "dynamo", external_data=True)
     assert (source.parent / "model.onnx.data").exists()
     destination = tmp_path / "out" / "rewritten.onnx"
-    rewrite_file(source, destination, RankRule(keep=0.5, align=32))
+    rewrite_file(source, destination, RankOptions(keep=0.5, align=32))
     assert (destination.parent / "rewritten.onnx.data").stat().st_size > 1_000_000
     assert destination.stat().st_size < 1_000_000  # the graph alone
     assert sorted(p.name for p in destination.parent.iterdir()) == ["rewritten.onnx", "rewritten.onnx.data"]
@@ -152,8 +160,8 @@ def test_failed_validation_leaves_nothing_on_disk(tmp_path):
     model = ir.serde.deserialize_model(graphs.matmul())
 
     def reject(path):
-        raise UserError("rejected")
+        raise OnnxNmmError("rejected")
 
-    with pytest.raises(UserError):
+    with pytest.raises(OnnxNmmError):
         save_model(model, tmp_path / "out.onnx", external_data=True, validate=reject)
     assert list(tmp_path.iterdir()) == []

@@ -6,26 +6,25 @@ import math
 import numpy as np
 import pytest
 
+from onnx_nmm import Dense, OptionError
 from onnx_nmm.cli import main
-from onnx_nmm.errors import UserError
-from onnx_nmm.sensitivity import DENSE, Candidate, greedy_moves, select_for_parameters, select_within_budget
+from onnx_nmm.lowrank import Spectrum
+from onnx_nmm.sensitivity import Candidate, greedy_moves, select_for_parameters, select_within_budget
+
+DENSE = Dense("kept dense by the test")
 
 
-class _Spectrum:
-    """Stands in for a WhitenedDecomposition: loss² = Σ_{i>r} σ_i² / Σ σ_i²."""
-
-    def __init__(self, sigma):
-        self.sigma = np.asarray(sigma, dtype=np.float64)
-
-    def whitened_loss(self, rank):
-        return math.sqrt(np.sum(self.sigma[rank:] ** 2) / np.sum(self.sigma**2))
+def _spectrum(sigma):
+    """Stands in for a whitened decomposition: loss² = Σ_{i>r} σ_i² / Σ σ_i²."""
+    sigma = np.asarray(sigma, dtype=np.float64)
+    return Spectrum(sigma, float(np.sum(sigma**2)))
 
 
 def _candidates():
-    decaying = _Spectrum(np.exp(-np.arange(64) / 8))  # compresses well
-    flat = _Spectrum(np.ones(64))  # does not
-    return [Candidate("robust", ("a.u", "a.v"), 64, 192, decaying, references=[(16, 0.01)]),
-            Candidate("fragile", ("b.u", "b.v"), 64, 192, flat, references=[(16, 0.5)])]
+    decaying = _spectrum(np.exp(-np.arange(64) / 8))  # compresses well
+    flat = _spectrum(np.ones(64))  # does not
+    return [Candidate("robust", 64, 192, decaying, references=[(16, 0.01)]),
+            Candidate("fragile", 64, 192, flat, references=[(16, 0.5)])]
 
 
 def test_moves_go_from_dense_down_aligned_ranks_cheapest_damage_first():
@@ -43,14 +42,14 @@ def test_a_move_jumps_over_a_rank_whose_saving_is_not_worth_its_damage():
 
 
 def test_damage_between_references_is_interpolated_in_the_truncation_loss():
-    flat = _Spectrum(np.ones(64))  # L(r)² = 1 − r/64
-    layer = Candidate("layer", ("u", "v"), 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
+    flat = _spectrum(np.ones(64))  # L(r)² = 1 − r/64
+    layer = Candidate("layer", 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
     assert layer.reference_ranks(16) == [32, 16]  # break-even 48: ranks 32 and 16 save parameters
     assert layer.predicted_damage(48) == pytest.approx(0.1 * 0.25 / 0.5)  # on the segment from (0, 0)
     assert layer.predicted_damage(24) == pytest.approx(0.3)  # between the two references
     assert layer.predicted_damage(8) == pytest.approx(0.5 + 0.4 / 0.25 * 0.125)  # the last slope goes on
-    convex = Candidate("c", ("u", "v"), 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
-    linear = Candidate("l", ("u", "v"), 64, 192, flat, references=[(32, 0.1)])
+    convex = Candidate("c", 64, 192, flat, references=[(32, 0.1), (16, 0.5)])
+    linear = Candidate("l", 64, 192, flat, references=[(32, 0.1)])
     # with the measured low-rank damage, taking one layer to the bottom costs more than two halfway
     assert convex.predicted_damage(16) > 2 * convex.predicted_damage(32)
     assert linear.predicted_damage(16) < 2 * linear.predicted_damage(32)
@@ -62,12 +61,12 @@ def test_the_longest_prefix_within_the_budget_is_chosen():
     def true_damage(ranks):  # additive, as the predictions assume
         return sum(c.predicted_damage(ranks[c.name]) for c in candidates)
 
-    chosen = select_within_budget(candidates, 16, budget=0.05, metric="ppl", damage_of=true_damage)
-    assert chosen.ranks == {"robust": 16, "fragile": DENSE} and chosen.damage <= 0.05
-    everything = select_within_budget(candidates, 16, budget=10.0, metric="ppl", damage_of=true_damage)
-    assert everything.ranks == {"robust": 16, "fragile": 16}
-    nothing = select_within_budget(candidates, 16, budget=1e-9, metric="ppl", damage_of=true_damage)
-    assert set(nothing.ranks.values()) == {DENSE} and nothing.moves_applied == 0
+    chosen = select_within_budget(candidates, 16, 0.05, "ppl", true_damage, DENSE)
+    assert chosen.plan == {"robust": 16, "fragile": DENSE} and chosen.damage <= 0.05
+    everything = select_within_budget(candidates, 16, 10.0, "ppl", true_damage, DENSE)
+    assert everything.plan == {"robust": 16, "fragile": 16}
+    nothing = select_within_budget(candidates, 16, 1e-9, "ppl", true_damage, DENSE)
+    assert set(nothing.plan.values()) == {DENSE} and nothing.moves_applied == 0
 
 
 def test_a_parameter_target_takes_the_shortest_prefix_that_reaches_it():
@@ -79,11 +78,11 @@ def test_a_parameter_target_takes_the_shortest_prefix_that_reaches_it():
         return 0.125
 
     robust_at_32 = 64 * 192 - 32 * (64 + 192)  # the first move
-    chosen = select_for_parameters(candidates, 16, robust_at_32 + 1, "ppl", damage_of)
-    assert chosen.ranks == {"robust": 16, "fragile": DENSE} and chosen.moves_applied == 2
-    assert chosen.damage == 0.125 and measured == [chosen.ranks] and chosen.budget is None
-    with pytest.raises(UserError, match="raise --keep or lower --align"):
-        select_for_parameters(candidates, 16, 2 * 64 * 192, "ppl", damage_of)
+    chosen = select_for_parameters(candidates, 16, robust_at_32 + 1, "ppl", damage_of, DENSE)
+    assert chosen.plan == {"robust": 16, "fragile": DENSE} and chosen.moves_applied == 2
+    assert chosen.damage == 0.125 and measured == [chosen.plan] and chosen.budget is None
+    with pytest.raises(OptionError, match="raise ranks.keep or lower ranks.align"):
+        select_for_parameters(candidates, 16, 2 * 64 * 192, "ppl", damage_of, DENSE)
 
 
 def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
@@ -106,7 +105,7 @@ def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
 def test_both_budgets_at_once_is_an_error(capsys, export, tmp_path):
     code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
                                   "--max-ppl-increase", "0.1", "--max-kl", "0.1")])
-    assert code == 2 and "not --max-ppl-increase and --max-kl" in capsys.readouterr().err
+    assert code == 2 and "give one of --max-ppl-increase, --max-kl, not several" in capsys.readouterr().err
 
 
 def test_rewrite_keeping_a_fraction_where_it_costs_least(capsys, export, tmp_path):
@@ -123,10 +122,10 @@ def test_rewrite_keeping_a_fraction_where_it_costs_least(capsys, export, tmp_pat
     assert "sensitivity budget keeping 90.0%" in data["rule"]
 
 
-def test_a_sensitivity_budget_needs_keep(capsys, export, tmp_path):
+def test_a_sensitivity_budget_spends_keep_not_another_rule(capsys, export, tmp_path):
     code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
-                                  "--budget", "sensitivity")])
-    assert code == 2 and "use it with --keep" in capsys.readouterr().err
+                                  "--budget", "sensitivity", "--rank", "32")])
+    assert code == 2 and "spends the parameters --keep would keep: give --keep, not --rank" in capsys.readouterr().err
     assert not (tmp_path / "o.onnx").exists()
 
 
@@ -147,7 +146,7 @@ def test_ranks_from_a_report_reproduce_its_choice_with_another_calibration(capsy
 def test_ranks_from_with_a_quality_budget_is_an_error(capsys, export, tmp_path):
     code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
                                   "--ranks-from", tmp_path / "r.json", "--max-ppl-increase", "0.1")])
-    assert code == 2 and "drop --max-ppl-increase" in capsys.readouterr().err
+    assert code == 2 and "give one of --max-ppl-increase, --ranks-from, not several" in capsys.readouterr().err
     assert not (tmp_path / "o.onnx").exists()
 
 
@@ -156,7 +155,7 @@ def test_ranks_from_something_else_is_an_error(capsys, export, tmp_path):
     not_a_report.write_text('{"rule": "?"}')
     assert main([str(a) for a in ("rewrite", export("gpt2", "dynamo"), "-o", tmp_path / "g.onnx", "--keep", "0.5",
                                   "--report", other_model, "--quiet")]) == 0
-    for report, message in ((not_a_report, "is not a report written by"), (other_model, "does not have")):
+    for report, message in ((not_a_report, "is not a rewrite report"), (other_model, "does not have")):
         code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx",
                                       "--ranks-from", report, "--quiet")])
         assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "o.onnx").exists()

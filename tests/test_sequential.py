@@ -7,9 +7,12 @@ import pytest
 from onnx import helper
 
 import graphs
+from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions
 from onnx_nmm.activation_stats import collect_gram_matrices
-from onnx_nmm.passes import Selection
-from onnx_nmm.rewrite import FactorizationOptions, RankRule, rewrite_model, target_inputs
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes import find_linear_layers
+from onnx_nmm.pipeline import FactorizeLayers, PlanRanks, RewriteContext
+from onnx_nmm.pipeline.statistics import observed_inputs
 from onnx_nmm.sequential import RIDGE, GroupObserver
 
 K, HIDDEN, N, RANK = 24, 32, 20, 6
@@ -38,16 +41,20 @@ def _factors(model, name):
 
 
 def _rewrite(path, sequential: bool):
-    model = ir.load(path)
-    batches = _batches()
-    options = FactorizationOptions(method="whiten")
+    """The plan and factorization passes on their own, calibrated on float batches (not token ids): the
+    sequential observer, or Grams gathered beforehand."""
+    source = ModelSource(path)
+    calibration = CalibrationOptions(source="random", mode="sequential" if sequential else "independent")
+    context = RewriteContext(RewriteOptions(ranks=RankOptions(rank=RANK), calibration=calibration,
+                                            factorization=FactorizationOptions(method="whiten")), source)
+    observer = None
     if sequential:
-        observer = GroupObserver(path, batches, make_feeds=_float_feeds)
-        rewrite_model(model, RankRule(keep=None, rank=RANK), Selection(), options, observer=observer)
+        observer = GroupObserver(source, _batches(), make_feeds=_float_feeds)
     else:
-        stats = collect_gram_matrices(path, target_inputs(model, Selection()), batches, make_feeds=_float_feeds)
-        rewrite_model(model, RankRule(keep=None, rank=RANK), Selection(), options, stats)
-    return model
+        context.statistics = collect_gram_matrices(source, observed_inputs(find_linear_layers(source.model)),
+                                                   _batches(), make_feeds=_float_feeds)
+    ir.passes.Sequential(PlanRanks(context), FactorizeLayers(context, observer))(source.model)
+    return source.model
 
 
 @pytest.fixture

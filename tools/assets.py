@@ -59,7 +59,7 @@ def qwen25_gguf() -> Path:
 def _exported(gguf: Path, name: str) -> Path:
     path = CACHE / name / "model.onnx"
     if not path.exists():
-        from onnx_nmm.export import export_causal_lm, load_gguf_causal_lm
+        from onnx_nmm import export_causal_lm, load_gguf_causal_lm
 
         staging = CACHE / f"{name}.partial"
         shutil.rmtree(staging, ignore_errors=True)

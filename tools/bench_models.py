@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from onnx_nmm.export import TinyShape, build_model, export_causal_lm
+from onnx_nmm import TinyShape, build_model, export_causal_lm
 
 # Llama-3.2-1B's width (hidden 2048, intermediate 8192, 32 heads, 8 kv heads), fewer layers, and a
 # 32k vocabulary instead of 128k so the benchmark model stays near 1.5 GB.

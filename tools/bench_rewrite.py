@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from onnx_nmm.model_io import external_data_files, load_model
+import onnx_nmm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import llama_1b_width, machine  # noqa: E402
@@ -42,8 +42,8 @@ def rewrite(model: Path, method: str, folder: Path) -> dict:
 
 
 def weight_bytes(model: Path) -> int:
-    """Bytes of the model's own external-data files (the folder also holds other benchmarks' outputs)."""
-    return sum(path.stat().st_size for path in external_data_files(load_model(model)))
+    """Bytes of the model's own external-data file (the folder also holds other benchmarks' outputs)."""
+    return onnx_nmm.external_data_path(model).stat().st_size
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ def main() -> int:
     model = out / "llama.onnx"
     if not model.exists():
         print(f"$ export a random-weight Llama (hidden 512, intermediate 1536, 4 layers) to {model}", flush=True)
-        from onnx_nmm.export import TinyShape, build_model, export_causal_lm
+        from onnx_nmm import TinyShape, build_model, export_causal_lm
 
         shape = TinyShape(hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=2, vocab=4000)
         export_causal_lm(build_model("llama", shape), model, "dynamo", external_data=True)

@@ -18,7 +18,7 @@ import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
 from commands import CommandLog, write_section  # noqa: E402
 
-from onnx_nmm.model_io import external_data_path  # noqa: E402
+from onnx_nmm import external_data_path  # noqa: E402
 
 METHODS = {  # column → rewrite flags
     "plain SVD": ["--method", "svd"],

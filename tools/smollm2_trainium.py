@@ -46,8 +46,7 @@ def main() -> int:
     parser.add_argument("--out", default="docs/trainium.md")
     parser.add_argument("--windows", type=int, default=4)
     args = parser.parse_args()
-    from onnx_nmm.backend_runner import ModelRunner
-    from onnx_nmm.calibration_data import load_tokenizer
+    from onnx_nmm import ModelRunner, load_tokenizer
 
     work = Path(args.work)
     model, gguf, calibration, evaluation = assets.smollm2_study(work)

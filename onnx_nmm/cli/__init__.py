@@ -1,7 +1,9 @@
-"""The `onnx-nmm` command: one sub-module per sub-command, each with `register(subparsers)`.
+"""The `onnx-nmm` command: one sub-module per sub-command, each a thin shell over the Python API.
 
-A sub-module's `register` adds its parser and sets `handler=run`; `run(args)` returns an exit code.
-Any `UserError` becomes one line on stderr and the error's exit code; nothing else is caught.
+A sub-module's `register` adds its parser and sets `handler=run` (and `flags`, the command's own spelling
+of API options where it differs from cli._common.FLAGS); `run(args)` parses the flags into the API's
+options, calls the API, prints, and returns an exit code. Any OnnxNmmError becomes one line on stderr,
+its options spelt as flags, and the exit code of its kind; nothing else is caught.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import importlib
 import sys
 import warnings
 
-from onnx_nmm import __version__
-from onnx_nmm.errors import UserError
+from onnx_nmm import LoweringMismatch, NeuronSdkMissing, OnnxNmmError, TrainingDiverged, __version__
+from onnx_nmm.cli import _common
 
 # Order is the order of `onnx-nmm --help`.
 COMMAND_MODULES = [
@@ -25,6 +27,10 @@ COMMAND_MODULES = [
     "finetune",
     "bench_kernels",
 ]
+
+# 2 for bad input (argparse's own code for bad usage); these kinds have their own.
+EXIT_CODES = {LoweringMismatch: 1, TrainingDiverged: 1, NeuronSdkMissing: 3}
+EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, *_, **__: f"onnx-nmm {args.command}: warning: {message}\n"
     try:
         return args.handler(args)
-    except UserError as error:
-        print(f"onnx-nmm {args.command}: error: {error}", file=sys.stderr)
-        return error.exit_code
+    except OnnxNmmError as error:
+        overrides = getattr(args, "flags", {})
+        message = error.message(lambda option: _common.flag(option, overrides))
+        print(f"onnx-nmm {args.command}: error: {message}", file=sys.stderr)
+        return next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print(f"onnx-nmm {args.command}: interrupted; no output was written", file=sys.stderr)
         return 130

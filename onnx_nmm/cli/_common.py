@@ -1,29 +1,58 @@
-"""What the sub-commands share: consoles, atomic JSON files, number formatting."""
+"""What the sub-commands share: consoles and progress bars, JSON files, flags shared by several commands,
+and how an option's path in the API is spelt as a flag."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import sys
-import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichBars
+
+import onnx_nmm
 
 # Tables and results go to stdout; progress and notes to stderr, so `--json` output stays clean.
 # Piped output gets a wide page instead of rich's 80 columns: the tables are meant to be read whole.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 stderr = Console(stderr=True, highlight=False)
 
+# Option paths (errors.py) whose flag is not `--` + the last part with dashes.
+FLAGS = {
+    "calibration.source": "--calib",
+    "calibration.samples": "--calib-samples",
+    "calibration.spread": "--calib-spread",
+    "calibration.batch": "--calib-batch",
+    "calibration.mode": "--calib-mode",
+    "calibration.statistics": "--calib-stats",
+    "calibration.save_statistics": "--save-calib-stats",
+    "output": "-o",
+    "overwrite_input": "--force",
+    "overwrite": "--force",
+    "training.learning_rate": "--lr",
+    "training.adapter_rank": "--adapters",
+}
+
+
+def flag(option: str, overrides: dict[str, str] | None = None) -> str:
+    """The flag that sets the API option `option` ("ranks.keep" → "--keep")."""
+    overrides = overrides or {}
+    if option in overrides:
+        return overrides[option]
+    if option in FLAGS:
+        return FLAGS[option]
+    return "--" + option.rsplit(".", 1)[-1].replace("_", "-")
+
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
     """Write `data` as JSON to `path` atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".onnx-nmm-", suffix=".json", delete=False) as handle:
-        json.dump(data, handle, indent=2)
-        staged = Path(handle.name)
-    staged.replace(path)
+    from onnx_nmm.model_io import write_text_atomically
+
+    write_text_atomically(path, json.dumps(data, indent=2))
 
 
 def print_json(data: dict) -> None:
@@ -44,60 +73,95 @@ def common_module_prefix(paths: list[str]) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def millions(count: int | float) -> str:
-    return f"{count / 1e6:.2f}M"
+def millions(number: int | float) -> str:
+    return f"{number / 1e6:.2f}M"
 
 
+def count(number: int, noun: str) -> str:
+    """"1 layer", "6 layers"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def given(**values) -> dict:
+    """The flags that were given: a flag left out leaves the API's default in place."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def default(options_class, field: str):
+    """An API option's default, for a flag's help text."""
+    return options_class.__dataclass_fields__[field].default
+
+
+class BarsProgress(onnx_nmm.Progress):
+    """The API's progress, shown as rich progress bars on stderr (one per phase, gone when it ends)."""
+
+    def __init__(self, bars: RichBars):
+        self.bars = bars
+
+    @contextlib.contextmanager
+    def phase(self, description: str, total: int | None = None) -> Iterator[onnx_nmm.Phase]:
+        task = self.bars.add_task(description, total=total)
+        try:
+            yield _Bar(self.bars, task, description)
+        finally:
+            self.bars.update(task, visible=False)
+
+
+class _Bar(onnx_nmm.Phase):
+    def __init__(self, bars: RichBars, task, description: str):
+        self.bars, self.task, self.description = bars, task, description
+
+    def set_total(self, total: int | None) -> None:
+        self.bars.update(self.task, total=total)
+
+    def advance(self, amount: int = 1, detail: str | None = None) -> None:
+        self.bars.update(self.task, advance=amount, description=f"{self.description}: {detail}" if detail else None)
+
+
+@contextlib.contextmanager
+def progress(quiet: bool = False) -> Iterator[BarsProgress]:
+    """Progress bars on stderr while the block runs; none when `quiet` or when stderr is not a terminal (a
+    log has no use for them)."""
+    bars = RichBars(TextColumn("{task.description:<48.48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=stderr, disable=quiet or not stderr.is_terminal, transient=True)
+    with bars:
+        yield BarsProgress(bars)
+
+
+# -- flags shared by several commands, and the options they make --------------------------------------------
 def add_rank_options(parser) -> None:
     """--keep / --rank / --energy and --align, shared by inspect and rewrite."""
     rule = parser.add_mutually_exclusive_group()
     rule.add_argument("--keep", type=float, metavar="F",
                       help="fraction of each matrix's parameters to keep, in (0, 1]; the rank is "
-                           "align·round(F·K·N/((K+N)·align)) (default 0.8)")
-    rule.add_argument("--rank", metavar="R", help="one explicit rank for every target, or 'full' for min(K, N)")
+                           f"align·round(F·K·N/((K+N)·align)) (default {onnx_nmm.options.DEFAULT_KEEP})")
+    rule.add_argument("--rank", type=_rank, metavar="R", help="one explicit rank for every target, or 'full' for min(K, N)")
     rule.add_argument("--energy", type=float, metavar="E",
                       help="smallest aligned rank holding fraction E of the squared singular values")
-    parser.add_argument("--align", type=int, default=128,
-                        help="ranks are multiples of this (default 128, the TensorE tile; use 32 for small models)")
+    parser.add_argument("--align", type=int, default=onnx_nmm.options.DEFAULT_ALIGN,
+                        help="ranks are multiples of this (default %(default)s, the TensorE tile; use 32 for small "
+                             "models)")
 
 
-def rank_rule_from(args):
-    from onnx_nmm.errors import UserError
-    from onnx_nmm.rewrite import FULL_RANK, RankRule
-
-    rank = args.rank
-    if rank is not None and rank != FULL_RANK:
-        try:
-            rank = int(rank)
-        except ValueError:
-            raise UserError(f"--rank takes a positive integer or 'full', got {rank!r}") from None
-    keep = args.keep if args.keep is not None or rank is not None or args.energy is not None else 0.8
-    return RankRule(keep=keep, rank=rank, energy=args.energy, align=args.align)
+def _rank(text: str) -> int | str:
+    if text == onnx_nmm.options.FULL_RANK:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive integer or 'full', got {text!r}") from None
 
 
 def add_selection_options(parser) -> None:
-    from onnx_nmm.passes import TARGETS
-
-    parser.add_argument("--targets", choices=TARGETS, default="mlp",
+    parser.add_argument("--targets", choices=onnx_nmm.passes.TARGETS, default="mlp",
                         help="which layers to factorize (default mlp, as in the paper)")
     parser.add_argument("--include", metavar="REGEX", help="only layers whose node name or module path matches")
     parser.add_argument("--exclude", metavar="REGEX", help="leave out layers whose node name or module path matches")
     parser.add_argument("--lm-head", action="store_true", help="factorize the lm_head too")
 
 
-def selection_from(args):
-    import re
-
-    from onnx_nmm.errors import UserError
-    from onnx_nmm.passes import Selection
-
-    for flag, pattern in (("--include", args.include), ("--exclude", args.exclude)):
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise UserError(f"{flag} {pattern!r} is not a valid regular expression: {error}") from None
-    return Selection(targets=args.targets, include=args.include, exclude=args.exclude, lm_head=args.lm_head)
+def selection_from(args) -> onnx_nmm.Selection:
+    return onnx_nmm.Selection(targets=args.targets, include=args.include, exclude=args.exclude, lm_head=args.lm_head)
 
 
 def add_text_options(parser, required: bool) -> None:
@@ -105,20 +169,11 @@ def add_text_options(parser, required: bool) -> None:
     group = parser.add_argument_group("text")
     group.add_argument("--text", metavar="FILE", required=required, help="a UTF-8 text file to score")
     group.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file")
-    group.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    group.add_argument("--window", type=int,
+                       help=f"tokens per window (default {onnx_nmm.evaluation.DEFAULT_WINDOW})")
     group.add_argument("--stride", type=int, help="tokens between window starts (default: the window, disjoint)")
     group.add_argument("--max-windows", type=int, help="score only the first N windows (default: the whole text)")
 
 
-def text_windows_from(args):
-    """(token ids of --text, Windows) from the parsed text options."""
-    from onnx_nmm.calibration_data import load_tokenizer, text_tokens
-    from onnx_nmm.errors import UserError
-    from onnx_nmm.perplexity import Windows
-
-    if args.tokenizer is None:
-        raise UserError("--text needs --tokenizer (a tokenizer folder or a .gguf file)")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise UserError("--max-windows must be a positive integer")
-    windows = Windows(window=args.window, stride=args.stride or args.window, max_windows=args.max_windows)
-    return text_tokens(args.text, load_tokenizer(args.tokenizer)), windows
+def text_from(args) -> onnx_nmm.TextOptions:
+    return onnx_nmm.TextOptions(args.text, args.tokenizer, args.window, args.stride, args.max_windows)

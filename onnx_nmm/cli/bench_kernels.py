@@ -11,7 +11,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from onnx_nmm.cli import _common
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import OptionError
+from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.kernels import benchmark
 
 
@@ -29,7 +30,8 @@ def register(subparsers) -> None:
                         help="comma-separated token counts, 1 to 8192 (default: %(default)s)")
     parser.add_argument("--models", default="all",
                         help="comma-separated model names, or 'all': " + ", ".join(m.model for m in benchmark.MODELS))
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the kernels' input and weight dtype (default bfloat16, as on Trainium)")
     parser.set_defaults(handler=run)
 
 
@@ -45,7 +47,7 @@ def run(args) -> int:
         rows = benchmark.run_benchmark(models, tokens, targets, args.dtype, on_row=lambda row: progress.advance(task))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    _write_text(args.out / "bench-kernels.md", benchmark.markdown(rows, command, args.dtype))
+    write_text_atomically(args.out / "bench-kernels.md", benchmark.markdown(rows, command, args.dtype))
     _common.write_json(args.out / "bench-kernels.json", benchmark.to_json(rows, command, args.dtype))
     _write_plot(rows, args.out / "bench-kernels.png", args.dtype)
 
@@ -67,9 +69,9 @@ def _tokens(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise UserError(f"--tokens {text!r} is not a comma-separated list of integers; write e.g. --tokens 1,128") from None
+        raise OptionError(f"--tokens {text!r} is not a comma-separated list of integers; write e.g. --tokens 1,128") from None
     if not values or any(not 1 <= value <= 8192 for value in values):
-        raise UserError(f"--tokens {text!r}: every token count must be between 1 and 8192")
+        raise OptionError(f"--tokens {text!r}: every token count must be between 1 and 8192")
     return values
 
 
@@ -80,15 +82,8 @@ def _models(text: str) -> tuple[benchmark.MlpShape, ...]:
     names = [name.strip() for name in text.split(",")]
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise UserError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(known)} or 'all'")
+        raise OptionError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(known)} or 'all'")
     return tuple(known[name] for name in names)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".onnx-nmm-", suffix=path.suffix, delete=False) as handle:
-        handle.write(text)
-        staged = Path(handle.name)
-    staged.replace(path)
 
 
 def _write_plot(rows, path: Path, dtype: str) -> None:
@@ -100,6 +95,7 @@ def _write_plot(rows, path: Path, dtype: str) -> None:
     handle, staged = tempfile.mkstemp(dir=path.parent, prefix=".onnx-nmm-", suffix=".png")
     os.close(handle)
     benchmark.plot(rows, staged, dtype)
+    make_public(staged)
     Path(staged).replace(path)
 
 

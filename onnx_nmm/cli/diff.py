@@ -1,101 +1,92 @@
-"""`onnx-nmm diff A B`: run both models in onnxruntime on the same inputs and compare the outputs."""
+"""`onnx-nmm diff A B`: run both models on the same inputs and compare the outputs (onnx_nmm.diff,
+onnx_nmm.diff_on_text)."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from rich.progress import Progress
-
-from onnx_nmm import metrics, ort_runner
-from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner
+import onnx_nmm
 from onnx_nmm.cli import _common
-from onnx_nmm.errors import UserError
-from onnx_nmm.model_io import load_model
-from onnx_nmm.perplexity import compare_on_text, window_count
 
 
 def register(subparsers) -> None:
+    D = onnx_nmm.DiffOptions
     parser = subparsers.add_parser("diff", help="compare two models' outputs in onnxruntime (A is the reference)")
     parser.add_argument("reference", help="the reference model, e.g. the original export")
     parser.add_argument("candidate", help="the model to judge, e.g. the rewritten one")
-    parser.add_argument("--batch", type=int, default=1, help="batch size of the random inputs (default 1)")
-    parser.add_argument("--seq-len", type=int, default=32, help="sequence length of the random inputs (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    parser.add_argument("--batch", type=int, help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
+    parser.add_argument("--seq-len", type=int,
+                        help=f"sequence length of the random inputs (default {_common.default(D, 'seq_len')})")
+    parser.add_argument("--seed", type=int, help="seed of the random token ids")
     parser.add_argument("--inputs", metavar="FILE.npz", help="use these inputs (keys = input names) instead")
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
     parser.add_argument("--rtol", type=float, help="see --atol")
-    parser.add_argument("--backend", choices=RUN_BACKENDS, default="ort",
+    parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS,
                         help="how the candidate runs: onnxruntime (default), or its PyTorch lowering with the custom ops "
                              "as torch math or on the NKI kernels on the emulator; the reference always runs in onnxruntime")
-    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
+    parser.add_argument("--target", choices=("trn1", "trn2"), help="emulated target (emulator backend; default trn2)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _common.add_text_options(parser, required=False)
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    if args.batch < 1 or args.seq_len < 1:
-        raise UserError("--batch and --seq-len must be positive")
-    for path in (args.reference, args.candidate):
-        load_model(path)  # same one-line errors as every command for missing files or data
-    reference = ModelRunner(args.reference)
-    candidate = ModelRunner(args.candidate, args.backend, args.target)
+    options = onnx_nmm.DiffOptions(**_common.given(batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+                                                   inputs=args.inputs, atol=args.atol, rtol=args.rtol,
+                                                   backend=args.backend, target=args.target))
     if args.text:
-        return _diff_on_text(args, reference, candidate)
-    if args.inputs:
-        inputs = ort_runner.load_inputs(args.inputs, reference.session)
-    else:
-        inputs = ort_runner.random_inputs(reference.session, args.reference, args.batch, args.seq_len, args.seed)
-    expected = reference(inputs)
-    actual = candidate(inputs)
-    missing = [name for name in expected if name not in actual]
-    if missing:
-        raise UserError(f"the candidate has no output(s) {', '.join(missing)}; the two models do not match")
-    comparisons = [metrics.compare(name, expected[name], actual[name], args.atol, args.rtol) for name in expected]
-    failed = any(comparison.mismatched for comparison in comparisons)
+        return _diff_on_text(args, options)
+    result = onnx_nmm.diff(args.reference, args.candidate, options)
     if args.json:
-        _common.print_json({"reference": args.reference, "candidate": args.candidate, "backend": args.backend,
-                            "inputs": {name: list(array.shape) for name, array in inputs.items()},
-                            "atol": args.atol, "rtol": args.rtol, "passed": not failed,
-                            "outputs": [comparison.to_dict() for comparison in comparisons]})
+        _common.print_json(result.to_dict())
     else:
-        _print_table(args, inputs, comparisons)
-    return 1 if failed else 0
+        _print_table(args, result)
+    return 0 if result.passed else 1
 
 
-def _diff_on_text(args, reference, candidate) -> int:
+def _diff_on_text(args, options: onnx_nmm.DiffOptions) -> int:
     """Both perplexities, top-1 agreement and KL over the windows of a real text."""
-    tokens, windows = _common.text_windows_from(args)
-    with Progress(console=_common.stderr, transient=True, disable=args.json) as progress:
-        task = progress.add_task("scoring windows", total=window_count(len(tokens), windows))
-        result = compare_on_text(reference.logits, candidate.logits, tokens, windows,
-                                 on_window=lambda: progress.update(task, advance=1))
+    with _common.progress(quiet=args.json) as progress:
+        result = onnx_nmm.diff_on_text(args.reference, args.candidate, _common.text_from(args), options.backend,
+                                       options.target, progress)
     if args.json:
-        _common.print_json({"reference": args.reference, "candidate": args.candidate, "backend": args.backend,
-                            "text": args.text, **result.to_dict()})
+        _common.print_json(result.to_dict())
         return 0
-    a, b = result.reference, result.candidate
+    a, b = result.comparison.reference, result.comparison.candidate
+    reference, candidate = _labels(args, options)
     _common.stdout.print(
-        f"on {args.text}: {a.tokens_scored} tokens in {a.windows} windows of {a.window} (stride {a.stride})\n"
-        f"  perplexity  {args.reference}: {a.perplexity:.4f}   {args.candidate}: {b.perplexity:.4f} "
+        f"on {result.text}: {a.tokens_scored} tokens in {a.windows} windows of {a.window} (stride {a.stride})\n"
+        f"  perplexity  {reference}: {a.perplexity:.4f}   {candidate}: {b.perplexity:.4f} "
         f"({b.perplexity / a.perplexity - 1:+.1%})\n"
-        f"  next-token top-1 agreement {result.top1_agreement:.2%}, mean KL {result.mean_kl:.4f} nats")
+        f"  next-token top-1 agreement {result.comparison.top1_agreement:.2%}, mean KL "
+        f"{result.comparison.mean_kl:.4f} nats")
     return 0
 
 
-def _print_table(args, inputs, comparisons) -> None:
-    shapes = ", ".join(f"{name} {list(array.shape)}" for name, array in inputs.items())
-    how = "onnxruntime CPU" if args.backend == "ort" else f"{args.backend} backend vs onnxruntime CPU"
-    table = Table(title=f"{args.candidate} vs {args.reference} ({how}; {shapes})", title_justify="left")
+def _labels(args, options: onnx_nmm.DiffOptions) -> tuple[str, str]:
+    """How the two sides are named: by file, and by backend when both are one file."""
+    if args.reference != args.candidate:
+        return args.reference, args.candidate
+    return f"{args.reference} (ort)", f"{args.candidate} ({options.backend})"
+
+
+def _print_table(args, result: onnx_nmm.Diff) -> None:
+    shapes = ", ".join(f"{name} {shape}" for name, shape in result.inputs.items())
+    how = "onnxruntime CPU" if result.backend == "ort" else f"{result.backend} backend vs onnxruntime CPU"
+    reference, candidate = _labels(args, onnx_nmm.DiffOptions(backend=result.backend))
+    table = Table(title=f"{candidate} vs {reference} ({how}; {shapes})", title_justify="left")
     for column in ("output", "max |Δ|", "max |Δ| / max |A|", "cosine", "top-1 agree", "mean KL (nats)", "outside tol"):
         table.add_column(column, justify="left" if column == "output" else "right")
-    tolerance = args.atol is not None or args.rtol is not None
-    for c in comparisons:
+    tolerance = result.atol is not None or result.rtol is not None
+    for c in result.outputs:
         table.add_row(c.name, f"{c.max_abs:.3e}", f"{c.max_rel:.3e}", f"{c.cosine:.6f}",
                       f"{c.top1_agreement:.2%}" if c.top1_agreement is not None else "—",
                       f"{c.mean_kl:.3e}" if c.mean_kl is not None else "—",
                       str(c.mismatched) if tolerance else "—")
     _common.stdout.print(table)
     if tolerance:
-        verdict = "FAIL" if any(c.mismatched for c in comparisons) else "pass"
-        _common.stdout.print(f"{verdict}: atol={args.atol or 0}, rtol={args.rtol or 0}")
+        verdict = "pass" if result.passed else "FAIL"
+        _common.stdout.print(f"{verdict}: atol={result.atol or 0}, rtol={result.rtol or 0}")
+    if result.misleading_on_random_tokens:
+        _common.stdout.print("note: these are random token ids, unlike anything a calibrated rewrite was fitted to; "
+                             "judge it on real text with --text and --tokenizer")

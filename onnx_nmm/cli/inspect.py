@@ -1,14 +1,14 @@
-"""`onnx-nmm inspect MODEL`: every linear layer, its role, shape, storage and the rank --keep gives."""
+"""`onnx-nmm inspect MODEL`: every linear layer, its role, shape, storage and the rank --keep gives
+(onnx_nmm.inspect)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import sys
 
 from rich.table import Table
 
+import onnx_nmm
 from onnx_nmm.cli import _common
-from onnx_nmm.model_io import load_model
-from onnx_nmm.passes import find_linear_layers, select_layers
 
 
 def register(subparsers) -> None:
@@ -21,71 +21,43 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    rule = _common.rank_rule_from(args)
-    selection = _common.selection_from(args)
-    model = load_model(args.model)
-    layers = find_linear_layers(model)
-    targeted, _ = select_layers(layers, selection)
-    targeted_ids = {id(layer) for layer in targeted}
-    rows = [_row(layer, rule, id(layer) in targeted_ids) for layer in layers]
-    totals = _totals(rows)
+    ranks = onnx_nmm.RankOptions(**_common.given(keep=args.keep, rank=args.rank, energy=args.energy, align=args.align))
+    inspection = onnx_nmm.inspect(args.model, ranks, _common.selection_from(args))
     if args.json:
-        _common.print_json({"model": str(args.model), "rule": rule.describe(), "selection": selection.describe(),
-                            "layers": rows, "totals": totals})
-        return 0
-    _print_table(args.model, rows, totals, rule, selection)
+        _common.print_json(inspection.to_dict())
+    else:
+        _print_table(inspection)
     return 0
 
 
-def _row(layer, rule, targeted: bool) -> dict:
-    rank, reason = rule.rank_before_svd(layer.k, layer.n)
-    storage = "external data" if layer.weight.is_external else ("initializer" if layer.weight.is_initializer else "Constant")
-    return {
-        "name": layer.name, "module_path": layer.module_path, "group": layer.group, "role": layer.role,
-        "k": layer.k, "n": layer.n, "dtype": layer.dtype.name.lower(), "weight": layer.weight.name,
-        "storage": storage, "transposed": layer.weight.transposed, "bias": layer.bias is not None,
-        "shared_with": layer.shared_with, "parameters": layer.parameters, "targeted": targeted,
-        "rank": rank, "rank_note": reason or ("needs the spectrum" if rank is None else ""),
-        "parameters_after": rank * (layer.k + layer.n) if rank is not None and targeted else layer.parameters,
-    }
-
-
-def _totals(rows: list[dict]) -> dict:
-    targeted = [row for row in rows if row["targeted"]]
-    return {
-        "layers": len(rows),
-        "by_group": dict(Counter(row["group"] for row in rows)),
-        "parameters": sum(row["parameters"] for row in rows),
-        "targeted_layers": len(targeted),
-        "targeted_parameters": sum(row["parameters"] for row in targeted),
-        "targeted_parameters_after": sum(row["parameters_after"] for row in targeted),
-    }
-
-
-def _print_table(model, rows, totals, rule, selection) -> None:
-    prefix = _common.common_module_prefix([row["module_path"] for row in rows])
-    table = Table(title=f"Linear layers of {model}" + (f" (module paths under {prefix})" if prefix else ""),
+def _print_table(inspection: onnx_nmm.Inspection) -> None:
+    prefix = _common.common_module_prefix([layer.module_path for layer in inspection.layers])
+    table = Table(title=f"Linear layers of {inspection.model}" + (f" (module paths under {prefix})" if prefix else ""),
                   title_justify="left")
-    for column, justify in (("#", "right"), ("node", "left"), ("module path", "left"), ("role", "left"), ("K×N", "right"),
-                            ("dtype", "left"), ("weight", "left"), ("params", "right"), ("rank", "right")):
+    for column, justify in (("#", "right"), ("node", "left"), ("module path", "left"), ("role", "left"),
+                            ("K×N", "right"), ("dtype", "left"), ("weight", "left"), ("params", "right"),
+                            ("rank", "right"), *([("targeted", "left")] if not sys.stdout.isatty() else [])):
         table.add_column(column, justify=justify)
-    for index, row in enumerate(rows):
-        storage = {"external data": "external", "initializer": "init", "Constant": "Constant"}[row["storage"]]
-        storage += "ᵀ" if row["transposed"] else ""
-        storage += " +bias" if row["bias"] else ""
-        if row["shared_with"]:
-            storage += f" shared: {', '.join(row['shared_with'])}"
-        rank = str(row["rank"]) if row["rank"] is not None else "—"
-        if row["rank_note"]:
-            rank += f" ({row['rank_note']})"
-        table.add_row(str(index), row["name"], row["module_path"].removeprefix(prefix),
-                      f"{row['group']}/{row['role']}", f"{row['k']}×{row['n']}", row["dtype"], storage,
-                      _common.millions(row["parameters"]), rank, style=None if row["targeted"] else "dim")
+    for index, layer in enumerate(inspection.layers):
+        storage = {"external data": "external", "initializer": "init", "Constant": "Constant"}[layer.storage]
+        storage += "ᵀ" if layer.transposed else ""
+        storage += " +bias" if layer.bias else ""
+        if layer.shared_with:
+            storage += f" shared: {', '.join(layer.shared_with)}"
+        rank = str(layer.rank) if layer.rank is not None else "—"
+        if layer.rank_note:
+            rank += f" ({layer.rank_note})"
+        table.add_row(str(index), layer.name, layer.module_path.removeprefix(prefix), f"{layer.group}/{layer.role}",
+                      f"{layer.k}×{layer.n}", layer.dtype, storage, _common.millions(layer.parameters), rank,
+                      *(["yes" if layer.targeted else "no"] if not sys.stdout.isatty() else []),
+                      style=None if layer.targeted else "dim")
     _common.stdout.print(table)
+    totals = inspection.totals()
     groups = ", ".join(f"{count} {group}" for group, count in totals["by_group"].items())
     before, after = totals["targeted_parameters"], totals["targeted_parameters_after"]
+    untargeted = "dimmed rows are not targeted" if sys.stdout.isatty() else "see the targeted column"
     _common.stdout.print(
-        f"{totals['layers']} linear layers ({groups}), {_common.millions(totals['parameters'])} parameters. "
-        f"Targets ({selection.describe()}; dimmed rows are not targeted): {totals['targeted_layers']} layers, "
-        f"{_common.millions(before)} → {_common.millions(after)} parameters at {rule.describe()}"
+        f"{_common.count(totals['layers'], 'linear layer')} ({groups}), {_common.millions(totals['parameters'])} "
+        f"parameters. Targets ({inspection.selection}; {untargeted}): {totals['targeted_layers']} layers, "
+        f"{_common.millions(before)} → {_common.millions(after)} parameters at {inspection.rule}"
         + (f" ({after / before:.1%} kept)" if before else ""))

@@ -1,51 +1,42 @@
-"""`onnx-nmm run MODEL --backend ort|torch|emulator`: one forward pass, on the backend of your choice."""
+"""`onnx-nmm run MODEL --backend ort|torch|emulator`: one forward pass, on the backend of your choice
+(onnx_nmm.run_model)."""
 
 from __future__ import annotations
 
 import numpy as np
 from rich.table import Table
 
-from onnx_nmm import ort_runner
-from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner
+import onnx_nmm
 from onnx_nmm.cli import _common
-from onnx_nmm.errors import UserError
-from onnx_nmm.model_io import load_model
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("run", help="run a model once on onnxruntime, its PyTorch lowering, or the "
                                                "NKI kernels on the emulator")
     parser.add_argument("model", help="an .onnx model (original or rewritten)")
-    parser.add_argument("--backend", choices=RUN_BACKENDS, default="ort",
+    parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS, default="ort",
                         help="ort: onnxruntime; torch: the PyTorch lowering, custom ops as torch math; emulator: the "
                              "lowering with the custom ops on the NKI kernels, emulated in bfloat16")
     parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
     parser.add_argument("--inputs", metavar="FILE.npz", help="inputs (keys = input names); default: random token ids")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the random token ids (default 1)")
+    parser.add_argument("--seq-len", type=int, default=16, help="sequence length of the random token ids (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("-o", "--output", metavar="FILE.npz", help="save the outputs")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    if args.batch < 1 or args.seq_len < 1:
-        raise UserError("--batch and --seq-len must be positive")
-    load_model(args.model)
-    model = ModelRunner(args.model, args.backend, args.target)
-    if args.inputs:
-        inputs = ort_runner.load_inputs(args.inputs, model.session)
-    else:
-        inputs = ort_runner.random_inputs(model.session, args.model, args.batch, args.seq_len, args.seed)
-    outputs = model(inputs)
+    result = onnx_nmm.run_model(args.model, args.inputs, args.backend, args.target, args.batch, args.seq_len,
+                                args.seed)
     if args.output:
-        np.savez(args.output, **outputs)
+        np.savez(args.output, **result.outputs)
     summary = {name: {"shape": list(array.shape), "dtype": str(array.dtype),
                       "min": float(array.min()), "max": float(array.max()), "mean": float(array.mean())}
-               for name, array in outputs.items()}
+               for name, array in result.outputs.items()}
     calls = [{"node": call.node, "kernel": call.kernel, "shapes": [list(s) for s in call.shapes]}
-             for call in model.kernel_calls]
+             for call in result.kernel_calls]
     if args.json:
         _common.print_json({"model": args.model, "backend": args.backend, "outputs": summary, "kernel_calls": calls})
         return 0

@@ -10,14 +10,14 @@ import warnings
 
 import onnx
 
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import MissingDependencyError, ModelError
 
 # Weights above this size are detached while shapes are inferred; smaller ones (shape tensors, which
 # inference reads) stay.
 _DETACH_BYTES = 4096
 
 if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("torch") is None:
-    raise UserError("lowering to PyTorch needs torch and onnx2torch: pip install torch && "
+    raise MissingDependencyError("lowering to PyTorch needs torch and onnx2torch: pip install torch && "
                     "pip install --no-deps onnx2torch==1.5.15 (its torchvision dependency is not needed)")
 
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
@@ -29,18 +29,18 @@ from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_par
 def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
     """The model as a torch.fx module (inputs and outputs as in the ONNX graph), its custom ops on `backend`.
 
-    Raises UserError naming every node whose op the lowering does not cover.
+    Raises ModelError naming every node whose op the lowering does not cover.
     """
     proto = _load_with_shapes(model)
     unsupported = unsupported_nodes(proto)
     if unsupported:
         shown = "; ".join(unsupported[:5]) + (f"; and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
-        raise UserError(f"the lowering to PyTorch does not cover: {shown}")
+        raise ModelError(f"the lowering to PyTorch does not cover: {shown}")
     reset_shared_parameters()
     try:
         module = convert(_with_lowering_domains(proto))
     except NotImplementedError as error:
-        raise UserError(f"the lowering to PyTorch failed: {error}") from None
+        raise ModelError(f"the lowering to PyTorch failed: {error}") from None
     set_backend(module, backend or TorchMath())
     return module.eval()
 

@@ -17,7 +17,7 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OnnxToTorchModule, OperationConverterResult
 from torch import nn
 
-from onnx_nmm import svd_ops
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.lowering.kernel_backends import TorchMath
 from onnx_nmm.lowering.onnx2torch_compat import lowering_domain
 

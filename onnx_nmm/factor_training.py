@@ -23,7 +23,6 @@ overrun the time budget at the mean step time so far (at least one step is alway
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -35,50 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onnx_nmm.errors import UserError
+from onnx_nmm.errors import DataError, ModelError, OptionError, TrainingDiverged
+from onnx_nmm.finetuning import TrainingOptions
 from onnx_nmm.factor_adapters import add_adapters, merge_adapters
 from onnx_nmm.lowering import factor_parameters
 from onnx_nmm.perplexity import LogitsFn
-
-LOSSES = ("next-token", "distill")
-FINAL_LR_FRACTION = 0.1
-MAX_WARMUP_STEPS = 10
-
-
-@dataclass
-class FinetuneOptions:
-    steps: int = 200
-    time_budget: float | None = None  # seconds of training; None: the step budget alone
-    learning_rate: float = 1e-4
-    batch: int = 2
-    loss: str = "next-token"
-    temperature: float = 1.0  # distillation only
-    adapter_rank: int | None = None  # train adapters of this rank on U and V instead of U and V themselves
-    max_grad_norm: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise UserError(f"unknown loss {self.loss!r}; choose from {', '.join(LOSSES)}")
-        for name, value in (("steps", self.steps), ("batch", self.batch), ("adapter rank", self.adapter_rank)):
-            if value is not None and value < 1:
-                raise UserError(f"the {name} must be a positive integer, got {value}")
-        for name, value in (("learning rate", self.learning_rate), ("temperature", self.temperature),
-                            ("time budget", self.time_budget), ("gradient norm limit", self.max_grad_norm)):
-            if value is not None and not value > 0:
-                raise UserError(f"the {name} must be positive, got {value}")
-
-    @property
-    def warmup_steps(self) -> int:
-        return max(1, min(MAX_WARMUP_STEPS, self.steps // 10))
-
-    def learning_rate_at(self, step: int, seconds: float) -> float:
-        spent = step / self.steps
-        if self.time_budget is not None:
-            spent = max(spent, seconds / self.time_budget)
-        decay = FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(spent, 1.0)))
-        return self.learning_rate * min(1.0, (step + 1) / self.warmup_steps) * decay
-
 
 @dataclass
 class StepRecord:
@@ -125,7 +85,7 @@ class CausalLmInputs:
             if value.const_value is not None:
                 continue
             if value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-                raise UserError(f"model input '{value.name}' is {value.dtype}, not token ids, a mask or positions; "
+                raise ModelError(f"model input '{value.name}' is {value.dtype}, not token ids, a mask or positions; "
                                 "fine-tuning and Fisher statistics need a causal LM exported without a KV cache")
             self.inputs.append((value.name.lower(), value.dtype.numpy()))
 
@@ -142,7 +102,7 @@ class CausalLmInputs:
         return tuple(feeds)
 
 
-def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: FinetuneOptions,
+def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,
              teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None) -> TrainingResult:
     """Train the factors of the lowered `module` in place on `windows` [samples, S] of token ids.
 
@@ -172,8 +132,8 @@ def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, opt
         batch = next(batches)
         loss = _loss(module, inputs, batch, options, teacher)
         if not torch.isfinite(loss):
-            raise UserError(f"the loss became {loss.item()} at step {len(result.records) + 1}; nothing was "
-                            "written: lower --lr", exit_code=1)
+            raise TrainingDiverged(f"the loss became {loss.item()} at step {len(result.records) + 1}; nothing was "
+                                   "written: lower the {learning_rate}", learning_rate="training.learning_rate")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(trainable, options.max_grad_norm)
@@ -191,13 +151,13 @@ def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, opt
     return result
 
 
-def check_windows(windows: np.ndarray, options: FinetuneOptions) -> None:
-    """Raise UserError unless `windows` [samples, S] can fill a batch of `options`."""
+def check_windows(windows: np.ndarray, options: TrainingOptions) -> None:
+    """Raise DataError unless `windows` [samples, S] can fill a batch of `options`."""
     if windows.ndim != 2 or windows.shape[1] < 2:
-        raise UserError(f"training windows must be [samples, ≥ 2 tokens], got shape {list(windows.shape)}")
+        raise DataError(f"training windows must be [samples, ≥ 2 tokens], got shape {list(windows.shape)}")
     if options.batch > len(windows):
-        raise UserError(f"a batch of {options.batch} windows needs at least as many training windows; "
-                        f"there are {len(windows)}: lower --batch or give more text")
+        raise DataError(f"a batch of {options.batch} windows needs at least as many training windows; "
+                        f"there are {len(windows)}: lower the {{batch}} or give more text", batch="training.batch")
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -215,7 +175,7 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temper
 def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
     """Overwrite the factor initializers of `model` with `factors`, each in its initializer's dtype.
 
-    Raises UserError, changing nothing, if any factor holds NaN or Inf once stored in that dtype.
+    Raises TrainingDiverged, changing nothing, if any factor holds NaN or Inf once stored in that dtype.
     """
     stored = {}
     for name, factor in factors.items():
@@ -225,27 +185,29 @@ def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
         dtype = value.const_value.dtype
         array = np.ascontiguousarray(factor.detach().cpu().numpy().astype(dtype.numpy()))
         if not np.isfinite(array.astype(np.float32)).all():
-            raise UserError(f"factor {name} holds NaN or Inf after training (stored as {dtype.name}); nothing was "
-                            "written: lower --lr", exit_code=1)
+            raise TrainingDiverged(f"factor {name} holds NaN or Inf after training (stored as {dtype.name}); nothing "
+                                   "was written: lower the {learning_rate}", learning_rate="training.learning_rate")
         stored[name] = ir.tensor(array, dtype=dtype, name=name)
     for name, tensor in stored.items():
         model.graph.initializers[name].const_value = tensor
 
 
-def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options: FinetuneOptions,
+def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options: TrainingOptions,
                  teacher: LogitsFn | None) -> None:
     if not factors:
-        raise UserError("the model has no SVD factors to fine-tune; rewrite it first with `onnx-nmm rewrite`")
+        raise ModelError("the model has no SVD factors to fine-tune; rewrite it first")
     wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
     if wrong:
-        raise UserError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
+        raise ModelError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
                         "float32 export and fine-tune that")
+    if options.loss is None:
+        raise ValueError("choose the loss first (FinetuneOptions chooses it from the teacher)")
     if options.loss == "distill" and teacher is None:
-        raise UserError("the distillation loss needs the dense model's logits: give --teacher ORIGINAL.onnx")
+        raise OptionError("the distillation loss needs the dense model's logits: give the {teacher}", teacher="teacher")
     check_windows(windows, options)
 
 
-def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: FinetuneOptions,
+def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: TrainingOptions,
           teacher: LogitsFn | None) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # onnx2torch's internal deprecations, which say nothing about the model

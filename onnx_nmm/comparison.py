@@ -1,0 +1,126 @@
+"""Two models on the same inputs, the reference always in onnxruntime (`diff`, `diff_on_text`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from onnx_nmm import metrics
+from onnx_nmm.backend_runner import Model, ModelRunner, check_backend
+from onnx_nmm.errors import ModelError, OptionError
+from onnx_nmm.evaluation import DEFAULT_WINDOW, TextOptions, check_token_ids
+from onnx_nmm.perplexity import TextComparison, compare_on_text, window_count
+from onnx_nmm.progress import Progress
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """inputs: an .npz (keys = input names) or arrays; else random token ids [batch, seq_len] from `seed`.
+    atol/rtol: an element fails when |a − b| > atol + rtol·|a|. backend: how the candidate runs (ort, or
+    its PyTorch lowering with the custom ops as torch math or on the emulated NKI kernels for `target`)."""
+
+    batch: int = 1
+    seq_len: int = 32
+    seed: int = 0
+    inputs: str | os.PathLike | dict | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    backend: str = "ort"
+    target: str = "trn2"
+
+    def __post_init__(self):
+        if self.batch < 1 or self.seq_len < 1:
+            raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")
+        for name in ("atol", "rtol"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise OptionError(f"{{{name}}} must be ≥ 0, got {getattr(self, name)}", **{name: name})
+        check_backend(self.backend, self.target)
+
+
+@dataclass
+class Diff:
+    reference: str
+    candidate: str
+    backend: str
+    inputs: dict[str, list[int]]  # input name → shape
+    atol: float | None
+    rtol: float | None
+    outputs: list[metrics.OutputComparison] = field(default_factory=list)
+    random_tokens: bool = False  # the inputs were random token ids, not text
+
+    @property
+    def passed(self) -> bool:
+        return not any(output.mismatched for output in self.outputs)
+
+    @property
+    def misleading_on_random_tokens(self) -> bool:
+        """Logits that barely agree on random token ids: a calibrated rewrite often looks so there and is fine
+        on text, which is what its calibration fitted it to."""
+        return self.random_tokens and any(output.cosine < 0.9 for output in self.outputs
+                                          if output.top1_agreement is not None)
+
+    def to_dict(self) -> dict:
+        return {"reference": self.reference, "candidate": self.candidate, "backend": self.backend,
+                "inputs": self.inputs, "atol": self.atol, "rtol": self.rtol, "passed": self.passed,
+                "outputs": [output.to_dict() for output in self.outputs]}
+
+
+def diff(reference: Model, candidate: Model, options: DiffOptions | None = None) -> Diff:
+    """Every output of `candidate` against `reference` on the same inputs: largest errors, cosine, and for
+    logits top-1 agreement and mean KL. Raises ModelError when the two models do not take the same inputs
+    or give outputs of different shapes."""
+    o = options or DiffOptions()
+    expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, o.backend, o.target)
+    _check_same_interface(expected_runner, actual_runner)
+    inputs = expected_runner.inputs(o.inputs, o.batch, o.seq_len, o.seed)
+    expected, actual = expected_runner(inputs), actual_runner(inputs)
+    comparisons = []
+    for name, array in expected.items():
+        if array.shape != actual[name].shape:
+            raise ModelError(f"output {name} is {list(array.shape)} in {expected_runner.label} but "
+                             f"{list(actual[name].shape)} in {actual_runner.label}: the two models do not compute "
+                             "the same thing; diff a model against its own rewrite")
+        comparisons.append(metrics.compare(name, array, actual[name], o.atol, o.rtol))
+    return Diff(expected_runner.label, actual_runner.label, o.backend,
+                {name: list(array.shape) for name, array in inputs.items()}, o.atol, o.rtol, comparisons,
+                random_tokens=o.inputs is None)
+
+
+@dataclass
+class TextDiff:
+    reference: str
+    candidate: str
+    backend: str
+    text: str
+    comparison: TextComparison
+
+    def to_dict(self) -> dict:
+        return {"reference": self.reference, "candidate": self.candidate, "backend": self.backend, "text": self.text,
+                **self.comparison.to_dict()}
+
+
+def diff_on_text(reference: Model, candidate: Model, text: TextOptions, backend: str = "ort", target: str = "trn2",
+                 progress: Progress | None = None) -> TextDiff:
+    """Both perplexities, top-1 agreement and KL at every scored position of the windows of a real text."""
+    progress = progress or Progress()
+    check_backend(backend, target)
+    expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, backend, target)
+    _check_same_interface(expected_runner, actual_runner)
+    tokens = text.tokens()
+    for runner in (expected_runner, actual_runner):
+        check_token_ids(tokens, runner.vocabulary, text.label, runner.label)
+    windows = text.windows(DEFAULT_WINDOW)
+    with progress.phase("scoring windows", total=window_count(len(tokens), windows)) as phase:
+        comparison = compare_on_text(expected_runner.logits, actual_runner.logits, tokens, windows,
+                                     on_window=phase.advance)
+    return TextDiff(expected_runner.label, actual_runner.label, backend, text.label, comparison)
+
+
+def _check_same_interface(reference: ModelRunner, candidate: ModelRunner) -> None:
+    """Both models take the same inputs and give the same outputs, by name."""
+    for kind, ours, theirs in (("inputs", reference.input_names, candidate.input_names),
+                               ("outputs", reference.output_names, candidate.output_names)):
+        if sorted(ours) != sorted(theirs):
+            raise ModelError(f"{reference.label} and {candidate.label} differ in their {kind} ({', '.join(ours)} vs "
+                             f"{', '.join(theirs)}): the two models do not compute the same thing; diff a model "
+                             "against its own rewrite")

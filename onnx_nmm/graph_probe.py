@@ -1,0 +1,50 @@
+"""Read values from inside a model in onnxruntime: expose them as outputs, prune what they do not need.
+
+Calibration (activation_stats) and sequential calibration (sequential) both run the original model cut
+down to the inner values they observe; neither the logits nor any layer past those values is computed.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+
+def value_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every value, with shape inference filling in what the exporter left out."""
+    types = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:
+        inferred = proto
+    graph = inferred.graph
+    for info in list(graph.value_info) + list(graph.input) + list(graph.output):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+            types[info.name] = info.type.tensor_type.elem_type
+    return types
+
+
+def expose(proto: onnx.ModelProto, values: list[str], types: dict[str, int]) -> onnx.ModelProto:
+    """`proto` (changed in place) with `values` as its only outputs and every node they do not need pruned."""
+    del proto.graph.output[:]
+    for value in values:
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(value, types.get(value, onnx.TensorProto.FLOAT),
+                                                                     None))
+    prune(proto.graph)
+    return proto
+
+
+def prune(graph: onnx.GraphProto) -> None:
+    """Drop every node the graph outputs do not depend on."""
+    producers = {output: node for node in graph.node for output in node.output}
+    needed, stack = set(), [output.name for output in graph.output]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack.extend(value for value in node.input if value)
+            for attribute in node.attribute:  # values captured by subgraphs (If/Loop bodies)
+                for subgraph in [attribute.g, *attribute.graphs]:
+                    stack.extend(value for inner in subgraph.node for value in inner.input if value)
+    kept = [node for node in graph.node if id(node) in needed]
+    del graph.node[:]
+    graph.node.extend(kept)

@@ -1,0 +1,99 @@
+"""What a model's linear layers are, and what a rewrite would do to them (`inspect`)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import onnx
+import onnx_ir as ir
+
+from onnx_nmm.errors import ModelError
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RankOptions, Selection
+from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
+from onnx_nmm.rank_plan import Dense, keep_rank
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    module_path: str
+    group: str
+    role: str
+    k: int
+    n: int
+    dtype: str
+    weight: str
+    storage: str  # "initializer", "external data" or "Constant"
+    transposed: bool
+    bias: bool
+    shared_with: list[str]  # other nodes reading the weight (a tied embedding's Gather)
+    parameters: int
+    targeted: bool
+    rank: int | None  # what the rank rule gives, when it needs no spectrum
+    rank_note: str
+    parameters_after: int
+
+
+@dataclass
+class Inspection:
+    model: str
+    rule: str
+    selection: str
+    layers: list[LayerInfo]
+
+    def totals(self) -> dict:
+        targeted = [layer for layer in self.layers if layer.targeted]
+        return {
+            "layers": len(self.layers),
+            "by_group": dict(Counter(layer.group for layer in self.layers)),
+            "parameters": sum(layer.parameters for layer in self.layers),
+            "targeted_layers": len(targeted),
+            "targeted_parameters": sum(layer.parameters for layer in targeted),
+            "targeted_parameters_after": sum(layer.parameters_after for layer in targeted),
+        }
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "rule": self.rule, "selection": self.selection,
+                "layers": [asdict(layer) for layer in self.layers], "totals": self.totals()}
+
+
+def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOptions | None = None,
+            selection: Selection | None = None) -> Inspection:
+    """Every linear layer of `model`: role, shape, storage, whether `selection` targets it, and the rank
+    `ranks` gives it. Raises ModelError, naming the ops it saw, when there is no linear layer."""
+    ranks, selection = ranks or RankOptions(), selection or Selection()
+    source = ModelSource.of(model)
+    layers = find_linear_layers(source.model)
+    if not layers:
+        ops = Counter(node.op_type for node in source.model.graph)
+        seen = ", ".join(f"{count} {op}" for op, count in ops.most_common(8)) or "no nodes"
+        raise ModelError(f"no linear layer found in {source.label}: looked for MatMul/Gemm nodes whose second input "
+                         f"is a constant weight, and saw {seen}")
+    targeted, _ = select_layers(layers, selection)
+    targeted_ids = {id(layer) for layer in targeted}
+    return Inspection(source.label, ranks.describe(), selection.describe(),
+                      [_info(layer, ranks, id(layer) in targeted_ids) for layer in layers])
+
+
+def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
+    rank, note = _rank(layer, ranks)
+    storage = "external data" if layer.weight.is_external else ("initializer" if layer.weight.is_initializer else "Constant")
+    return LayerInfo(
+        name=layer.name, module_path=layer.module_path, group=layer.group, role=layer.role, k=layer.k, n=layer.n,
+        dtype=layer.dtype.name.lower(), weight=layer.weight.name, storage=storage,
+        transposed=layer.weight.transposed, bias=layer.bias is not None, shared_with=layer.shared_with,
+        parameters=layer.parameters, targeted=targeted, rank=rank, rank_note=note,
+        parameters_after=rank * (layer.k + layer.n) if rank is not None and targeted else layer.parameters)
+
+
+def _rank(layer: LinearLayer, ranks: RankOptions) -> tuple[int | None, str]:
+    """The rank the rule gives without the spectrum or calibration, or why it cannot tell."""
+    if ranks.rule == "keep" and ranks.budget == "uniform":
+        choice = keep_rank(layer, ranks.keep, ranks.align)
+        return (None, choice.reason) if isinstance(choice, Dense) else (choice, "")
+    if ranks.rule == "rank":
+        return (min(layer.k, layer.n) if not isinstance(ranks.rank, int) else ranks.rank), ""
+    return None, "needs the spectrum" if ranks.rule == "energy" else "chosen when rewriting"

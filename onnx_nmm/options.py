@@ -1,0 +1,289 @@
+"""The options of a rewrite: typed, validated when made, each default written here and only here.
+
+    RewriteOptions
+      ├─ ranks          RankOptions            how each target's rank is chosen (DESIGN.md §4)
+      ├─ selection      Selection              which linear layers are targets
+      ├─ factorization  FactorizationOptions   plain, whitened or Fisher-weighted SVD, and how it is computed
+      ├─ calibration    CalibrationOptions     the data activation-aware methods and budgets learn from
+      └─ fuse_mlp                              gated MLPs into one SvdGatedMLP each
+
+Errors name options by their path in RewriteOptions ("ranks.keep"); the CLI spells them as flags.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from onnx_nmm.errors import OptionError
+from onnx_nmm.lowrank import SVD_METHODS
+from onnx_nmm.passes import TARGETS
+
+DEFAULT_KEEP = 0.8
+DEFAULT_ALIGN = 128  # the TensorE tile
+FULL_RANK = "full"
+METHODS = ("svd", "whiten", "fisher")
+BUDGETS = ("uniform", "global", "sensitivity")
+CALIBRATION_MODES = ("independent", "sequential")
+RANDOM_CALIBRATION = "random"
+
+# The ways of choosing ranks; exactly one drives a rewrite.
+RANK_RULES = ("keep", "rank", "energy", "max_ppl_increase", "max_kl", "ranks_from")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How each target's rank is chosen. Exactly one rule; `keep` = DEFAULT_KEEP when none is given.
+
+    keep:              the fraction of each matrix's parameters kept, block-aligned:
+                       r = align·round(keep·K·N / ((K+N)·align)); with `budget` "global" or "sensitivity" the
+                       same total is spent where the spectra or the measured damage say it costs least
+    rank:              one rank everywhere (an int, or "full" for min(K, N)), factorized even where it saves
+                       nothing, because it was asked for
+    energy:            the smallest aligned rank holding this fraction of Σσ²
+    max_ppl_increase:  as many parameters as possible while the calibration perplexity grows by at most this
+                       fraction (0.1 = +10 %)
+    max_kl:            the same, bounding the mean KL divergence to the dense model (nats)
+    ranks_from:        the ranks of an earlier rewrite of the same model: its report (a JSON file), or a
+                       mapping layer name → rank (None: dense)
+    align:             ranks are multiples of this
+    sensitivity_windows: calibration windows the quality budgets are measured on
+    """
+
+    keep: float | None = None
+    rank: int | str | None = None
+    energy: float | None = None
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    ranks_from: str | os.PathLike | Mapping[str, int | None] | None = None
+    budget: str = "uniform"
+    align: int = DEFAULT_ALIGN
+    sensitivity_windows: int = 4
+
+    def __post_init__(self):
+        given = [rule for rule in RANK_RULES if getattr(self, rule) is not None]
+        if not given:
+            object.__setattr__(self, "keep", DEFAULT_KEEP)
+        elif len(given) > 1:
+            raise OptionError("give one of " + ", ".join(f"{{{rule}}}" for rule in given) + ", not several",
+                              **{rule: f"ranks.{rule}" for rule in given})
+        if self.keep is not None and not 0.0 < self.keep <= 1.0:
+            raise OptionError("{keep} must be in (0, 1] (the fraction of parameters kept), got " + str(self.keep),
+                              keep="ranks.keep")
+        if self.energy is not None and not 0.0 < self.energy <= 1.0:
+            raise OptionError("{energy} must be in (0, 1], got " + str(self.energy), energy="ranks.energy")
+        if self.rank is not None and self.rank != FULL_RANK and not (isinstance(self.rank, int) and self.rank >= 1):
+            raise OptionError(f"{{rank}} must be a positive integer or {FULL_RANK!r}, got {self.rank!r}",
+                              rank="ranks.rank")
+        for name in ("max_ppl_increase", "max_kl"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise OptionError(f"{{{name}}} must be positive, got {value}", **{name: f"ranks.{name}"})
+        if self.budget not in BUDGETS:
+            raise OptionError(f"{{budget}} must be one of {', '.join(BUDGETS)}, got {self.budget!r}",
+                              budget="ranks.budget")
+        if self.budget != "uniform" and self.rule != "keep":
+            raise OptionError(f"{{budget}} {self.budget} spends the parameters {{keep}} would keep: give {{keep}}, "
+                              f"not {{{self.rule}}}", budget="ranks.budget", keep="ranks.keep",
+                              **{self.rule: f"ranks.{self.rule}"})
+        if self.align < 1:
+            raise OptionError(f"{{align}} must be a positive integer, got {self.align}", align="ranks.align")
+        if self.sensitivity_windows < 1:
+            raise OptionError(f"{{windows}} must be a positive integer, got {self.sensitivity_windows}",
+                              windows="ranks.sensitivity_windows")
+
+    @property
+    def rule(self) -> str:
+        """Which of RANK_RULES chooses the ranks."""
+        return next(rule for rule in RANK_RULES if getattr(self, rule) is not None)
+
+    @property
+    def measures_damage(self) -> bool:
+        """Whether the ranks come from the damage each one does on calibration windows (quality budgets)."""
+        return bool(self.quality_budget)
+
+    @property
+    def needs_spectra(self) -> bool:
+        """Whether choosing the ranks needs every target's (weighted) spectrum first."""
+        return self.rule == "energy" or self.budget != "uniform" or self.measures_damage
+
+    @property
+    def quality_budget(self) -> str:
+        """The measured budget in words ("perplexity budget +10.0%"), or "" when the ranks are not measured."""
+        if self.rule == "max_ppl_increase":
+            return f"perplexity budget +{self.max_ppl_increase:.1%}"
+        if self.rule == "max_kl":
+            return f"KL budget {self.max_kl} nats"
+        if self.budget == "sensitivity":
+            return f"sensitivity budget keeping {self.keep:.1%} of the parameters"
+        return ""
+
+    def describe(self) -> str:
+        if self.quality_budget:
+            return f"{self.quality_budget}, align={self.align}"
+        if self.rule == "keep":
+            budget = "" if self.budget == "uniform" else f", {self.budget} budget"
+            return f"keep={self.keep}{budget}, align={self.align}"
+        if self.rule == "rank":
+            return f"rank={self.rank}"
+        if self.rule == "energy":
+            return f"energy={self.energy}, align={self.align}"
+        source = self.ranks_from if not isinstance(self.ranks_from, Mapping) else "a given plan"
+        return f"ranks from {source}"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which linear layers are targets: a group (mlp, attention, all), regexes searched in node names and
+    module paths (exclude wins over include), and the lm_head only on request (the paper leaves it alone)."""
+
+    targets: str = "mlp"
+    include: str | None = None
+    exclude: str | None = None
+    lm_head: bool = False
+
+    def __post_init__(self):
+        if self.targets not in TARGETS:
+            raise OptionError(f"{{targets}} must be one of {', '.join(TARGETS)}, got {self.targets!r}",
+                              targets="selection.targets")
+        for name in ("include", "exclude"):
+            pattern = getattr(self, name)
+            if pattern is None:
+                continue
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise OptionError(f"{{{name}}} {pattern!r} is not a valid regular expression: {error}",
+                                  **{name: f"selection.{name}"}) from None
+
+    def describe(self) -> str:
+        parts = [f"targets={self.targets}"]
+        if self.include:
+            parts.append(f"include={self.include!r}")
+        if self.exclude:
+            parts.append(f"exclude={self.exclude!r}")
+        if self.lm_head:
+            parts.append("lm_head")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class FactorizationOptions:
+    """method: svd (truncated SVD of W), whiten (SVD-LLM: minimise the layer's output error on the
+    calibration data), or fisher (also weigh each output direction by the loss's gradients); None means
+    whiten with calibration data, else svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
+    the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling)."""
+
+    method: str | None = None
+    svd: str = "exact"
+    power_iterations: int = 2
+    oversample: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in METHODS:
+            raise OptionError(f"{{method}} must be one of {', '.join(METHODS)}, got {self.method!r}",
+                              method="factorization.method")
+        if self.svd not in SVD_METHODS:
+            raise OptionError(f"{{svd}} must be one of {', '.join(SVD_METHODS)}, got {self.svd!r}",
+                              svd="factorization.svd")
+        for name in ("power_iterations", "oversample"):
+            if getattr(self, name) < 0:
+                raise OptionError(f"{{{name}}} must be ≥ 0, got {getattr(self, name)}",
+                                  **{name: f"factorization.{name}"})
+
+    def describe(self) -> str:
+        inner = self.svd
+        if self.svd == "randomized":
+            inner = f"randomized(power_iterations={self.power_iterations}, oversample={self.oversample})"
+        return f"{self.method}, {inner} SVD"
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """The data activation-aware SVD, Fisher weighting and the quality budgets learn from.
+
+    source:          a text file (with `tokenizer`), an .npz holding input_ids [samples, seq_len], statistics
+                     saved by an earlier rewrite (`save_statistics`), "random" (tests only), or token ids
+                     [samples, seq_len] as an array
+    samples, seq_len: windows taken from a text, and their length in tokens
+    spread:          take the windows evenly spaced over the whole text rather than from its start
+    batch:           windows per onnxruntime run
+    mode:            independent: every layer fitted to the dense model's activations; sequential: each layer
+                     fitted, in graph order, to the dense outputs from the inputs the already-compressed model
+                     feeds it
+    statistics:      saved statistics used instead of gathering them (with `source` still giving the tokens
+                     that sequential calibration and the quality budgets run on)
+    save_statistics: keep the gathered statistics in this .npz
+    """
+
+    source: object = None
+    tokenizer: str | os.PathLike | None = None
+    samples: int = 128
+    seq_len: int = 512
+    spread: bool = False
+    batch: int = 1
+    mode: str = "independent"
+    statistics: str | os.PathLike | None = None
+    save_statistics: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        if self.source is None and self.statistics is None:
+            raise OptionError("calibration needs data: give {source} (a text, token ids, or saved statistics) or "
+                              "{statistics}", source="calibration.source", statistics="calibration.statistics")
+        for name in ("samples", "seq_len", "batch"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"{{{name}}} must be a positive integer, got {getattr(self, name)}",
+                                  **{name: f"calibration.{name}"})
+        if self.mode not in CALIBRATION_MODES:
+            raise OptionError(f"{{mode}} must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}",
+                              mode="calibration.mode")
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """Everything a rewrite needs to know; RewriteOptions() is the uniform keep-0.8 plain-SVD rewrite of the
+    MLPs."""
+
+    ranks: RankOptions = field(default_factory=RankOptions)
+    selection: Selection = field(default_factory=Selection)
+    factorization: FactorizationOptions = field(default_factory=FactorizationOptions)
+    calibration: CalibrationOptions | None = None
+    fuse_mlp: bool = False
+
+    def __post_init__(self):
+        if self.factorization.method is None:
+            method = "whiten" if self.calibration is not None else "svd"
+            object.__setattr__(self, "factorization", replace(self.factorization, method=method))
+        method, calibration, ranks = self.method, self.calibration, self.ranks
+        if method in ("whiten", "fisher") and calibration is None:
+            raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",
+                              method="factorization.method", calibration="calibration.source")
+        if calibration is not None and calibration.mode == "sequential" and method == "svd":
+            raise OptionError("sequential calibration fits whitened factors: use it with {method} whiten or fisher",
+                              method="factorization.method")
+        if ranks.measures_damage and (calibration is None or calibration.source is None):
+            raise OptionError("{rule} measures the damage on calibration windows: give {calibration}",
+                              rule=f"ranks.{'budget' if ranks.budget == 'sensitivity' else ranks.rule}",
+                              calibration="calibration.source")
+        if self.factorization.svd == "randomized" and ranks.rule == "energy":
+            raise OptionError("{energy} needs every singular value: use it with {svd} exact",
+                              energy="ranks.energy", svd="factorization.svd")
+
+    @property
+    def method(self) -> str:
+        return self.factorization.method
+
+    @property
+    def sequential(self) -> bool:
+        return self.calibration is not None and self.calibration.mode == "sequential"
+
+    @property
+    def needs_statistics(self) -> bool:
+        """Whether the inputs' Gram statistics are needed: by whitening and fisher, to report plain SVD's
+        activation error, and to choose ranks from spectra before a sequential refit."""
+        if self.calibration is None:
+            return False
+        return self.method == "fisher" or not self.sequential or self.ranks.needs_spectra

@@ -1,0 +1,68 @@
+"""The rewrite as a sequence of passes over one shared context (onnx-ir's pass infrastructure):
+
+    model ─ GatherStatistics ─ PlanRanks ─ FactorizeLayers ─ (FuseMlps) ─ model'
+              XᵀX, GᵀG          {layer: rank | Dense}   SvdMatMul ops     SvdGatedMLP ops
+
+Each pass is a model → model unit (the first two only read the model); `rewrite` composes them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import onnx
+import onnx_ir as ir
+
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.passes import FuseGatedMlpPass
+from onnx_nmm.pipeline.context import RewriteContext, RewritePass
+from onnx_nmm.pipeline.factorize import FactorizeLayers
+from onnx_nmm.pipeline.plan import PlanRanks
+from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
+from onnx_nmm.pipeline.statistics import GatherStatistics
+from onnx_nmm.progress import Progress
+
+
+class FuseMlps(RewritePass):
+    """Pass 4 (with fuse_mlp): each SiLU-gated gate/up/down triple of SvdMatMul ops → one SvdGatedMLP."""
+
+    label = "fusion"
+
+    def run(self, model: ir.Model) -> bool:
+        fusion = FuseGatedMlpPass()
+        result = fusion(model)
+        self.context.report.fused_mlps = fusion.fused
+        return result.modified
+
+
+def rewrite_passes(context: RewriteContext) -> list[ir.passes.PassBase]:
+    passes = [GatherStatistics(context), PlanRanks(context), FactorizeLayers(context)]
+    return passes + [FuseMlps(context)] if context.options.fuse_mlp else passes
+
+
+def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: RewriteOptions | None = None,
+            progress: Progress | None = None) -> RewriteResult:
+    """Factorize the linear layers of `model` (a path, or a model in memory, which is left unchanged) into
+    SvdMatMul ops, as `options` say; the rewritten model and the report of what was done to each layer.
+
+    Raises an OnnxNmmError subclass (errors.py) for anything the input or the options make impossible.
+    """
+    source = ModelSource.of(model)
+    context = RewriteContext(options or RewriteOptions(), source, progress or Progress())
+    try:
+        ir.passes.Sequential(*rewrite_passes(context))(source.model)
+    except ir.passes.PassError as error:
+        raise _root_cause(error) from None
+    return RewriteResult(source.model, context.report, source.path, source.used_external_data)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The exception a pass raised, from under the PassErrors the pass infrastructure wraps it in."""
+    while isinstance(error, ir.passes.PassError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+__all__ = ["FactorizeLayers", "FuseMlps", "GatherStatistics", "LayerOutcome", "PlanRanks", "RewriteContext",
+           "RewriteReport", "RewriteResult", "rewrite", "rewrite_passes"]

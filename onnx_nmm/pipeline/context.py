@@ -1,0 +1,85 @@
+"""What the rewrite passes share: the options, the original model, the calibration data, and what each
+pass hands on to the next (statistics → plan → factorization → report)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from onnx_nmm.activation_stats import GramStatistics
+from onnx_nmm.calibration_data import CalibrationData
+from onnx_nmm.causal_lm import vocabulary_size
+from onnx_nmm.errors import DataError, ModelError
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
+from onnx_nmm.pipeline.factorizer import Factorizer
+from onnx_nmm.pipeline.report import RewriteReport
+from onnx_nmm.progress import Progress
+from onnx_nmm.rank_plan import RankPlan
+
+
+@dataclass
+class RewriteContext:
+    options: RewriteOptions
+    source: ModelSource  # the original model, for what runs it (onnxruntime, the PyTorch lowering)
+    progress: Progress = field(default_factory=Progress)
+    statistics: GramStatistics | None = None  # GatherStatistics
+    plan: RankPlan | None = None  # PlanRanks
+    factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
+    report: RewriteReport | None = None  # every pass adds to it
+
+    def __post_init__(self):
+        o = self.options
+        self.calibration = CalibrationData(o.calibration, self._vocabulary) if o.calibration is not None else None
+        if self.report is None:
+            self.report = RewriteReport(rule=o.ranks.describe(), selection=o.selection.describe(),
+                                        method=o.factorization.describe() + f", {o.ranks.budget} budget")
+
+    def make_factorizer(self) -> Factorizer:
+        if self.factorizer is None:
+            self.factorizer = Factorizer(self.options.factorization, self.statistics, self.options.ranks.align)
+        return self.factorizer
+
+    def _vocabulary(self) -> int:
+        vocabulary = vocabulary_size(self.source.model.graph)
+        if vocabulary is None:
+            raise DataError("cannot tell the vocabulary size for random token ids; calibrate on a text or token ids")
+        return vocabulary
+
+
+def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer], list[LinearLayer], dict[str, str]]:
+    """(every linear layer, the targets, why each other layer is left alone); refused when there is nothing
+    to target."""
+    layers = find_linear_layers(model)
+    if not layers:
+        raise ModelError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "
+                         "(an initializer or a Constant, possibly behind Identity/Transpose/Cast)")
+    chosen, skipped = select_layers(layers, options.selection)
+    if not chosen:
+        raise ModelError(f"none of the {len(layers)} linear layers matches {options.selection.describe()}; "
+                         "inspect lists their names and roles")
+    return layers, chosen, skipped
+
+
+class RewritePass(ir.passes.InPlacePass):
+    """A step of the rewrite over the shared context: changes the model in place, or only reads it, and
+    records its wall time in the report under `label`."""
+
+    label = ""
+
+    def __init__(self, context: RewriteContext):
+        super().__init__()
+        self.context = context
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        start = time.perf_counter()
+        modified = self.run(model)
+        self.context.report.seconds[self.label] = time.perf_counter() - start
+        return ir.passes.PassResult(model, modified=modified)
+
+    def run(self, model: ir.Model) -> bool:
+        """Do the step; whether the model changed."""
+        raise NotImplementedError

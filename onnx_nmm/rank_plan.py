@@ -1,0 +1,97 @@
+"""The rank plan: what every way of choosing ranks returns, and what the factorization consumes.
+
+    RankPlan = {target layer's name: rank | Dense(reason)}
+
+Every target has an entry; Dense says why a target keeps its weight. The simple rules are here —
+the block-aligned keep rule (DESIGN.md §4), one explicit rank, an energy threshold, the ranks of an
+earlier report; the global budget is in rank_allocation, the quality budgets in sensitivity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx_nmm import lowrank
+from onnx_nmm.errors import OptionError
+from onnx_nmm.passes import LinearLayer
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A target that keeps its dense weight, and why."""
+
+    reason: str
+
+
+RankPlan = dict[str, "int | Dense"]
+
+
+def parameters(k: int, n: int, choice: int | Dense) -> int:
+    """Parameters of a K×N layer at a rank, or dense."""
+    return k * n if isinstance(choice, Dense) else choice * (k + n)
+
+
+def worth_factorizing(rank: int, k: int, n: int, align: int) -> int | Dense:
+    """`rank`, or Dense when it rounds to nothing or saves no parameters."""
+    if rank == 0:
+        return Dense(f"rank rounds to 0 at align {align} (a smaller align keeps a rank)")
+    if rank >= lowrank.break_even_rank(k, n):
+        return Dense(f"rank {rank} saves nothing (break-even {lowrank.break_even_rank(k, n):.0f})")
+    return rank
+
+
+def keep_rank(layer: LinearLayer, keep: float, align: int) -> int | Dense:
+    """The block-aligned rank keeping the fraction `keep` of the layer's parameters."""
+    return worth_factorizing(lowrank.block_aligned_rank(layer.k, layer.n, keep, align), layer.k, layer.n, align)
+
+
+def energy_rank(layer: LinearLayer, singular_values: np.ndarray, energy: float, align: int) -> int | Dense:
+    """The smallest aligned rank whose leading singular values hold `energy` of Σσ²."""
+    return worth_factorizing(lowrank.energy_rank(singular_values, energy, align), layer.k, layer.n, align)
+
+
+def explicit_ranks(layers: list[LinearLayer], rank: int | str) -> RankPlan:
+    """One rank for every layer ("full": min(K, N)); refused where it exceeds min(K, N)."""
+    too_big = [layer for layer in layers if isinstance(rank, int) and rank > min(layer.k, layer.n)]
+    if too_big:
+        layer = too_big[0]
+        more = f" and {len(too_big) - 1} more layers" if len(too_big) > 1 else ""
+        raise OptionError(f"{{rank}} {rank} is above min(K, N) = {min(layer.k, layer.n)} for {layer.name} "
+                          f"({layer.k}x{layer.n}){more}; use a smaller rank, full rank, or {{keep}}",
+                          rank="ranks.rank", keep="ranks.keep")
+    return {layer.name: min(layer.k, layer.n) if not isinstance(rank, int) else rank for layer in layers}
+
+
+def plan_from_report(source: str | os.PathLike | Mapping[str, int | None], layers: list[LinearLayer],
+                     all_layers: list[LinearLayer]) -> RankPlan:
+    """The ranks an earlier rewrite of this model chose: from its report, or from a mapping layer → rank
+    (None: dense). Refused when it names layers this model does not have with that shape."""
+    if isinstance(source, Mapping):
+        ranks, shapes, label = dict(source), {}, "the given plan"
+    else:
+        ranks, shapes = _report_ranks(source)
+        label = str(source)
+    ours = {layer.name: (layer.k, layer.n) for layer in all_layers}
+    foreign = sorted(name for name in ranks if name not in ours or shapes.get(name, ours[name]) != ours[name])
+    if foreign:
+        raise OptionError(f"{{ranks_from}} {label} names {len(foreign)} layers this model does not have with that "
+                          f"shape ({foreign[0]}, ...): it describes another model", ranks_from="ranks.ranks_from")
+    kept_dense = Dense(f"kept dense in {label}")
+    return {layer.name: ranks.get(layer.name) or kept_dense for layer in layers}
+
+
+def _report_ranks(path: str | os.PathLike) -> tuple[dict[str, int | None], dict[str, tuple[int, int]]]:
+    try:
+        targeted = [layer for layer in json.loads(Path(path).read_text())["layers"] if layer["status"] != "skipped"]
+        ranks = {layer["name"]: layer["rank"] if layer["status"] == "factorized" else None for layer in targeted}
+        shapes = {layer["name"]: (layer["k"], layer["n"]) for layer in targeted}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise OptionError(f"{{ranks_from}} {path} is not a rewrite report ({error})",
+                          ranks_from="ranks.ranks_from") from None
+    return ranks, shapes
