@@ -4,7 +4,7 @@ A source is one of: a text file (tokenized once with a Hugging Face tokenizer �
 GGUF file whose tokenizer transformers can read — and cut into non-overlapping windows), an .npz holding
 input_ids [samples, seq_len], token ids given as an array, "random" ids (tests only), or, for calibration,
 statistics saved by an earlier rewrite. `token_windows` turns any token source into windows;
-`CalibrationData` decides once what a rewrite's calibration options point at.
+`CalibrationData` decides once what a rewrite's calibration options point at, and gives the statistics.
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
-from onnx_nmm.activation_stats import GramStatistics
+from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import DataError, MissingDependencyError, OptionError
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RANDOM_CALIBRATION, CalibrationOptions
+from onnx_nmm.passes import LinearLayer
+from onnx_nmm.progress import Progress
 
 
 @dataclass
@@ -156,12 +161,13 @@ def _is_text(source) -> bool:
 
 
 class CalibrationData:
-    """What a rewrite's calibration options point at: token windows to run the model on, statistics saved
-    earlier, or both (saved statistics, and a text for what must run the model)."""
+    """What a rewrite's calibration options point at, decided once: token windows to run the model (whose
+    graph is `graph`) on, statistics saved earlier, or both (saved statistics, and a text for what must run
+    the model); and the statistics they give."""
 
-    def __init__(self, options: CalibrationOptions, vocabulary: Callable[[], int]):
+    def __init__(self, options: CalibrationOptions, graph: ir.Graph):
         self.options = options
-        self.vocabulary = vocabulary
+        self.graph = graph
         source = options.source
         source_is_statistics = isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") \
             and GramStatistics.is_statistics_file(source)
@@ -173,8 +179,35 @@ class CalibrationData:
             raise OptionError("{spread} chooses windows of a text: give {source} a text file",
                               spread="calibration.spread", source="calibration.source")
 
-    def saved_statistics(self) -> GramStatistics | None:
-        return GramStatistics.load(self.statistics_file) if self.statistics_file is not None else None
+    def statistics(self, source: ModelSource, layers: list[LinearLayer], method: str, seed: int,
+                   progress: Progress) -> GramStatistics:
+        """The Grams of `layers` that `method` needs: loaded when the options point at saved ones, else
+        gathered by running `source`'s original model on the windows — XᵀX in onnxruntime, with fisher XᵀX
+        and the output-gradient Grams in PyTorch — and saved when asked."""
+        if self.statistics_file is not None:
+            statistics = GramStatistics.load(self.statistics_file)
+        else:
+            statistics = self._gather(source, layers, method, seed, progress)
+            if self.options.save_statistics is not None:
+                statistics.save(self.options.save_statistics)
+        if method == "fisher" and not statistics.output_grams:
+            raise DataError(f"{statistics.description or 'these statistics'} hold no output-gradient Grams, which "
+                            "{method} fisher weighs by: calibrate on a text or token ids, or load statistics a "
+                            "fisher rewrite saved", method="factorization.method")
+        return statistics
+
+    def _gather(self, source: ModelSource, layers: list[LinearLayer], method: str, seed: int,
+                progress: Progress) -> GramStatistics:
+        windows = self.windows()
+        batches = windows.batches(self.options.batch)
+        with progress.phase(f"calibrating ({windows.description})", total=windows.token_count) as phase:
+            if method == "fisher":
+                from onnx_nmm.fisher import collect_fisher_statistics
+
+                return collect_fisher_statistics(source, layers, batches, windows.description, seed=seed,
+                                                 on_batch=phase.advance)
+            return collect_gram_matrices(source, observed_inputs(layers), batches, windows.description,
+                                         on_batch=phase.advance)
 
     def windows(self, samples: int | None = None) -> TokenWindows:
         """The calibration windows: `samples` of them (default: the options' count), chosen from the text's
@@ -186,4 +219,16 @@ class CalibrationData:
                               source="calibration.source", statistics="calibration.statistics")
         o = self.options
         return token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
-                             self.vocabulary, tokenizer_option="calibration.tokenizer")
+                             self._vocabulary, tokenizer_option="calibration.tokenizer")
+
+    def _vocabulary(self) -> int:
+        vocabulary = vocabulary_size(self.graph)
+        if vocabulary is None:
+            raise DataError("cannot tell the vocabulary size for random token ids; calibrate on a text or token ids")
+        return vocabulary
+
+
+def observed_inputs(layers: list[LinearLayer]) -> dict[str, int]:
+    """The distinct inputs of `layers` (value name → width K): what calibration observes. Layers reading the
+    same input (gate and up) share one Gram."""
+    return {layer.x.name: layer.k for layer in layers}

@@ -10,11 +10,9 @@ import numpy as np
 from onnx_nmm.backend_runner import Model, ModelRunner
 from onnx_nmm.calibration_data import read_tokens
 from onnx_nmm.errors import DataError
+from onnx_nmm.options import DEFAULT_WINDOW
 from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.progress import Progress
-
-
-DEFAULT_WINDOW = 512
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RankOptions, Selection
 from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
-from onnx_nmm.rank_plan import Dense, keep_rank
+from onnx_nmm.rank_plan import Dense, keep_choice
 
 
 @dataclass
@@ -92,7 +92,7 @@ def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
 def _rank(layer: LinearLayer, ranks: RankOptions) -> tuple[int | None, str]:
     """The rank the rule gives without the spectrum or calibration, or why it cannot tell."""
     if ranks.rule == "keep" and ranks.budget == "uniform":
-        choice = keep_rank(layer, ranks.keep, ranks.align)
+        choice = keep_choice(layer, ranks.keep, ranks.align)
         return (None, choice.reason) if isinstance(choice, Dense) else (choice, "")
     if ranks.rule == "rank":
         return (min(layer.k, layer.n) if not isinstance(ranks.rank, int) else ranks.rank), ""

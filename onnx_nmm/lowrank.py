@@ -1,4 +1,4 @@
-"""Truncated SVD of a weight matrix and the rules that pick its rank.
+"""Truncated SVD of a weight matrix (the rules that pick its rank are in rank_plan).
 
 A weight W (K×N) becomes U (K×r) · V (r×N) with U = P_r·√Σ_r and V = √Σ_r·Q_rᵀ, from W = P Σ Qᵀ:
 the √Σ split keeps both factors in the same numeric range (they are stored in W's dtype, maybe bf16).
@@ -23,36 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 
 SVD_METHODS = ("exact", "randomized")
-
-
-def break_even_rank(k: int, n: int) -> float:
-    """Factorizing K×N pays off only for r below K·N/(K+N): then r·(K+N) < K·N parameters."""
-    return k * n / (k + n)
-
-
-def aligned_ranks(k: int, n: int, align: int) -> list[int]:
-    """The multiples of `align` that save parameters on a K×N matrix, largest first."""
-    top = align * math.floor((break_even_rank(k, n) - 1e-9) / align)
-    return list(range(top, 0, -align))
-
-
-def block_aligned_rank(k: int, n: int, keep: float, align: int) -> int:
-    """The rank that keeps a fraction `keep` of W's parameters, rounded to a multiple of `align`.
-
-    r = align · round(keep · K·N / ((K + N) · align))   (NeuronMM §4.1; DESIGN.md §4)
-    """
-    if not 0.0 < keep <= 1.0:
-        raise ValueError(f"keep must be in (0, 1], got {keep}")
-    return align * round(keep * k * n / ((k + n) * align))
-
-
-def energy_rank(singular_values: np.ndarray, energy: float, align: int) -> int:
-    """The smallest multiple of `align` whose leading singular values hold `energy` of Σσ²."""
-    if not 0.0 < energy <= 1.0:
-        raise ValueError(f"energy must be in (0, 1], got {energy}")
-    captured = np.cumsum(np.asarray(singular_values, dtype=np.float64) ** 2)
-    needed = int(np.searchsorted(captured, energy * captured[-1] * (1 - 1e-12))) + 1
-    return min(align * math.ceil(needed / align), len(singular_values))
 
 
 class RankedFactors:

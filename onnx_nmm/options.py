@@ -22,6 +22,7 @@ from onnx_nmm.lowrank import SVD_METHODS
 from onnx_nmm.passes import TARGETS
 
 DEFAULT_KEEP = 0.8
+DEFAULT_WINDOW = 512  # tokens per perplexity window
 DEFAULT_ALIGN = 128  # the TensorE tile
 FULL_RANK = "full"
 METHODS = ("svd", "whiten", "fisher")

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_nmm import lowrank
-from onnx_nmm.rank_plan import Dense, RankPlan, parameters
+from onnx_nmm.rank_plan import Dense, RankPlan, aligned_ranks, break_even_rank, parameters
 
 KEPT_DENSE = Dense("the global budget keeps it dense")
 
@@ -73,7 +72,7 @@ def allocate_ranks(layers: list[LayerSpectrum], budget: int, align: int) -> Rank
 def _next_step(layer: LayerSpectrum, rank: int, align: int) -> tuple[int | Dense, int]:
     """The next rank (or dense) after `rank`, and its extra parameter cost."""
     grown = min(rank + align, len(layer.singular_values))
-    if grown >= lowrank.break_even_rank(layer.k, layer.n) or grown == rank:
+    if grown >= break_even_rank(layer.k, layer.n) or grown == rank:
         return KEPT_DENSE, layer.k * layer.n - rank * (layer.k + layer.n)
     return grown, (grown - rank) * (layer.k + layer.n)
 
@@ -91,7 +90,7 @@ RankOption = tuple[int, int, float]  # (rank, parameters at that rank, damage)
 def rank_options(k: int, n: int, align: int, damage_of: Callable[[int], float]) -> tuple[int, list[RankOption]]:
     """A K×N layer's dense parameter count and its (rank, parameters, damage) at every aligned rank that
     saves parameters: what `cheapest_moves` and `allocate_by_damage` choose among."""
-    return k * n, [(rank, parameters(k, n, rank), damage_of(rank)) for rank in lowrank.aligned_ranks(k, n, align)]
+    return k * n, [(rank, parameters(k, n, rank), damage_of(rank)) for rank in aligned_ranks(k, n, align)]
 
 
 def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tuple[str, int]]:

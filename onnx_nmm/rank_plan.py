@@ -1,15 +1,17 @@
-"""The rank plan: what every way of choosing ranks returns, and what the factorization consumes.
+"""Ranks: the rules that pick them, and the plan every way of choosing them returns.
 
     RankPlan = {target layer's name: rank | Dense(reason)}
 
-Every target has an entry; Dense says why a target keeps its weight. The simple rules are here —
-the block-aligned keep rule (DESIGN.md §4), one explicit rank, an energy threshold, the ranks of an
-earlier report; the global budget is in rank_allocation, the quality budgets in sensitivity.
+Every target has an entry, which the factorization consumes; Dense says why a target keeps its weight.
+The simple rules are here — the block-aligned keep rule (DESIGN.md §4), one explicit rank, an energy
+threshold, the ranks of an earlier report; the global budget is in rank_allocation, the quality budgets
+in sensitivity.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_nmm import lowrank
 from onnx_nmm.errors import OptionError
 from onnx_nmm.passes import LinearLayer
 
@@ -32,6 +33,36 @@ class Dense:
 RankPlan = dict[str, "int | Dense"]
 
 
+def break_even_rank(k: int, n: int) -> float:
+    """Factorizing K×N pays off only for r below K·N/(K+N): then r·(K+N) < K·N parameters."""
+    return k * n / (k + n)
+
+
+def aligned_ranks(k: int, n: int, align: int) -> list[int]:
+    """The multiples of `align` that save parameters on a K×N matrix, largest first."""
+    top = align * math.floor((break_even_rank(k, n) - 1e-9) / align)
+    return list(range(top, 0, -align))
+
+
+def block_aligned_rank(k: int, n: int, keep: float, align: int) -> int:
+    """The rank that keeps a fraction `keep` of W's parameters, rounded to a multiple of `align`.
+
+    r = align · round(keep · K·N / ((K + N) · align))   (NeuronMM §4.1; DESIGN.md §4)
+    """
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    return align * round(keep * k * n / ((k + n) * align))
+
+
+def energy_rank(singular_values: np.ndarray, energy: float, align: int) -> int:
+    """The smallest multiple of `align` whose leading singular values hold `energy` of Σσ²."""
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy}")
+    captured = np.cumsum(np.asarray(singular_values, dtype=np.float64) ** 2)
+    needed = int(np.searchsorted(captured, energy * captured[-1] * (1 - 1e-12))) + 1
+    return min(align * math.ceil(needed / align), len(singular_values))
+
+
 def parameters(k: int, n: int, choice: int | Dense) -> int:
     """Parameters of a K×N layer at a rank, or dense."""
     return k * n if isinstance(choice, Dense) else choice * (k + n)
@@ -41,19 +72,19 @@ def worth_factorizing(rank: int, k: int, n: int, align: int) -> int | Dense:
     """`rank`, or Dense when it rounds to nothing or saves no parameters."""
     if rank == 0:
         return Dense(f"rank rounds to 0 at align {align} (a smaller align keeps a rank)")
-    if rank >= lowrank.break_even_rank(k, n):
-        return Dense(f"rank {rank} saves nothing (break-even {lowrank.break_even_rank(k, n):.0f})")
+    if rank >= break_even_rank(k, n):
+        return Dense(f"rank {rank} saves nothing (break-even {break_even_rank(k, n):.0f})")
     return rank
 
 
-def keep_rank(layer: LinearLayer, keep: float, align: int) -> int | Dense:
+def keep_choice(layer: LinearLayer, keep: float, align: int) -> int | Dense:
     """The block-aligned rank keeping the fraction `keep` of the layer's parameters."""
-    return worth_factorizing(lowrank.block_aligned_rank(layer.k, layer.n, keep, align), layer.k, layer.n, align)
+    return worth_factorizing(block_aligned_rank(layer.k, layer.n, keep, align), layer.k, layer.n, align)
 
 
-def energy_rank(layer: LinearLayer, singular_values: np.ndarray, energy: float, align: int) -> int | Dense:
+def energy_choice(layer: LinearLayer, singular_values: np.ndarray, energy: float, align: int) -> int | Dense:
     """The smallest aligned rank whose leading singular values hold `energy` of Σσ²."""
-    return worth_factorizing(lowrank.energy_rank(singular_values, energy, align), layer.k, layer.n, align)
+    return worth_factorizing(energy_rank(singular_values, energy, align), layer.k, layer.n, align)
 
 
 def explicit_ranks(layers: list[LinearLayer], rank: int | str) -> RankPlan:

@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx_nmm import fisher, lowrank, rank_allocation
 from onnx_nmm.errors import OptionError
 from onnx_nmm.metrics import log_softmax
-from onnx_nmm.rank_plan import Dense, RankPlan, parameters
+from onnx_nmm.rank_plan import Dense, RankPlan, aligned_ranks, parameters
 
 METRICS = ("ppl", "kl")
 
@@ -53,7 +53,7 @@ class Candidate:
 
     def ranks(self, align: int) -> list[int]:
         """Aligned ranks that save parameters, largest first."""
-        return lowrank.aligned_ranks(self.k, self.n, align)
+        return aligned_ranks(self.k, self.n, align)
 
     def reference_ranks(self, align: int) -> list[int]:
         """Where the damage is measured: the middle and the lowest of `ranks(align)`."""

@@ -14,7 +14,7 @@ from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import main
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers, select_layers
-from onnx_nmm.pipeline.statistics import observed_inputs
+from onnx_nmm.calibration_data import observed_inputs
 
 
 def _float_feeds(session, x):

@@ -15,7 +15,7 @@ from onnx_nmm.fisher import collect_fisher_statistics
 from onnx_nmm import Selection
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers, select_layers
-from onnx_nmm.pipeline.statistics import observed_inputs
+from onnx_nmm.calibration_data import observed_inputs
 
 
 def _windows(samples=16, seq_len=64, vocab=1000, seed=0):

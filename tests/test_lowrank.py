@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from onnx_nmm.lowrank import block_aligned_rank, break_even_rank, decompose, energy_rank
+from onnx_nmm.lowrank import decompose
+from onnx_nmm.rank_plan import block_aligned_rank, break_even_rank, energy_rank
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from onnx_nmm.activation_stats import collect_gram_matrices
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers
 from onnx_nmm.pipeline import FactorizeLayers, PlanRanks, RewriteContext
-from onnx_nmm.pipeline.statistics import observed_inputs
+from onnx_nmm.calibration_data import observed_inputs
 from onnx_nmm.sequential import RIDGE, GroupObserver
 
 K, HIDDEN, N, RANK = 24, 32, 20, 6

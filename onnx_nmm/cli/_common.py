@@ -153,7 +153,7 @@ def _rank(text: str) -> int | str:
 
 
 def add_selection_options(parser) -> None:
-    parser.add_argument("--targets", choices=onnx_nmm.passes.TARGETS, default="mlp",
+    parser.add_argument("--targets", choices=onnx_nmm.options.TARGETS, default="mlp",
                         help="which layers to factorize (default mlp, as in the paper)")
     parser.add_argument("--include", metavar="REGEX", help="only layers whose node name or module path matches")
     parser.add_argument("--exclude", metavar="REGEX", help="leave out layers whose node name or module path matches")
@@ -170,7 +170,7 @@ def add_text_options(parser, required: bool) -> None:
     group.add_argument("--text", metavar="FILE", required=required, help="a UTF-8 text file to score")
     group.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file")
     group.add_argument("--window", type=int,
-                       help=f"tokens per window (default {onnx_nmm.evaluation.DEFAULT_WINDOW})")
+                       help=f"tokens per window (default {onnx_nmm.options.DEFAULT_WINDOW})")
     group.add_argument("--stride", type=int, help="tokens between window starts (default: the window, disjoint)")
     group.add_argument("--max-windows", type=int, help="score only the first N windows (default: the whole text)")
 

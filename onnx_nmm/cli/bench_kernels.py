@@ -11,7 +11,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from onnx_nmm.cli import _common
-from onnx_nmm.errors import OptionError
+from onnx_nmm import OptionError
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.kernels import benchmark
 

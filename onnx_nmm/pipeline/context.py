@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from onnx_nmm.activation_stats import GramStatistics
-from onnx_nmm.calibration_data import CalibrationData
-from onnx_nmm.causal_lm import vocabulary_size
-from onnx_nmm.errors import DataError, ModelError
+from onnx_nmm.calibration_data import CalibrationData, TokenWindows
+from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
@@ -33,7 +32,8 @@ class RewriteContext:
 
     def __post_init__(self):
         o = self.options
-        self.calibration = CalibrationData(o.calibration, self._vocabulary) if o.calibration is not None else None
+        if o.calibration is not None:
+            CalibrationData(o.calibration, self.source.model.graph)  # refuse a bad source before any work
         if self.report is None:
             self.report = RewriteReport(rule=o.ranks.describe(), selection=o.selection.describe(),
                                         method=o.factorization.describe() + f", {o.ranks.budget} budget")
@@ -43,11 +43,9 @@ class RewriteContext:
             self.factorizer = Factorizer(self.options.factorization, self.statistics, self.options.ranks.align)
         return self.factorizer
 
-    def _vocabulary(self) -> int:
-        vocabulary = vocabulary_size(self.source.model.graph)
-        if vocabulary is None:
-            raise DataError("cannot tell the vocabulary size for random token ids; calibrate on a text or token ids")
-        return vocabulary
+    def calibration_windows(self, samples: int | None = None) -> TokenWindows:
+        """Windows of the calibration tokens (for sequential calibration and the quality budgets)."""
+        return CalibrationData(self.options.calibration, self.source.model.graph).windows(samples)
 
 
 def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer], list[LinearLayer], dict[str, str]]:

@@ -71,5 +71,5 @@ class FactorizeLayers(RewritePass):
         context = self.context
         if not context.options.sequential or self.observer is not None:
             return self.observer
-        windows = context.calibration.windows()
+        windows = context.calibration_windows()
         return sequential.GroupObserver(context.source, windows.batches(context.options.calibration.batch))

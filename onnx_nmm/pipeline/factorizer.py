@@ -22,6 +22,7 @@ from onnx_nmm.errors import ExecutionError
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer
 from onnx_nmm.pipeline.report import LayerOutcome
+from onnx_nmm.rank_plan import break_even_rank
 
 
 class Factorizer:
@@ -79,7 +80,7 @@ class Factorizer:
         outcome = LayerOutcome.of(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
                                   relative_error=decomposition.relative_error(rank))
         self._measure(outcome, layer, weight, decomposition, u, v, group)
-        if rank >= lowrank.break_even_rank(layer.k, layer.n):
+        if rank >= break_even_rank(layer.k, layer.n):
             outcome.reason = "explicit rank saves nothing"
         outcome.seconds = time.perf_counter() - start
         return outcome, FactorizedLayer(layer=layer, u=u, v=v, align=self.align,

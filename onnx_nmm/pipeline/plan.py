@@ -18,12 +18,12 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import lowrank, rank_allocation, sensitivity
+from onnx_nmm import rank_allocation, sensitivity
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
 from onnx_nmm.pipeline.context import RewritePass, targets
 from onnx_nmm.pipeline.factorizer import Factorizer
-from onnx_nmm.rank_plan import (Dense, RankPlan, energy_rank, explicit_ranks, keep_rank, parameters,
-                                plan_from_report)
+from onnx_nmm.rank_plan import (Dense, RankPlan, aligned_ranks, energy_choice, explicit_ranks, keep_choice,
+                                parameters, plan_from_report)
 
 
 class PlanRanks(RewritePass):
@@ -49,17 +49,17 @@ class PlanRanks(RewritePass):
             with self.context.progress.phase("choosing ranks by energy", total=len(chosen)) as phase:
                 plan = {}
                 for layer in chosen:
-                    plan[layer.name] = energy_rank(layer, factorizer.spectrum(layer).singular_values, ranks.energy,
+                    plan[layer.name] = energy_choice(layer, factorizer.spectrum(layer).singular_values, ranks.energy,
                                                    ranks.align)
                     phase.advance(detail=layer.module_path or layer.name)
                 return plan
-        return {layer.name: keep_rank(layer, ranks.keep, ranks.align) for layer in chosen}
+        return {layer.name: keep_choice(layer, ranks.keep, ranks.align) for layer in chosen}
 
     def _global(self, chosen: list[LinearLayer], factorizer: Factorizer) -> RankPlan:
         """The parameters uniform `keep` would keep, spent where each layer's spectrum says they remove the
         most truncation loss, or with Fisher statistics the most predicted KL."""
         ranks = self.context.options.ranks
-        budget = sum(parameters(layer.k, layer.n, keep_rank(layer, ranks.keep, ranks.align)) for layer in chosen)
+        budget = sum(parameters(layer.k, layer.n, keep_choice(layer, ranks.keep, ranks.align)) for layer in chosen)
         fisher = self.context.options.method == "fisher"
         options, spectra = {}, []
         with self.context.progress.phase("analysing spectra", total=len(chosen)) as phase:
@@ -94,12 +94,12 @@ class PlanRanks(RewritePass):
                      for layer in probe_layers]
         surgery = SvdFactorizationPass(full_rank)
         surgery(probe_model)
-        tokens = context.calibration.windows(samples=ranks.sensitivity_windows).tokens  # chosen like calibration's
+        tokens = context.calibration_windows(ranks.sensitivity_windows).tokens  # chosen like calibration's
         probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, tokens, metric)
         fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)
-                      for layer in chosen if lowrank.aligned_ranks(layer.k, layer.n, ranks.align)]
+                      for layer in chosen if aligned_ranks(layer.k, layer.n, ranks.align)]
         budget = None if ranks.budget == "sensitivity" else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
         to_remove = math.ceil((1 - ranks.keep) * sum(l.parameters for l in chosen)) if budget is None else None
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
