@@ -1,38 +1,51 @@
-"""Block sizes for the kernels, from an analytical model of SBUF capacity and arithmetic intensity.
+"""Block sizes for the kernels, chosen by pricing every candidate plan with the cost model's own formulas.
 
-For each candidate blocking the model counts what the kernel will do — TensorE and ScalarE/VectorE cycles
-per PSUM group, HBM bytes with the DMA efficiency their contiguous runs allow, the loads before the first
-block can start and the compute after the last load — and the SBUF bytes per partition its live tiles
-need (loop-local tiles counted twice: the next one is loaded while the current one is used). A candidate
-that does not fit SBUF (less the compiler's reserve) is out; among the rest the model takes the shortest
-time (compute and DMA overlapped, _Work.seconds), then the fewest HBM bytes, then the least SBUF. Bigger
-blocks raise arithmetic intensity (fewer re-reads of x and the weights) until SBUF runs out — the
-trade-off NeuronMM's Eq. 10/11 describe — and the decision is made per shape and per target, not looked
-up from a table.
+estimate_plan counts what a kernel's loop nest does under a plan — every matmul, transpose, PSUM eviction
+and DMA transfer, with its size and contiguous run — and prices each one with instruction_costs, the
+formulas cost_model applies to a traced kernel. The helpers below follow the kernels' loop nests call for
+call (dense_matmul.output_block, strip_stages, fused_mlp.act_down_strip, tiles), so for any plan the
+estimate's busy time per engine and its HBM bytes are those cost_model finds in the kernel's trace
+(tests/kernels/test_planner_agrees_with_trace.py). Nothing is traced here: kernels plan while NKI builds
+them, on Trainium too, where there is no emulator.
 
-The formulas mirror the loop nests of dense_matmul, strip_stages, fused_xuv and fused_mlp; the emulator
-checks the real footprint of every kernel it runs.
+Two figures are the planner's own. SBUF bytes per partition count every live tile, loop-local ones twice
+(the next is loaded while the current one is used): at least the emulator's peak. The overlapped time is an
+estimate, since cost_model plays the instructions as an event-driven schedule that no closed form
+reproduces: DMA runs ahead of compute through the loop nests, each nest pipelines its own loads and compute
+(_Work.pipelined), and the kernel takes the longest path through the two streams (_overlapped_seconds).
+
+plan_dense, plan_xuv and plan_mlp price every candidate blocking of the shape on the target. A candidate
+that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, then the one
+with the fewest HBM bytes, then the least SBUF. Bigger blocks raise arithmetic intensity (fewer re-reads of
+x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
+made per shape and per target, not looked up from a table.
 """
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
-from onnx_nmm.kernels.hardware import TRN1, TRN2, dma_efficiency, neuron_core
+from onnx_nmm.kernels.hardware import TRN1, TRN2, neuron_core
+from onnx_nmm.kernels.instruction_costs import dma_seconds, elementwise_seconds, takes_psum_port, tensor_engine_seconds
 from onnx_nmm.kernels.nki_api import nisa, nl
-from onnx_nmm.kernels.tiles import PMAX, TILE_M, TILE_N, cdiv, dtype_bytes, k_blocks
+from onnx_nmm.kernels.tiles import PMAX, PSUM_BANK_BYTES, TILE_M, TILE_N, cdiv, dtype_bytes, k_blocks
 
 # nki-library leaves 16 KiB + 264 B of each SBUF partition to the compiler (DMA scratch, reserved locations,
 # transpose identity): MAX_AVAILABLE_SBUF_SIZE = 224*1024 - 16384 - 8 - 256 in
 # nki-library src/nkilib_src/nkilib/core/mlp/mlp_cte/mlp_cte_constants.py.
 SBUF_RESERVE_BYTES = 16384 + 8 + 256
 
-# Compute and DMA overlap as the 4-norm of their times rather than their max: of two plans with the same
-# bottleneck, the one whose other stream has more slack wins.
+# Within a loop nest compute and DMA overlap as the 4-norm of their times rather than their max: of two plans
+# with the same bottleneck, the one whose other stream has more slack wins.
 CONTENTION_NORM = 4
 
 BLOCK_TILES = (1, 2, 4, 8, 16)  # contraction tiles per block
 COLUMN_BLOCKS = (512, 1024, 2048, 4096, 8192)  # output columns per weight block
 ROW_BLOCKS = (128, 256, 512, 1024, 2048)  # rows of x per lhsT block (dense)
 TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached strip / output stripe
+
+KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp")
+ENGINES = ("pe", "act", "dve", "dma")  # the engines the kernels use
 
 
 @dataclass
@@ -59,6 +72,25 @@ class MlpPlan(nl.NKIObject):
     n_block: int  # output columns per Vd block
 
 
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The planner's model of one kernel launch under a plan.
+
+    busy_s and the HBM bytes equal what cost_model finds in the launch's trace; sbuf_bytes is at least the
+    trace's peak; total_s estimates cost_model's overlapped time.
+    """
+
+    busy_s: dict[str, float]  # seconds each engine works (ENGINES); "dma" is the queues' work / their number
+    hbm_read_bytes: int
+    hbm_write_bytes: int
+    sbuf_bytes: int  # per partition
+    total_s: float
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_read_bytes + self.hbm_write_bytes
+
+
 def kernel_core():
     """The NeuronCore the kernel is being built for (trn1 for NeuronCore-v2, else trn2)."""
     return TRN1 if nisa.get_nc_version() == nisa.nc_version.gen2 else TRN2
@@ -66,276 +98,355 @@ def kernel_core():
 
 def plan_dense(M, K, N, dtype, transposed_input=False, target=None):
     """The blocking of dense_matmul (transposed_input=False) or dense_matmul_lhsT for this shape."""
-    core = neuron_core(target) if target is not None else kernel_core()
-    s = dtype_bytes(dtype)
-    best = None
-    for n_block in _clipped(COLUMN_BLOCKS, N):
-        for k_tiles in _clipped(BLOCK_TILES, max(1, K // PMAX)):
-            for m_block in _clipped(ROW_BLOCKS, M):
-                for m_stripe in _clipped(TOKEN_BLOCKS, M):
-                    if m_stripe < m_block or (m_stripe % m_block and m_stripe != M):
-                        continue
-                    plan = DensePlan(m_stripe, m_block, n_block, k_tiles)
-                    best = _better(best, plan, _dense_cost(M, K, N, s, core, plan, transposed_input), 0, core)
-    return _chosen(best, "dense_matmul", (M, K, N))
+    return _fastest("dense_matmul_lhsT" if transposed_input else "dense_matmul", (M, K, N), dtype, target)
 
 
 def plan_xuv(M, K, rank, N, dtype, target=None):
-    """The blocking of fused_xuv: tokens per strip, then the best blocking of each stage for it."""
-    core = neuron_core(target) if target is not None else kernel_core()
-    s = dtype_bytes(dtype)
-    best = None
-    for tokens in _clipped(TOKEN_BLOCKS, M):
-        strip = _tiles(rank) * tokens * s
-        k_tiles = _best_choice(
-            [(k, _project_cost(tokens, K, (rank,), s, core, k)) for k in _clipped(BLOCK_TILES, max(1, K // PMAX))],
-            core, strip, first=True, last=False)
-        n_block = _best_choice([(n, _expand_cost(tokens, rank, N, s, core, n)) for n in _clipped(COLUMN_BLOCKS, N)],
-                               core, strip, first=False, last=True)
-        if k_tiles is None or n_block is None:
-            continue
-        plan = XuvPlan(tokens, k_tiles, n_block)
-        cost = _over_token_blocks(M, tokens, [_xuv_stages(T, K, rank, N, s, core, plan) for T in (tokens, M % tokens)])
-        best = _better(best, plan, cost, strip, core)
-    return _chosen(best, "fused_xuv", (M, K, rank, N))
+    """The blocking of fused_xuv: tokens per strip, contraction tiles of stage 1, V columns of stage 2."""
+    return _fastest("fused_xuv", (M, K, rank, N), dtype, target)
 
 
 def plan_mlp(M, H, intermediate, rank_gate, rank_up, rank_down, dtype, target=None):
-    """The blocking of fused_svd_mlp: tokens per strip, then the best blocking of each step for it."""
+    """The blocking of fused_svd_mlp: tokens per strip, then the blocks of each step."""
+    return _fastest("fused_svd_mlp", (M, H, intermediate, rank_gate, rank_up, rank_down), dtype, target)
+
+
+def candidate_plans(kernel, shape):
+    """Every blocking the planner considers for `kernel` (one of KERNELS) on `shape`, the dimensions plan_*
+    takes: (M, K, N) for the dense kernels, (M, K, rank, N) for fused_xuv, (M, H, I, rg, ru, rd) for
+    fused_svd_mlp."""
+    if kernel == "fused_xuv":
+        M, K, _, N = shape
+        return [XuvPlan(tokens, k, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(K)
+                for n in _clipped(COLUMN_BLOCKS, N)]
+    if kernel == "fused_svd_mlp":
+        M, H, intermediate = shape[:3]
+        return [MlpPlan(tokens, k, i, d, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
+                for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX)) for d in _clipped(BLOCK_TILES, i)
+                for n in _clipped(COLUMN_BLOCKS, H)]
+    _check_kernel(kernel)
+    M, K, N = shape
+    return [DensePlan(stripe, m_block, n, k) for n in _clipped(COLUMN_BLOCKS, N) for k in _contraction_tiles(K)
+            for m_block in _clipped(ROW_BLOCKS, M) for stripe in _clipped(TOKEN_BLOCKS, M)
+            if stripe >= m_block and (stripe % m_block == 0 or stripe == M)]
+
+
+def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
+    """The planner's model of `kernel` (one of KERNELS) run with `plan` on `shape` (see candidate_plans) in
+    `dtype`, on `target` ("trn1", "trn2" or a NeuronCore; by default the one the kernel is being built for)."""
+    _check_kernel(kernel)
     core = neuron_core(target) if target is not None else kernel_core()
     s = dtype_bytes(dtype)
-    best = None
-    for tokens in _clipped(TOKEN_BLOCKS, M):
-        gate_up = (_tiles(rank_gate) + _tiles(rank_up)) * tokens * s
-        down = _tiles(rank_down) * tokens * s
-        k_tiles = _best_choice(
-            [(k, _project_cost(tokens, H, (rank_gate, rank_up), s, core, k))
-             for k in _clipped(BLOCK_TILES, max(1, H // PMAX))],
-            core, gate_up, first=True, last=False)
-        gated = _best_choice(
-            [((i, d), _gated_down_cost(tokens, intermediate, rank_gate, rank_up, rank_down, s, core, i, d))
-             for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX))
-             for d in _clipped(BLOCK_TILES, i)],
-            core, gate_up + down, first=False, last=False)
-        n_block = _best_choice(
-            [(n, _expand_cost(tokens, rank_down, H, s, core, n)) for n in _clipped(COLUMN_BLOCKS, H)], core, down,
-            first=False, last=True)
-        if k_tiles is None or gated is None or n_block is None:
-            continue
-        plan = MlpPlan(tokens, k_tiles, gated[0], gated[1], n_block)
+    if kernel == "fused_xuv":
+        M, K, rank, N = shape
+        return _estimate([
+            (count, [_project_work(tokens, K, (rank,), s, core, plan.k_tiles),
+                     _expand_work(tokens, rank, N, s, core, plan.n_block)])
+            for tokens, count in _spans(M, plan.token_block)
+        ], core)
+    if kernel == "fused_svd_mlp":
+        M, H, intermediate, rank_gate, rank_up, rank_down = shape
         ranks = (rank_gate, rank_up, rank_down)
-        cost = _over_token_blocks(
-            M, tokens, [_mlp_stages(T, H, intermediate, ranks, s, core, plan) for T in (tokens, M % tokens)])
-        best = _better(best, plan, cost, gate_up + down, core)
-    return _chosen(best, "fused_svd_mlp", (M, H, intermediate, rank_gate, rank_up, rank_down))
+        return _estimate([
+            (count, [_project_work(tokens, H, (rank_gate, rank_up), s, core, plan.k_tiles),
+                     _gated_down_work(tokens, intermediate, ranks, s, core, plan.i_tiles, plan.down_tiles),
+                     _expand_work(tokens, rank_down, H, s, core, plan.n_block)])
+            for tokens, count in _spans(M, plan.token_block)
+        ], core)
+    return _estimate([(1, [_dense_work(*shape, s, core, plan, kernel == "dense_matmul_lhsT")])], core)
 
 
-def _xuv_stages(tokens, K, rank, N, s, core, plan):
-    if tokens == 0:
-        return []
-    return [_project_cost(tokens, K, (rank,), s, core, plan.k_tiles), _expand_cost(tokens, rank, N, s, core, plan.n_block)]
-
-
-def _mlp_stages(tokens, H, intermediate, ranks, s, core, plan):
-    if tokens == 0:
-        return []
-    rank_gate, rank_up, rank_down = ranks
-    return [
-        _project_cost(tokens, H, (rank_gate, rank_up), s, core, plan.k_tiles),
-        _gated_down_cost(tokens, intermediate, rank_gate, rank_up, rank_down, s, core, plan.i_tiles, plan.down_tiles),
-        _expand_cost(tokens, rank_down, H, s, core, plan.n_block),
-    ]
-
-
-# -- the work each loop nest does ----------------------------------------------------------------------------
+# -- the instructions each loop nest issues --------------------------------------------------------------------
 class _Work:
-    """Engine time, DMA time, HBM bytes and SBUF bytes per partition of one loop nest.
+    """The instructions one loop nest issues, priced with instruction_costs, and the SBUF its tiles need.
 
-    Work is added per PSUM group: TensorE fills one bank while ScalarE/VectorE empty the previous one
-    (two banks rotate), so a group takes the longer of its matmuls and its eviction — on trn1 ScalarE and
-    VectorE also take turns at PSUM. Those group times add up along the nest.
+    The helpers that fill it price `times` identical calls of a kernel step at once. Instructions come in
+    PSUM groups: TensorE fills one bank while ScalarE/VectorE empty the previous one (two banks rotate), so
+    a group takes the longer of its TensorE work and its eviction; `chain` adds those up along the nest.
     """
 
     def __init__(self, core, s):
         self.core = core
         self.s = s
-        self.pe = self.act = self.dve = 0.0  # seconds per engine
-        self.chain = 0.0  # seconds of the PSUM groups, each at its slowest engine
-        self.dma = 0.0
-        self.hbm = 0
+        self.busy = dict.fromkeys(ENGINES, 0.0)
+        self.chain = 0.0
+        self.hbm_read = self.hbm_write = 0
         self.sbuf = 0
-        self.steps = 1  # blocks the loop nest streams through: compute of the last one follows the last load
-        self.fill = 0.0  # seconds of loads before the first block can be computed
-
-    def group(self, count, pe_cycles, act_cycles=0, dve_cycles=0):
-        """`count` PSUM groups, each `pe_cycles` on TensorE then evicted by ScalarE and/or VectorE."""
-        core = self.core
-        pe, act, dve = pe_cycles / core.pe_hz, act_cycles / core.act_hz, dve_cycles / core.dve_hz
-        evict = act + dve if core.psum_shared_by_act_and_dve else max(act, dve)
-        self.pe += count * pe
-        self.act += count * act
-        self.dve += count * dve
-        self.chain += count * max(pe, evict)
+        self.steps = 1  # blocks the nest streams through, each loaded then computed
 
     def matmuls(self, count, moving):
-        """TensorE cycles of `count` matmuls with this moving free size."""
-        factor = self.core.pe_fp32_factor if self.s == 4 else 1
-        return count * max(moving, self.core.pe_min_cycles) * factor
+        return count * tensor_engine_seconds(self.core, moving, fp32=self.s == 4)
 
-    def transposes(self, count, tokens):
-        factor = self.core.pe_fp32_transpose_factor if self.s == 4 else 1
-        return count * max(tokens, self.core.pe_min_cycles) * factor
+    def transposes(self, count, partitions):
+        return count * tensor_engine_seconds(self.core, partitions, fp32=self.s == 4, transpose=True)
 
-    def elementwise(self, elements, inputs=1):
-        """ScalarE/VectorE cycles of one instruction over `elements` per partition."""
-        small = self.core.short_instruction_overhead_cycles if elements < self.core.partitions else 0
-        return inputs * elements + small
+    def scalar(self, elements):
+        """One ScalarE activation (a copy or SiLU) over `elements` per partition."""
+        return elementwise_seconds(self.core, "act", elements)
+
+    def vector(self, elements):
+        """One VectorE tensor_tensor reading PSUM and SBUF (no performance-mode gain with a PSUM input)."""
+        return elementwise_seconds(self.core, "dve", elements, inputs=2)
 
     def evict(self, elements, first):
-        """(ScalarE, VectorE) cycles to move a contraction block out of PSUM: a copy for the first block,
-        an fp32 add onto the partial sums for the others (tiles.evict_partial_sum)."""
-        return (self.elementwise(elements), 0) if first else (0, self.elementwise(elements, 2))
+        """(ScalarE, VectorE) seconds of tiles.evict_partial_sum: a copy out of PSUM for the first contraction
+        block, an fp32 add onto the partial sums for the others."""
+        return (self.scalar(elements), 0.0) if first else (0.0, self.vector(elements))
 
-    def load(self, nbytes, run_bytes, first_block_bytes=0):
-        seconds_per_byte = 1 / (self.core.dma_bytes_per_s * dma_efficiency(run_bytes))
-        self.dma += nbytes * seconds_per_byte
-        self.fill += first_block_bytes * seconds_per_byte
-        self.hbm += nbytes
+    def group(self, times, pe, act=0.0, dve=0.0):
+        """`times` PSUM groups, each `pe` seconds of TensorE work emptied by `act` and/or `dve` seconds (in
+        turn where ScalarE and VectorE share PSUM's port)."""
+        self.busy["pe"] += times * pe
+        self.busy["act"] += times * act
+        self.busy["dve"] += times * dve
+        evict = act + dve if takes_psum_port(self.core, "act", touches_psum=True) else max(act, dve)
+        self.chain += times * max(pe, evict)
 
-    def x_transposes(self, tokens, K, k_tiles, repeats):
-        """tiles.transpose_tokens over `tokens` rows and all of K, `repeats` times."""
-        per_bank = 2048 // (PMAX * self.s)
-        for _, P, t in k_blocks(K, k_tiles):
-            for T in _sizes(tokens, PMAX):
-                for group in _sizes(t, per_bank):
-                    self.group(repeats, self.transposes(group, T), self.elementwise(group * T))
+    def wait(self, times, seconds):
+        """The PSUM groups stall `seconds`, `times` over: TensorE waits for data another engine is still
+        producing, and the engines emptying PSUM then wait for TensorE."""
+        self.chain += times * seconds
 
-    def seconds(self, first=True, last=True):
-        """Compute waits for the first block's loads (when the nest is the kernel's first: a later one's loads
-        are prefetched during the one before) and the last block's compute follows the last load (when it
-        is the kernel's last). Compute and DMA overlap as a 4-norm rather than a max, since neither stream
-        is perfectly smooth."""
-        compute = max(self.chain, self.pe, self.act, self.dve)
-        times = (compute + (self.fill if first else 0), self.dma + (compute / self.steps if last else 0))
-        return sum(t**CONTENTION_NORM for t in times) ** (1 / CONTENTION_NORM)
+    def load(self, times, nbytes, run_bytes):
+        """`times` DMAs of `nbytes` from HBM, in contiguous runs of `run_bytes`."""
+        self.busy["dma"] += times * dma_seconds(self.core, nbytes, run_bytes)
+        self.hbm_read += times * nbytes
+
+    def store(self, times, nbytes, run_bytes):
+        self.busy["dma"] += times * dma_seconds(self.core, nbytes, run_bytes)
+        self.hbm_write += times * nbytes
+
+    @property
+    def compute(self):
+        """Seconds of compute: the busiest engine, or the PSUM groups one after another if longer."""
+        return max(self.chain, self.busy["pe"], self.busy["act"], self.busy["dve"])
+
+    def pipelined(self):
+        """The nest on its own: compute waits for its first block's loads and its last block's compute follows
+        its last load. The two streams meet as a 4-norm rather than a max, since neither is smooth."""
+        compute, dma = self.compute, self.busy["dma"]
+        streams = (compute + dma / self.steps, dma + compute / self.steps)
+        return sum(t**CONTENTION_NORM for t in streams) ** (1 / CONTENTION_NORM)
 
 
-def _dense_cost(M, K, N, s, core, plan, transposed_input):
+def _estimate(token_blocks, core):
+    """The PlanEstimate of a kernel that runs `count` times each list of loop nests, one nest after another.
+    Its first load and its last store each wait the DMA's fixed latency."""
+    return PlanEstimate(
+        busy_s={engine: sum(count * work.busy[engine] for count, nests in token_blocks for work in nests)
+                for engine in ENGINES},
+        hbm_read_bytes=sum(count * work.hbm_read for count, nests in token_blocks for work in nests),
+        hbm_write_bytes=sum(count * work.hbm_write for count, nests in token_blocks for work in nests),
+        sbuf_bytes=max(work.sbuf for _, nests in token_blocks for work in nests),
+        total_s=2 * core.dma_fixed_latency_s + _overlapped_seconds(token_blocks),
+    )
+
+
+def _overlapped_seconds(token_blocks):
+    """Loads depend on nothing the kernel computes, so DMA runs ahead of compute, and the kernel takes its
+    longest path that follows the DMA stream up to some nest, goes through that nest's pipeline, and follows
+    the compute stream after it (a two-machine flow shop). Along repeats of one token block the longest path
+    keeps to the slower stream."""
+    dma = [sum(work.busy["dma"] for work in nests) for _, nests in token_blocks]
+    compute = [sum(work.compute for work in nests) for _, nests in token_blocks]
+    longest = 0.0
+    for g, (count, nests) in enumerate(token_blocks):
+        before = sum(n * seconds for (n, _), seconds in zip(token_blocks[:g], dma[:g]))
+        after = sum(n * seconds for (n, _), seconds in zip(token_blocks[g + 1 :], compute[g + 1 :]))
+        repeats = (count - 1) * max(dma[g], compute[g])
+        for k, work in enumerate(nests):
+            through = (sum(w.busy["dma"] for w in nests[:k]) + work.pipelined()
+                       + sum(w.compute for w in nests[k + 1 :]))
+            longest = max(longest, before + repeats + through + after)
+    return longest
+
+
+def _dense_work(M, K, N, s, core, plan, transposed_input):
+    """dense_matmul.blocked_matmul: one output block per stripe of rows and block of columns."""
     work = _Work(core, s)
     blocks = k_blocks(K, plan.k_tiles)
+    block_kinds = _kinds([(P, t) for _, P, t in blocks])
+    for rows, stripes in _spans(M, plan.m_stripe):
+        for cols, column_blocks in _spans(N, plan.n_block):
+            _output_block(work, stripes * column_blocks, rows, cols, block_kinds, M, N, plan.m_block, transposed_input)
+    row_blocks = cdiv(min(plan.m_stripe, M), plan.m_block)
+    work.steps = cdiv(M, plan.m_stripe) * cdiv(N, plan.n_block) * len(blocks) * row_blocks
+
     t_max = max(t for _, _, t in blocks)
-    n_block, m_block, m_stripe = min(plan.n_block, N), min(plan.m_block, M), min(plan.m_stripe, M)
-    column_blocks, stripes = cdiv(N, n_block), cdiv(M, m_stripe)
-    m_tiles = len(_sizes(M, TILE_M))
-    for b, (_, _, t) in enumerate(blocks):
-        for nt in _sizes(N, TILE_N):
-            work.group(m_tiles, work.matmuls(t, nt), *work.evict(nt, b == 0))
-    if not transposed_input:
-        work.x_transposes(M, K, plan.k_tiles, column_blocks)
-    x_run = m_block if transposed_input else min(K, t_max * PMAX)
-    work.load(M * K * s * column_blocks, x_run * s, t_max * PMAX * m_block * s)
-    work.load(K * N * s * stripes, n_block * s, t_max * PMAX * n_block * s)
-    work.load(M * N * s, n_block * s)
-    work.steps = stripes * column_blocks * len(blocks)
+    m_stripe, m_block, n_block = min(plan.m_stripe, M), min(plan.m_block, M), min(plan.n_block, N)
     partials = cdiv(m_stripe, TILE_M) * n_block * 4 if len(blocks) > 1 else 0
     x_rows = 0 if transposed_input else 2 * t_max * PMAX * s
     work.sbuf = partials + 2 * t_max * (n_block + m_block) * s + 2 * n_block * s + x_rows
-    return work.seconds(), work.hbm, work.sbuf
+    return work
 
 
-def _project_cost(tokens, K, ranks, s, core, k_tiles):
-    """project_tokens: x^T once per contraction block, then each U's strip (fp32 partials across blocks)."""
+def _output_block(work, times, rows, cols, block_kinds, M, N, m_block, transposed_input):
+    """dense_matmul.output_block: per contraction block the w block, then per row block its x^T block and the
+    matmuls of each 128 x 512 output tile; the last contraction block stores the rows."""
+    s = work.s
+    for (P, t, first, last), count in block_kinds.items():
+        blocks = times * count
+        _load_interleaved_rows(work, blocks, P, t, cols, whole_rows=cols == N)
+        for m_rows, row_blocks in _spans(rows, m_block):
+            _lhsT_block(work, blocks * row_blocks, m_rows, P, t, M, transposed_input)
+            for mt, row_tiles in _spans(m_rows, TILE_M):
+                tiles = blocks * row_blocks * row_tiles
+                for nt, column_tiles in _spans(cols, TILE_N):
+                    work.group(tiles * column_tiles, work.matmuls(t, nt), *work.evict(nt, first))
+                if last:
+                    work.store(tiles, mt * cols * s, cols * s)
+
+
+def _lhsT_block(work, times, rows, P, t, M, transposed_input):
+    """dense_matmul.lhsT_block: x^T loaded as it is, or transposed from x 128 tokens at a time."""
+    if transposed_input:
+        _load_interleaved_rows(work, times, P, t, rows, whole_rows=rows == M)
+    else:
+        _transposed_x(work, times, rows, P, t)
+
+
+# The fused kernels' loop nests are cached: plan_mlp prices thousands of candidates that share them.
+@lru_cache(maxsize=4096)
+def _project_work(tokens, K, ranks, s, core, k_tiles):
+    """strip_stages.project_tokens: per contraction block, x^T (transposed 128 tokens at a time) shared by
+    every U, then each U's block and its matmuls into the strip, in fp32 partial sums across blocks."""
     work = _Work(core, s)
     blocks = k_blocks(K, k_tiles)
+    for (P, t, first, _), count in _kinds([(P, t) for _, P, t in blocks]).items():
+        _transposed_x(work, count, tokens, P, t)
+        for rank in ranks:
+            _load_interleaved_rows(work, count, P, t, rank, whole_rows=True)
+            _accumulate_strip(work, count, rank, t, tokens, first)
+    work.steps = len(blocks) * (1 + len(ranks))
+
     t_max = max(t for _, _, t in blocks)
-    work.x_transposes(tokens, K, k_tiles, 1)
-    work.load(tokens * K * s, min(K, t_max * PMAX) * s, min(tokens, PMAX) * t_max * PMAX * s)
-    for rank in ranks:
-        for b, (_, _, t) in enumerate(blocks):
-            for cw in _sizes(tokens, TILE_N):
-                work.group(_tiles(rank), work.matmuls(t, cw), *work.evict(cw, b == 0))
-        work.load(K * rank * s, t_max * rank * s, t_max * PMAX * rank * s)
-    work.steps = len(blocks)
-    partials = sum(_tiles(rank) for rank in ranks) * tokens * 4 if len(blocks) > 1 else 0
-    work.sbuf = partials + 2 * t_max * tokens * s + 2 * t_max * max(ranks) * s + 2 * t_max * PMAX * s
+    strips = sum(_tiles(rank) for rank in ranks) * tokens
+    partials = strips * 4 if len(blocks) > 1 else 0
+    x_tiles = 2 * t_max * tokens * s + 2 * t_max * PMAX * s  # x^T and the rows it is transposed from
+    work.sbuf = strips * s + partials + x_tiles + 2 * t_max * max(ranks) * s
     return work
 
 
-def _expand_cost(tokens, rank, N, s, core, n_block):
-    """expand_strip: V block by block, every 128-token tile reusing it."""
-    work = _Work(core, s)
-    n_block = min(n_block, N)
-    for nt in _sizes(N, TILE_N):
-        work.group(len(_sizes(tokens, TILE_M)), work.matmuls(_tiles(rank), nt), work.elementwise(nt))
-    work.load(rank * N * s, n_block * s, rank * n_block * s)
-    work.load(tokens * N * s, n_block * s)
-    work.steps = cdiv(N, n_block)
-    work.sbuf = 2 * _tiles(rank) * n_block * s + 2 * n_block * s
-    return work
-
-
-def _gated_down_cost(tokens, intermediate, rank_gate, rank_up, rank_down, s, core, i_tiles, down_tiles):
-    """act_down_strip after the gate/up strips: actᵀ block by block, each feeding the down projection."""
+@lru_cache(maxsize=4096)
+def _gated_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
+    """fused_mlp.act_down_strip after the gate and up strips: per block of I its actᵀ, then the down
+    projection's stage 1 over the block's Ud sub-blocks, in fp32 partial sums across all of them."""
+    rank_gate, rank_up, rank_down = ranks
     work = _Work(core, s)
     blocks = k_blocks(intermediate, i_tiles)
-    i_total = sum(t for _, _, t in blocks)
+    for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
+        _gated_act_T(work, count, P, t, tokens, rank_gate, rank_up)
+    sub_blocks = [(P, min(down_tiles, t - j0)) for _, P, t in blocks for j0 in range(0, t, down_tiles)]
+    for (P, tc, first, _), count in _kinds(sub_blocks).items():
+        work.load(count, P * tc * rank_down * s, tc * rank_down * s)  # tc whole rows of Ud per partition
+        _accumulate_strip(work, count, rank_down, tc, tokens, first)
+    work.steps = 2 * len(blocks) + len(sub_blocks)
+
     t_max = max(t for _, _, t in blocks)
     columns = t_max * PMAX
-    sub_blocks = [tc for _, _, t in blocks for tc in _sizes(t, down_tiles)]
-    for cw in _sizes(tokens, TILE_N):
-        work.group(i_total, work.matmuls(_tiles(rank_gate), cw), work.elementwise(cw))  # SiLU leaving PSUM
-        work.group(i_total, work.matmuls(_tiles(rank_up), cw), 0, work.elementwise(cw, 2))  # times up
-        for step, tc in enumerate(sub_blocks):
-            work.group(_tiles(rank_down), work.matmuls(tc, cw), *work.evict(cw, step == 0))
-    work.load((rank_gate + rank_up) * intermediate * s, min(intermediate, columns) * s,
-              (rank_gate + rank_up) * min(intermediate, columns) * s)
-    work.load(intermediate * rank_down * s, min(t_max, down_tiles) * rank_down * s)
-    work.steps = len(blocks)
+    strips = (_tiles(rank_gate) + _tiles(rank_up) + _tiles(rank_down)) * tokens * s
     down_partial = _tiles(rank_down) * tokens * 4 if len(sub_blocks) > 1 else 0
     act = 2 * t_max * tokens * s + t_max * tokens * 4  # actᵀ (double-buffered) and the fp32 SiLU(gate)
     weights = (_tiles(rank_gate) + _tiles(rank_up)) * columns * s + 2 * min(t_max, down_tiles) * rank_down * s
-    work.sbuf = down_partial + act + weights
+    work.sbuf = strips + down_partial + act + weights
     return work
 
 
+@lru_cache(maxsize=4096)
+def _expand_work(tokens, rank, N, s, core, n_block):
+    """strip_stages.expand_strip: per block of V's columns, the V block, then per 128-token tile the matmuls
+    of each 512-column piece with the strip stationary, and the tile's rows stored."""
+    work = _Work(core, s)
+    for cols, column_blocks in _spans(N, n_block):
+        _load_row_tiles(work, column_blocks, rank, cols)
+        for T, token_tiles in _spans(tokens, TILE_M):
+            for nt, pieces in _spans(cols, TILE_N):
+                work.group(column_blocks * token_tiles * pieces, work.matmuls(_tiles(rank), nt), work.scalar(nt))
+            work.store(column_blocks * token_tiles, T * cols * s, cols * s)
+    work.steps = cdiv(N, n_block) * cdiv(tokens, TILE_M)
+
+    n_block = min(n_block, N)
+    work.sbuf = _tiles(rank) * tokens * s + 2 * _tiles(rank) * n_block * s + 2 * n_block * s
+    return work
+
+
+def _gated_act_T(work, times, P, t, tokens, rank_gate, rank_up):
+    """fused_mlp.gated_act_T: the Vg block, then per I tile and 512-token piece the gate's matmuls with SiLU
+    on ScalarE as they leave PSUM; the Vu block, then the up's matmuls times SiLU(gate) on VectorE."""
+    _load_row_tiles(work, times, rank_gate, P * t)
+    for cw, pieces in _spans(tokens, TILE_N):
+        work.group(times * t * pieces, work.matmuls(_tiles(rank_gate), cw), act=work.scalar(cw))
+    _load_row_tiles(work, times, rank_up, P * t)
+    for cw, pieces in _spans(tokens, TILE_N):
+        work.group(times * t * pieces, work.matmuls(_tiles(rank_up), cw), dve=work.vector(cw))
+
+
+def _accumulate_strip(work, times, rank, t, tokens, first):
+    """strip_stages.accumulate_strip: per rank tile and 512-token piece, t matmuls into one PSUM bank."""
+    for cw, pieces in _spans(tokens, TILE_N):
+        work.group(times * _tiles(rank) * pieces, work.matmuls(t, cw), *work.evict(cw, first))
+
+
+def _transposed_x(work, times, tokens, P, t):
+    """x^T of one contraction block for `tokens` rows, 128 at a time. The first matmul that uses it waits
+    for ScalarE's copy of the last PSUM bank of transposes."""
+    for T, chunks in _spans(tokens, PMAX):
+        _transpose_tokens(work, times * chunks, T, P, t)
+    last_bank = t % _transposes_per_bank(work.s) or _transposes_per_bank(work.s)
+    work.wait(times, work.scalar(last_bank * (tokens % PMAX or PMAX)))
+
+
+def _transpose_tokens(work, times, tokens, P, t):
+    """tiles.transpose_tokens: one DMA of the rows, TensorE transposes several to a PSUM bank, ScalarE copies
+    each bank out."""
+    s = work.s
+    work.load(times, tokens * P * t * s, P * t * s)
+    for group, banks in _spans(t, _transposes_per_bank(s)):
+        work.group(times * banks, work.transposes(group, tokens), act=work.scalar(group * tokens))
+
+
+def _transposes_per_bank(s):
+    return PSUM_BANK_BYTES // (PMAX * s)
+
+
+def _load_interleaved_rows(work, times, P, t, cols, whole_rows):
+    """tiles.load_interleaved_rows: one DMA of t whole rows per partition, or one per tile of part rows."""
+    s = work.s
+    if whole_rows:
+        work.load(times, P * t * cols * s, t * cols * s)
+    else:
+        work.load(times * t, P * cols * s, cols * s)
+
+
+def _load_row_tiles(work, times, rows, cols):
+    """tiles.load_row_tiles: one DMA per 128-row tile."""
+    for partitions, tiles in _spans(rows, PMAX):
+        work.load(times * tiles, partitions * cols * work.s, cols * work.s)
+
+
 # -- choosing ----------------------------------------------------------------------------------------------
-def _best_choice(options, core, persistent, first, last):
-    """The choice whose work fits next to `persistent` bytes with the best (time, HBM bytes, SBUF);
-    `first`/`last` say whether the nest starts or ends the kernel (see _Work.seconds)."""
-    best = None
-    for choice, work in options:
-        if persistent + work.sbuf > core.sbuf_partition_bytes - SBUF_RESERVE_BYTES:
-            continue
-        key = (work.seconds(first, last), work.hbm, work.sbuf)
-        if best is None or key < best[1]:
-            best = (choice, key)
-    return None if best is None else best[0]
-
-
-def _over_token_blocks(M, tokens, stage_lists):
-    """(seconds, HBM bytes, SBUF bytes) of M // tokens full token blocks and one remainder block."""
-    full, remainder = stage_lists
-    seconds = _stage_seconds(full) * (M // tokens) + _stage_seconds(remainder)
-    hbm = sum(stage.hbm for stage in full) * (M // tokens) + sum(stage.hbm for stage in remainder)
-    return seconds, hbm, max(stage.sbuf for stage in full)
-
-
-def _stage_seconds(stages):
-    return sum(stage.seconds(i == 0, i == len(stages) - 1) for i, stage in enumerate(stages))
-
-
-def _better(best, plan, cost, persistent, core):
-    seconds, hbm, sbuf = cost
-    if persistent + sbuf > core.sbuf_partition_bytes - SBUF_RESERVE_BYTES:
-        return best
-    key = (seconds, hbm, persistent + sbuf)
-    return (plan, key) if best is None or key < best[1] else best
-
-
-def _chosen(best, kernel, shape):
+def _fastest(kernel, shape, dtype, target):
+    """The candidate plan that fits SBUF with the best (time, HBM bytes, SBUF bytes)."""
+    core = neuron_core(target) if target is not None else kernel_core()
+    budget = core.sbuf_partition_bytes - SBUF_RESERVE_BYTES
+    best, best_key = None, None
+    for plan in candidate_plans(kernel, shape):
+        estimate = estimate_plan(kernel, shape, plan, dtype, core)
+        key = (estimate.total_s, estimate.hbm_bytes, estimate.sbuf_bytes)
+        if estimate.sbuf_bytes <= budget and (best is None or key < best_key):
+            best, best_key = plan, key
     if best is None:
         raise ValueError(f"{kernel}: no blocking of shape {shape} fits SBUF; reduce the rank or split the layer")
-    return best[0]
+    return best
+
+
+def _check_kernel(kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; the planner knows {', '.join(KERNELS)}")
+
+
+def _contraction_tiles(rows):
+    return _clipped(BLOCK_TILES, max(1, rows // PMAX))
 
 
 def _clipped(candidates, limit):
@@ -343,9 +454,14 @@ def _clipped(candidates, limit):
     return sorted({min(c, limit) for c in candidates})
 
 
-def _sizes(n, tile):
-    """Sizes of the tiles covering n: full tiles, then the remainder."""
-    return [tile] * (n // tile) + ([n % tile] if n % tile else [])
+def _spans(n, step):
+    """The pieces range(0, n, step) cuts n into, as (size, how many): full pieces, then the remainder."""
+    return [(size, count) for size, count in ((step, n // step), (n % step, 1)) if size and count]
+
+
+def _kinds(steps):
+    """A sequence of steps as {(*step, is first, is last): how many}: identical steps are priced once."""
+    return Counter((*step, i == 0, i == len(steps) - 1) for i, step in enumerate(steps))
 
 
 def _tiles(rank):

@@ -7,15 +7,10 @@ engines. Each compute engine runs its instructions in program order, as its inst
 hardware; DMA transfers are served first come, first served in the order they become ready, because the
 compiler hoists DMA triggers that depend on nothing (a weight load is not held up behind a store).
 
-Costs per instruction:
-- TensorE: max(moving free size, 64) cycles per nc_matmul at the engine clock, 4x for FP32 inputs; a
-  transpose is a matmul against an identity whose free size is the input's partition count.
-- ScalarE / VectorE / GpSimd: about N cycles per input tile of N elements per partition (2N for two
-  inputs), +100 cycles when N < 128; trn2's VectorE performance mode divides the time by 2 or 4 where the
-  operands qualify; on trn1 ScalarE and VectorE take turns to access PSUM.
-- DMA: 16 queues; a transfer over P partitions is split over ceil(P/8) of them (each engine serves 8
-  partitions); each piece moves its bytes at the per-engine rate times the efficiency for its contiguous
-  bytes per descriptor (hardware.dma_efficiency), no earlier than ~1.3 us after it becomes ready.
+Each instruction takes the time instruction_costs' formulas give it (the block planner prices its plans
+with the same ones). A DMA transfer over P partitions is split over ceil(P/8) of the 16 queues (each engine
+serves 8 partitions) and starts no earlier than ~1.3 us after it becomes ready; on trn1 ScalarE and VectorE
+take turns to access PSUM.
 
 The result is a model, not a measurement: the parameters are AWS's published numbers (hardware.py), one
 calibration anchor checks the whole (docs/kernels.md), and there is no per-kernel correction anywhere.
@@ -28,7 +23,13 @@ import heapq
 from dataclasses import dataclass, field
 
 from onnx_nmm.kernels.emulator.trace import ENGINES, Instruction, KernelTrace
-from onnx_nmm.kernels.hardware import NeuronCore, dma_efficiency, neuron_core
+from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
+from onnx_nmm.kernels.instruction_costs import (
+    dma_seconds,
+    elementwise_seconds,
+    takes_psum_port,
+    tensor_engine_seconds,
+)
 
 COMPUTE_ENGINES = ("pe", "act", "dve", "pool")
 
@@ -109,12 +110,12 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
             start, end = _transfer(ins, core, at, queue_free, busy)
         else:
             start = at
-            takes_psum_port = ins.psum and core.psum_shared_by_act_and_dve and ins.engine in ("act", "dve")
-            if takes_psum_port:
+            waits_for_psum = takes_psum_port(core, ins.engine, ins.psum)
+            if waits_for_psum:
                 start = max(start, psum_port_free)
             end = start + _compute_seconds(ins, core)
             busy[ins.engine] += end - start
-            if takes_psum_port:
+            if waits_for_psum:
                 psum_port_free = end
         times[i] = (at, start, end)
         for j in successors[i]:
@@ -147,29 +148,23 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
 
 def _compute_seconds(ins: Instruction, core: NeuronCore) -> float:
     if ins.engine == "pe":
-        factor = core.pe_fp32_transpose_factor if ins.transpose else core.pe_fp32_factor
-        return max(ins.size, core.pe_min_cycles) * (factor if ins.fp32 else 1) / core.pe_hz
-    work = max(1, ins.inputs) * ins.size
-    if ins.engine == "dve" and core.vector_perf_mode:
-        work /= ins.vector_gain
-    if ins.size < core.partitions:
-        work += core.short_instruction_overhead_cycles
-    hz = {"act": core.act_hz, "dve": core.dve_hz, "pool": core.pool_hz}[ins.engine]
-    return work / hz
+        return tensor_engine_seconds(core, ins.size, ins.fp32, ins.transpose)
+    return elementwise_seconds(core, ins.engine, ins.size, ins.inputs, ins.vector_gain)
 
 
 def _transfer(ins: Instruction, core: NeuronCore, ready: float, queue_free: list[float], busy: dict):
     """Split a DMA over the queues that free up first; returns (first start, last end)."""
     partitions_per_engine = core.partitions // core.dma_engines
     pieces = min(core.dma_engines, max(1, -(-ins.partitions // partitions_per_engine)))
-    duration = ins.size / pieces / (core.dma_engine_bytes_per_s * dma_efficiency(ins.run_bytes))
+    busy_s = dma_seconds(core, ins.size, ins.run_bytes)  # the queues' work over all of them
+    duration = busy_s * core.dma_engines / pieces
     earliest = ready + core.dma_fixed_latency_s
     first, last = float("inf"), 0.0
     for queue in heapq.nsmallest(pieces, range(core.dma_engines), key=queue_free.__getitem__):
         start = max(queue_free[queue], earliest)
         queue_free[queue] = start + duration
         first, last = min(first, start), max(last, start + duration)
-    busy["dma"] += duration * pieces / core.dma_engines
+    busy["dma"] += busy_s
     return first, last
 
 

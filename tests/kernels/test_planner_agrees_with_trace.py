@@ -1,0 +1,116 @@
+"""One cost model: the block planner's estimate of a plan is what the trace-based model finds for the kernel
+run with that plan."""
+
+import pytest
+
+from onnx_nmm.kernels import dense_matmul, dense_matmul_lhsT, fused_svd_mlp, fused_xuv
+from onnx_nmm.kernels.blocking import (
+    ENGINES,
+    SBUF_RESERVE_BYTES,
+    candidate_plans,
+    estimate_plan,
+    plan_dense,
+    plan_mlp,
+    plan_xuv,
+)
+from onnx_nmm.kernels.hardware import neuron_core
+from onnx_nmm.kernels.runner import estimate
+
+KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
+                    "fused_svd_mlp": fused_svd_mlp}
+
+# (kernel, the planner's dimensions, dtype, target). M from 1 to 2048, most not a multiple of the token block;
+# K, N, I and the ranks mostly not multiples of 128 or 512.
+CASES = [
+    ("fused_xuv", (1, 1000, 200, 700), "bfloat16", "trn2"),
+    ("fused_xuv", (300, 1000, 200, 700), "float32", "trn1"),
+    ("fused_xuv", (700, 576, 256, 1536), "bfloat16", "trn1"),
+    ("fused_xuv", (2048, 576, 256, 1536), "bfloat16", "trn2"),
+    ("fused_xuv", (129, 2048, 1280, 8192), "bfloat16", "trn1"),  # Llama-3.2-1B's gate projection
+    ("fused_svd_mlp", (1, 640, 1000, 200, 256, 136), "bfloat16", "trn1"),
+    ("fused_svd_mlp", (300, 640, 1000, 200, 256, 136), "float32", "trn2"),
+    ("fused_svd_mlp", (700, 1000, 2100, 300, 300, 300), "bfloat16", "trn2"),
+    ("fused_svd_mlp", (129, 2048, 8192, 1280, 1280, 1280), "bfloat16", "trn1"),  # Llama-3.2-1B's MLP
+    ("dense_matmul", (1, 1000, 700), "float32", "trn2"),
+    ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1"),
+    ("dense_matmul", (700, 300, 9000), "bfloat16", "trn2"),
+    ("dense_matmul", (33, 2048, 700), "float32", "trn1"),
+    ("dense_matmul_lhsT", (1, 1000, 700), "bfloat16", "trn1"),
+    ("dense_matmul_lhsT", (300, 1000, 700), "float32", "trn1"),
+    ("dense_matmul_lhsT", (2048, 1000, 1536), "bfloat16", "trn2"),
+]
+
+# cost_model plays the trace as an event-driven schedule (dependencies through reused SBUF addresses, DMA
+# queues served in the order transfers become ready, each transfer's fixed latency); the planner can only
+# approximate that overlap in closed form, so the totals agree loosely (17 % apart at worst over these cases)
+# while everything additive is exact.
+TOTAL_TOLERANCE = 0.30
+
+
+def planned(kernel, shape, dtype, target):
+    if kernel == "fused_xuv":
+        return plan_xuv(*shape, dtype, target=target)
+    if kernel == "fused_svd_mlp":
+        return plan_mlp(*shape, dtype, target=target)
+    return plan_dense(*shape, dtype, transposed_input=kernel == "dense_matmul_lhsT", target=target)
+
+
+def fitting_candidates(kernel, shape, dtype, target):
+    budget = neuron_core(target).sbuf_partition_bytes - SBUF_RESERVE_BYTES
+    return [plan for plan in candidate_plans(kernel, shape)
+            if estimate_plan(kernel, shape, plan, dtype, target).sbuf_bytes <= budget]
+
+
+def plans_to_check(kernel, shape, dtype, target):
+    """The planner's choice and three candidates it did not choose: the smallest blocks (remainders in every
+    dimension), a middle one and the largest."""
+    chosen = planned(kernel, shape, dtype, target)
+    others = [plan for plan in fitting_candidates(kernel, shape, dtype, target) if plan != chosen]
+    picks = [others[0], others[len(others) // 2], others[-1]] if others else []
+    return [chosen] + [plan for i, plan in enumerate(picks) if plan not in picks[:i]]
+
+
+def input_shapes(kernel, shape):
+    if kernel == "fused_xuv":
+        M, K, rank, N = shape
+        return (M, K), (K, rank), (rank, N)
+    if kernel == "fused_svd_mlp":
+        M, H, intermediate, rank_gate, rank_up, rank_down = shape
+        return ((M, H), (H, rank_gate), (rank_gate, intermediate), (H, rank_up), (rank_up, intermediate),
+                (intermediate, rank_down), (rank_down, H))
+    M, K, N = shape
+    return ((K, M) if kernel == "dense_matmul_lhsT" else (M, K)), (K, N)
+
+
+def traced(kernel, shape, plan, dtype, target):
+    return estimate(KERNEL_FUNCTIONS[kernel], *input_shapes(kernel, shape), dtype=dtype, target=target, plan=plan)
+
+
+@pytest.mark.parametrize(("kernel", "shape", "dtype", "target"), CASES)
+def test_the_planners_estimate_of_a_plan_is_the_traced_cost_of_the_kernel_run_with_it(kernel, shape, dtype, target):
+    for plan in plans_to_check(kernel, shape, dtype, target):
+        planner = estimate_plan(kernel, shape, plan, dtype, target)
+        trace = traced(kernel, shape, plan, dtype, target)
+        for engine in ENGINES:
+            assert planner.busy_s[engine] == pytest.approx(trace.busy_s[engine], rel=1e-9, abs=1e-15), (plan, engine)
+        assert planner.hbm_read_bytes == trace.hbm_read_bytes, plan
+        assert planner.hbm_write_bytes == trace.hbm_write_bytes, plan
+        assert planner.sbuf_bytes >= trace.sbuf_peak_bytes, plan
+        assert planner.total_s == pytest.approx(trace.total_s, rel=TOTAL_TOLERANCE), plan
+
+
+@pytest.mark.parametrize(("kernel", "shape", "dtype", "target"), CASES)
+def test_the_planner_picks_the_candidate_it_estimates_fastest(kernel, shape, dtype, target):
+    chosen = estimate_plan(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
+    assert chosen == min(estimate_plan(kernel, shape, plan, dtype, target).total_s
+                         for plan in fitting_candidates(kernel, shape, dtype, target))
+
+
+@pytest.mark.parametrize(("kernel", "shape", "dtype", "target"),
+                         [("fused_xuv", (300, 1000, 200, 700), "float32", "trn2"),
+                          ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1")])
+def test_the_planners_choice_is_close_to_the_best_candidate_traced(kernel, shape, dtype, target):
+    """A loose check of the choice; tools/planner_check.py measures it on larger shapes."""
+    times = [traced(kernel, shape, plan, dtype, target).total_s for plan in fitting_candidates(kernel, shape, dtype, target)]
+    chosen = traced(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
+    assert chosen <= 1.10 * min(times)
