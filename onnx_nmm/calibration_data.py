@@ -156,6 +156,14 @@ def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: s
     return text_tokens(source, load_tokenizer(tokenizer))
 
 
+def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, model: str) -> None:
+    """Refuse token ids the model cannot embed, before onnxruntime prints its own complaint: a text
+    tokenized with another model's tokenizer."""
+    if tokens.size and (tokens.min() < 0 or (vocabulary is not None and tokens.max() >= vocabulary)):
+        raise DataError(f"{source} holds token ids in [{tokens.min()}, {tokens.max()}], outside {model}'s vocabulary "
+                        f"of {vocabulary}: tokenize with the model's own tokenizer")
+
+
 def _is_text(source) -> bool:
     return not isinstance(source, np.ndarray) and str(source) != RANDOM_CALIBRATION and not str(source).endswith(".npz")
 
@@ -218,8 +226,10 @@ class CalibrationData:
                               "{source} a text or token ids, and the statistics as {statistics}",
                               source="calibration.source", statistics="calibration.statistics")
         o = self.options
-        return token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
-                             self._vocabulary, tokenizer_option="calibration.tokenizer")
+        windows = token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
+                                self._vocabulary, tokenizer_option="calibration.tokenizer")
+        check_token_ids(windows.tokens, vocabulary_size(self.graph), windows.description.split(":")[0], "the model")
+        return windows
 
     def _vocabulary(self) -> int:
         vocabulary = vocabulary_size(self.graph)

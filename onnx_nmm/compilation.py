@@ -68,11 +68,9 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
                           "replace it", output="output", overwrite="overwrite")
     source = ModelSource.of(model)
-    fused = []
+    fusion = FuseGatedMlpPass()
     if options.fuse_mlp:
-        fusion = FuseGatedMlpPass()
         fusion(source.model)
-        fused = fusion.fused
     proto = ir.to_proto(source.model)
     onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
 
@@ -93,7 +91,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         "model": source.label, "target": options.target, "batch": options.batch, "seq_len": options.seq_len,
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
-        "fused_mlps": fused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
+        "fused_mlps": fusion.fused, "unfused_mlps": fusion.unfused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run,
     }
     with _staged_folder(output) as folder:

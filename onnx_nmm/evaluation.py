@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_nmm.backend_runner import Model, ModelRunner
-from onnx_nmm.calibration_data import read_tokens
-from onnx_nmm.errors import DataError
+from onnx_nmm.calibration_data import check_token_ids, read_tokens
 from onnx_nmm.options import DEFAULT_WINDOW
 from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.progress import Progress
@@ -43,13 +42,6 @@ class TextOptions:
         if isinstance(self.text, np.ndarray):
             return np.asarray(self.text, dtype=np.int64).reshape(-1)
         return read_tokens(self.text, self.tokenizer)
-
-
-def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, model: str) -> None:
-    """Refuse token ids the model cannot embed, before onnxruntime prints its own complaint."""
-    if tokens.size and (tokens.min() < 0 or (vocabulary is not None and tokens.max() >= vocabulary)):
-        raise DataError(f"{source} holds token ids in [{tokens.min()}, {tokens.max()}], outside {model}'s vocabulary "
-                        f"of {vocabulary}: tokenize with the model's own tokenizer")
 
 
 @dataclass

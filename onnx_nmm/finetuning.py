@@ -21,10 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.backend_runner import Model, ModelRunner
-from onnx_nmm.calibration_data import TokenWindows, token_windows
+from onnx_nmm.calibration_data import TokenWindows, check_token_ids, token_windows
 from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import ModelError, OptionError
-from onnx_nmm.evaluation import TextOptions, check_token_ids
+from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.model_io import PROTOBUF_LIMIT, check_model_file, check_output_path, save_model, weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.svd_ops import DOMAIN

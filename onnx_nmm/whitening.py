@@ -128,6 +128,19 @@ def _weighted(weight: np.ndarray, gram: np.ndarray,
     return whitened, output_factor, conditioning
 
 
+def deficiency(gram: np.ndarray, tokens: int) -> str:
+    """Why a Gram matrix XᵀX over `tokens` rows needed damping, in terms a user can act on."""
+    diagonal = np.diag(gram)
+    dead = int(np.sum(diagonal <= 1e-12 * max(float(diagonal.max()), 1e-300)))
+    width = len(gram)
+    if dead:
+        return (f"{dead} of {width} input channels are zero on all calibration tokens (dead features; the damping "
+                "keeps them harmless)")
+    if tokens < width:
+        return f"{tokens} calibration tokens for {width} input channels: calibrate on more tokens"
+    return "some input channels are (nearly) linear combinations of others on the calibration data"
+
+
 def whitened_decomposition(weight: np.ndarray, gram: np.ndarray, method: str = "exact",
                            rank_hint: int | None = None, power_iterations: int = 2, oversample: int = 64,
                            seed: int = 0, output_gram: np.ndarray | None = None) -> WhitenedDecomposition:

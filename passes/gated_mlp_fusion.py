@@ -31,25 +31,93 @@ class _GatedMlp:
 
 
 class FuseGatedMlpPass(ir.passes.InPlacePass):
-    """Replace each SiLU-gated triple of SvdMatMul nodes by one SvdGatedMLP. `fused` lists their names."""
+    """Replace each SiLU-gated triple of SvdMatMul nodes by one SvdGatedMLP. `fused` lists their names;
+    `unfused` says, for every MLP output projection left alone, why."""
 
     def __init__(self):
         super().__init__()
         self.fused: list[str] = []
+        self.unfused: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.fused = []
-        for down in [node for node in graph if _is_plain_svd_matmul(node)]:
-            mlp = _match(down, graph)
+        self.fused, self.unfused = [], {}
+        for down in [node for node in graph if _is_mlp_output_projection(node)]:
+            mlp = _match(down, graph) if _is_plain_svd_matmul(down) else None
             if mlp is not None:
                 self.fused.append(_replace(model, mlp))
+            else:
+                self.unfused[roles.module_path(down) or down.name] = _why_not_fused(down, graph)
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
 
 def _is_plain_svd_matmul(node: ir.Node | None) -> bool:
     return (node is not None and node.domain == svd_ops.DOMAIN and node.op_type == svd_ops.SVD_MATMUL
             and node.overload == "" and len(node.inputs) == 3)
+
+
+def _is_mlp_output_projection(node: ir.Node) -> bool:
+    """A down (or fc2) projection by its module path, factorized or not."""
+    if node.op_type not in ("MatMul", "Gemm", svd_ops.SVD_MATMUL):
+        return False
+    named = roles.classify(roles.module_path(node))
+    return named is not None and named[0] == roles.MLP and named[1] in ("down", "fc2")
+
+
+def _why_not_fused(down: ir.Node, graph: ir.Graph) -> str:
+    """Why an MLP's output projection was not fused, in the terms of what the graph shows."""
+    product = _through_shape_ops(down.inputs[0].producer())
+    if product is None or product.op_type != "Mul":
+        found = product.op_type if product is not None else "a graph input"
+        return f"not gated: {found} feeds the down projection (fusion needs act(gate) · up)"
+    if len(_projections_upstream(product)) == 1:
+        return "not gated: one projection feeds the down projection, through an activation"
+    branches = [value.producer() for value in product.inputs]
+    activated = [branch for branch in branches if branch is not None and branch.op_type not in _PROJECTIONS]
+    if len(activated) != 1:
+        return "the down projection's input is not act(gate) · up"
+    activation = activated[0]
+    if _silu_gate(activation) is None:
+        return f"gated by {activation.op_type}; only SiLU (x · Sigmoid(x)) is fused"
+    up = next(branch for branch in branches if branch is not activation)
+    if not all(_is_plain_svd_matmul(node) for node in (_silu_gate(activation), up, down)):
+        return "its gate, up or down projection is not factorized (or has a bias)"
+    return "an intermediate value has another reader"
+
+
+def _projections_upstream(node: ir.Node, hops: int = 8) -> list[ir.Node]:
+    """The linear projections within `hops` nodes upstream of `node`, through anything else."""
+    found, frontier, seen = [], [node], {id(node)}
+    for _ in range(hops):
+        producers = [value.producer() for current in frontier for value in current.inputs if value is not None]
+        frontier = []
+        for producer in producers:
+            if producer is None or id(producer) in seen:
+                continue
+            seen.add(id(producer))
+            (found if producer.op_type in _PROJECTIONS else frontier).append(producer)
+    return found
+
+
+def _through_shape_ops(node: ir.Node | None) -> ir.Node | None:
+    """The first producer upstream of `node` that does more than reshape or cast its input."""
+    while node is not None and node.op_type in ("Reshape", "Flatten", "Identity", "Cast", "Squeeze", "Unsqueeze"):
+        node = node.inputs[0].producer()
+    return node
+
+
+_PROJECTIONS = ("MatMul", "Gemm", svd_ops.SVD_MATMUL)
+
+
+def _silu_gate(silu: ir.Node) -> ir.Node | None:
+    """The node g feeding silu = Mul(g, Sigmoid(g)), whatever it is, or None when `silu` is no SiLU."""
+    if silu.op_type != "Mul":
+        return None
+    for g, s in (silu.inputs, silu.inputs[::-1]):
+        sigmoid = s.producer() if s is not None else None
+        if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.inputs[0] is g:
+            return g.producer()
+    return None
 
 
 def _only_reader(value: ir.Value, graph: ir.Graph) -> ir.Node | None:

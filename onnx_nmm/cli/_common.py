@@ -77,6 +77,10 @@ def millions(number: int | float) -> str:
     return f"{number / 1e6:.2f}M"
 
 
+def megabytes(number: int) -> str:
+    return f"{number / 1e6:,.1f} MB"
+
+
 def count(number: int, noun: str) -> str:
     """"1 layer", "6 layers"."""
     return f"{number} {noun}{'' if number == 1 else 's'}"

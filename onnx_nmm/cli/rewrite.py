@@ -149,15 +149,15 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
     _common.stdout.print(table)
     conditioned = [layer for layer in report.factorized if layer.conditioning not in ("", "cholesky")]
     if conditioned:
-        _common.stdout.print(f"XᵀX was singular or ill-conditioned for {len(conditioned)} layer(s) "
+        _common.stdout.print(f"XᵀX was singular or ill-conditioned for {_common.count(len(conditioned), 'layer')} "
                              f"({', '.join(layer.module_path or layer.name for layer in conditioned[:5])}"
-                             f"{', …' if len(conditioned) > 5 else ''}): see the note column; more calibration "
-                             "tokens than the layer's input width avoid it")
+                             f"{', …' if len(conditioned) > 5 else ''}): it was damped, and the note column says why")
     totals = report.totals()
     skipped = totals["layers_found"] - sum(1 for layer in report.layers if layer.status != "skipped")
     _common.stdout.print(
         f"{_common.count(totals['layers_factorized'], 'layer')} factorized, {skipped} left alone (not targeted); "
         f"targeted parameters {_common.millions(totals['parameters_before'])} → "
-        f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept)"
+        f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept), the model's weights "
+        f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"
         + (f"; {len(report.fused_mlps)} gated MLPs fused into SvdGatedMLP" if report.fused_mlps else "")
         + f". Wrote {output}")

@@ -9,10 +9,13 @@ Each pass is a model → model unit (the first two only read the model); `rewrit
 from __future__ import annotations
 
 import os
+import warnings
+from collections import Counter
 
 import onnx
 import onnx_ir as ir
 
+from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FuseGatedMlpPass
@@ -32,7 +35,11 @@ class FuseMlps(RewritePass):
     def run(self, model: ir.Model) -> bool:
         fusion = FuseGatedMlpPass()
         result = fusion(model)
-        self.context.report.fused_mlps = fusion.fused
+        self.context.report.fused_mlps, self.context.report.unfused_mlps = fusion.fused, fusion.unfused
+        if not fusion.fused:
+            reasons = Counter(fusion.unfused.values())
+            said = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common()) or "no MLP found"
+            warnings.warn(f"no MLP could be fused: {said}", stacklevel=2)
         return result.modified
 
 
@@ -50,10 +57,12 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     """
     source = ModelSource.of(model)
     context = RewriteContext(options or RewriteOptions(), source, progress or Progress())
+    context.report.weight_bytes_before = weight_bytes(source.model)
     try:
         ir.passes.Sequential(*rewrite_passes(context))(source.model)
     except ir.passes.PassError as error:
         raise _root_cause(error) from None
+    context.report.weight_bytes_after = weight_bytes(source.model)
     return RewriteResult(source.model, context.report, source.path, source.used_external_data)
 
 

@@ -80,7 +80,10 @@ class Factorizer:
         outcome = LayerOutcome.of(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
                                   relative_error=decomposition.relative_error(rank))
         self._measure(outcome, layer, weight, decomposition, u, v, group)
-        if rank >= break_even_rank(layer.k, layer.n):
+        if layer.shared_with:  # a tied embedding keeps reading W: it stays, beside its factors
+            outcome.parameters_after += layer.parameters
+            outcome.reason = f"its weight stays for {', '.join(layer.shared_with)}"
+        elif rank >= break_even_rank(layer.k, layer.n):
             outcome.reason = "explicit rank saves nothing"
         outcome.seconds = time.perf_counter() - start
         return outcome, FactorizedLayer(layer=layer, u=u, v=v, align=self.align,
@@ -97,6 +100,9 @@ class Factorizer:
         elif isinstance(decomposition, whitening.WhitenedDecomposition):
             outcome.whitened_loss = decomposition.whitened_loss(rank)
             outcome.conditioning = decomposition.conditioning
+            if decomposition.conditioning != "cholesky":
+                cause = whitening.deficiency(self.statistics.gram(layer.x.name), self.statistics.tokens)
+                outcome.conditioning += f" ({cause})"
             if decomposition.two_sided:
                 outcome.predicted_kl = self.predicted_kl(decomposition, rank)
         if isinstance(decomposition, whitening.WhitenedDecomposition):

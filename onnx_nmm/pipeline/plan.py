@@ -5,8 +5,8 @@
     max_kl, sensitivity greedy along each layer's convex hull            model factorized at full rank)
     global budget       the uniform rule's parameters, spent by spectrum rank_allocation
     rank                one rank everywhere                              rank_plan.explicit_ranks
-    energy              the rank holding a fraction of Σσ²               rank_plan.energy_rank
-    keep                the block-aligned rank (DESIGN.md §4)            rank_plan.keep_rank
+    energy              the rank holding a fraction of Σσ²               rank_plan.energy_choice
+    keep                the block-aligned rank (DESIGN.md §4)            rank_plan.keep_choice
 
 The model is not changed.
 """
@@ -14,6 +14,7 @@ The model is not changed.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +33,7 @@ class PlanRanks(RewritePass):
     def run(self, model: ir.Model) -> bool:
         layers, chosen, _ = targets(model, self.context.options)
         self.context.plan = self._plan(model, layers, chosen, self.context.make_factorizer())
+        _warn_about_shared_weights(chosen, self.context.plan)
         return False
 
     def _plan(self, model: ir.Model, layers: list[LinearLayer], chosen: list[LinearLayer],
@@ -49,8 +51,8 @@ class PlanRanks(RewritePass):
             with self.context.progress.phase("choosing ranks by energy", total=len(chosen)) as phase:
                 plan = {}
                 for layer in chosen:
-                    plan[layer.name] = energy_choice(layer, factorizer.spectrum(layer).singular_values, ranks.energy,
-                                                   ranks.align)
+                    spectrum = factorizer.spectrum(layer)
+                    plan[layer.name] = energy_choice(layer, spectrum.singular_values, ranks.energy, ranks.align)
                     phase.advance(detail=layer.module_path or layer.name)
                 return plan
         return {layer.name: keep_choice(layer, ranks.keep, ranks.align) for layer in chosen}
@@ -110,3 +112,16 @@ class PlanRanks(RewritePass):
         context.report.quality_budget = choice.to_dict(ranks.keep)
         unaligned = Dense(f"no rank that is a multiple of {ranks.align} saves parameters")
         return {layer.name: choice.plan.get(layer.name, unaligned) for layer in chosen}
+
+
+def _warn_about_shared_weights(chosen: list[LinearLayer], plan: RankPlan) -> None:
+    """A weight another node also reads (a tied lm_head's embedding) stays in the model: its factors come on
+    top, so the model grows. Say what it costs before the work is done."""
+    for layer in chosen:
+        rank = plan[layer.name]
+        if layer.shared_with and not isinstance(rank, Dense):
+            added = parameters(layer.k, layer.n, rank)
+            warnings.warn(f"{layer.module_path or layer.name} shares its weight with {', '.join(layer.shared_with)} "
+                          f"(a tied embedding), which keeps it: its rank-{rank} factors add {added / 1e6:.2f}M "
+                          f"parameters ({added * layer.dtype.itemsize / 1e6:.1f} MB) instead of saving any; "
+                          "leave it dense unless a faster product is the point", stacklevel=2)

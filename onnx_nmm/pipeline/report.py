@@ -33,7 +33,7 @@ class LayerOutcome:
     whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set (fisher: ‖Sᵀ(W − UV)T‖ / ‖SᵀWT‖)
     predicted_kl: float | None = None  # fisher: the mean KL per token this layer's truncation adds, to second order
     plain_svd_error: float | None = None  # ‖W − W_r‖_F / ‖W‖_F of plain SVD at the same rank (for comparison)
-    conditioning: str = ""  # how XᵀX was factorized: cholesky, damped ε=…, eigendecomposition
+    conditioning: str = ""  # how XᵀX was factorized (cholesky, damped ε=…, eigendecomposition) and why
     seconds: float = 0.0
 
     @classmethod
@@ -52,7 +52,10 @@ class RewriteReport:
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP nodes made by fuse_mlp
+    unfused_mlps: dict[str, str] = field(default_factory=dict)  # with fuse_mlp: MLP left alone → why
     quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
+    weight_bytes_before: int = 0  # of every initializer of the model, before and after the rewrite
+    weight_bytes_after: int = 0
 
     @property
     def factorized(self) -> list[LayerOutcome]:
@@ -68,12 +71,14 @@ class RewriteReport:
             "parameters_before": before,
             "parameters_after": after,
             "kept_fraction": after / before if before else 1.0,
+            "weight_bytes_before": self.weight_bytes_before,
+            "weight_bytes_after": self.weight_bytes_after,
         }
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "selection": self.selection, "method": self.method,
                 "calibration": self.calibration, "totals": self.totals(), "seconds": self.seconds,
-                "fused_mlps": self.fused_mlps, "quality_budget": self.quality_budget,
+                "fused_mlps": self.fused_mlps, "unfused_mlps": self.unfused_mlps, "quality_budget": self.quality_budget,
                 "layers": [asdict(layer) for layer in self.layers]}
 
 

@@ -1,0 +1,147 @@
+"""What a newcomer trips over: incompatible models, a tied head that grows the model, silent no-ops,
+misleading advice, the wrong tokenizer, and small things (tolerances, file modes, labels)."""
+
+import json
+import os
+import stat
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import graphs
+from onnx_nmm.cli import main
+
+
+def _cli(capsys, *argv):
+    code = main([str(arg) for arg in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line_error(code, err, fragment):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "error:" in lines[0] and fragment in lines[0], err
+
+
+def _gated_by(activation: str) -> onnx.ModelProto:
+    """A Gemma-like MLP: down(act(gate(x)) · up(x)) with another activation than SiLU."""
+    nodes = [helper.make_node("MatMul", ["X", "Wg"], ["g"], name="/mlp/gate_proj/MatMul"),
+             helper.make_node(activation, ["g"], ["a"], name="act"),
+             helper.make_node("MatMul", ["X", "Wu"], ["u"], name="/mlp/up_proj/MatMul"),
+             helper.make_node("Mul", ["a", "u"], ["h"], name="mul"),
+             helper.make_node("MatMul", ["h", "Wd"], ["Y"], name="/mlp/down_proj/MatMul")]
+    weights = {"Wg": graphs.weight(16, 32, 1), "Wu": graphs.weight(16, 32, 2), "Wd": graphs.weight(32, 16, 3)}
+    return graphs.model(nodes, weights, k=16)
+
+
+def test_models_that_differ_are_an_input_error_naming_both(capsys, tmp_path):
+    narrow, wide, renamed = tmp_path / "narrow.onnx", tmp_path / "wide.onnx", tmp_path / "renamed.onnx"
+    onnx.save(graphs.matmul(16, 24), narrow)
+    onnx.save(graphs.matmul(16, 32), wide)
+    other = graphs.matmul(16, 24)
+    other.graph.input[0].name = other.graph.node[0].input[0] = "Z"
+    onnx.save(other, renamed)
+    np.savez(tmp_path / "x.npz", X=np.ones((1, 2, 16), np.float32))
+    code, _, err = _cli(capsys, "diff", narrow, wide, "--inputs", tmp_path / "x.npz")
+    _one_line_error(code, err, f"output Y is [1, 2, 24] in {narrow} but [1, 2, 32] in {wide}")
+    code, _, err = _cli(capsys, "diff", narrow, renamed, "--inputs", tmp_path / "x.npz")
+    _one_line_error(code, err, f"{narrow} and {renamed} differ in their inputs (X vs Z)")
+
+
+def test_inspect_without_linear_layers_fails_naming_what_it_saw(capsys, tmp_path):
+    path = tmp_path / "relu.onnx"
+    onnx.save(graphs.no_linear_layers(), path)
+    code, _, err = _cli(capsys, "inspect", path)
+    _one_line_error(code, err, "no linear layer found")
+    assert "saw 1 Relu" in err
+
+
+def test_a_tied_head_says_what_it_costs_and_the_report_counts_it(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    source = export("llama-tied", "dynamo")
+    with pytest.warns(UserWarning, match=r"shares its weight with .* instead of saving any"):
+        code, out, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "o.onnx", "--lm-head", "--include", "lm_head",
+                            "--keep", "0.5", "--align", "32", "--report", report)
+    assert code == 0
+    data = json.loads(report.read_text())
+    (head,) = [layer for layer in data["layers"] if layer["role"] == "lm_head"]
+    assert head["status"] == "factorized" and "its weight stays for" in head["reason"]
+    assert head["parameters_after"] == head["rank"] * (head["k"] + head["n"]) + head["k"] * head["n"]
+    totals = data["totals"]
+    assert totals["kept_fraction"] > 1 and totals["weight_bytes_after"] > totals["weight_bytes_before"]
+    grown = totals["weight_bytes_after"] - totals["weight_bytes_before"]
+    assert os.path.getsize(tmp_path / "o.onnx") - os.path.getsize(source) == pytest.approx(grown, rel=0.05)
+    said = " ".join(out.split())
+    assert f"the model's weights {totals['weight_bytes_before'] / 1e6:,.1f} MB → " in said
+
+
+@pytest.mark.parametrize("activation", ["Gelu", "Relu"])
+def test_fusion_that_fuses_nothing_says_why(capsys, tmp_path, activation):
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_gated_by(activation), path)
+    with pytest.warns(UserWarning, match=rf"^no MLP could be fused: 1 gated by {activation}; only SiLU"):
+        code, _, _ = _cli(capsys, "rewrite", path, "-o", tmp_path / "o.onnx", "--rank", "8", "--fuse-mlp", "--quiet")
+    assert code == 0
+
+
+def test_a_non_gated_mlp_is_named_as_such(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    with pytest.warns(UserWarning, match="no MLP could be fused: 2 not gated: one projection feeds the down projection, through an activation"):
+        code, _, _ = _cli(capsys, "rewrite", export("gpt2", "torchscript"), "-o", tmp_path / "o.onnx", "--keep", "0.5",
+                          "--align", "32", "--fuse-mlp", "--report", report, "--quiet")
+    assert code == 0 and len(json.loads(report.read_text())["unfused_mlps"]) == 2
+
+
+def test_the_damping_note_names_the_cause(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    code, out, _ = _cli(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
+                        "--calib-samples", "2", "--seq-len", "32", "--align", "32", "--keep", "0.5", "--report", report)
+    notes = {layer["role"]: layer["conditioning"] for layer in json.loads(report.read_text())["layers"]}
+    assert code == 0 and notes["gate"].endswith("(64 calibration tokens for 256 input channels: calibrate on more tokens)")
+    assert "the note column says why" in " ".join(out.split())
+
+
+def test_a_text_from_another_tokenizer_is_refused_before_onnxruntime_complains(capfd, export, tmp_path):
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, input_ids=np.full((2, 16), 5000, np.int64))  # the tiny models know 1000 tokens
+    for argv in (["eval", export("llama", "dynamo"), "--text", foreign, "--window", "8"],
+                 ["rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", foreign]):
+        code = main([str(arg) for arg in argv])
+        err = capfd.readouterr().err  # onnxruntime's own log lines would show here, from C++
+        _one_line_error(code, err, "outside")
+        assert "tokenize with the model's own tokenizer" in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_negative_tolerances_are_refused(capsys, export):
+    source = export("llama", "dynamo")
+    code, _, err = _cli(capsys, "diff", source, source, "--atol", "-1")
+    _one_line_error(code, err, "--atol must be ≥ 0, got -1.0")
+
+
+def test_reports_get_the_permissions_models_get(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    code, _, _ = _cli(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--report", report,
+                      "--quiet")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert code == 0 and stat.S_IMODE(report.stat().st_mode) == stat.S_IMODE((tmp_path / "o.onnx").stat().st_mode)
+    assert stat.S_IMODE(report.stat().st_mode) == 0o666 & ~mask
+
+
+def test_one_file_on_two_backends_is_labelled_by_backend(capsys, export, tmp_path):
+    source = export("llama", "dynamo")
+    rewritten = tmp_path / "r.onnx"
+    assert main(["rewrite", str(source), "-o", str(rewritten), "--keep", "0.5", "--align", "32", "--quiet"]) == 0
+    code, out, _ = _cli(capsys, "diff", rewritten, rewritten, "--backend", "torch", "--seq-len", "4")
+    title = " ".join(out.split())
+    assert code == 0 and f"{rewritten} (torch) vs {rewritten} (ort)" in title
+
+
+def test_random_token_ids_come_with_a_note_when_they_mislead(capsys, export, tmp_path):
+    source, rewritten = export("llama", "dynamo"), tmp_path / "r.onnx"
+    assert main(["rewrite", str(source), "-o", str(rewritten), "--rank", "8", "--align", "8", "--quiet"]) == 0
+    code, out, _ = _cli(capsys, "diff", source, rewritten)
+    assert code == 0 and "judge it on real text with --text and --tokenizer" in " ".join(out.split())
