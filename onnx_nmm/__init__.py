@@ -21,7 +21,7 @@ from onnx_nmm.compilation import Compilation, CompileOptions, compile
 from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
                              NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
 from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
-from onnx_nmm.export import TinyShape, build_model, export_causal_lm, load_gguf_causal_lm
+from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
 from onnx_nmm.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
 from onnx_nmm.model_io import check_output_path, external_data_path
@@ -37,6 +37,6 @@ __all__ = [
     "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
     "RewriteReport", "RewriteResult", "RunResult", "Selection", "TextDiff", "TextOptions", "TinyShape",
     "TrainingData", "TrainingDiverged", "TrainingOptions", "build_model", "check_output_path", "compile", "diff", "diff_on_text",
-    "evaluate", "export_causal_lm", "external_data_path", "finetune", "inspect", "load_gguf_causal_lm", "load_tokenizer",
+    "evaluate", "export_causal_lm", "export_checkpoint", "external_data_path", "finetune", "inspect", "load_gguf_causal_lm", "load_tokenizer",
     "rewrite", "run_model",
 ]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+# Bump when onnx_nmm.export changes what it writes (2: module paths without the old wrapper's "inner.").
+EXPORT_FORMAT = 2
 CACHE = Path(os.environ.get("ONNX_NMM_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
 
 
@@ -22,7 +24,8 @@ def exported_model(architecture: str, exporter: str, external_data: bool = False
 
     from onnx_nmm import build_model, export_causal_lm
 
-    key = f"{architecture}-{exporter}{'-external' if external_data else ''}-s{seed}-torch{torch.__version__}-tf{transformers.__version__}"
+    key = (f"{architecture}-{exporter}{'-external' if external_data else ''}-s{seed}-e{EXPORT_FORMAT}"
+           f"-torch{torch.__version__}-tf{transformers.__version__}")
     folder = CACHE / key
     path = folder / "model.onnx"
     with FileLock(str(CACHE / f"{key}.lock")):

@@ -2,6 +2,7 @@
 misleading advice, the wrong tokenizer, and small things (tolerances, file modes, labels)."""
 
 import json
+import re
 import os
 import stat
 
@@ -145,3 +146,41 @@ def test_random_token_ids_come_with_a_note_when_they_mislead(capsys, export, tmp
     assert main(["rewrite", str(source), "-o", str(rewritten), "--rank", "8", "--align", "8", "--quiet"]) == 0
     code, out, _ = _cli(capsys, "diff", source, rewritten)
     assert code == 0 and "judge it on real text with --text and --tokenizer" in " ".join(out.split())
+
+
+def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_path):
+    import torch
+
+    from onnx_nmm import TinyShape, build_model
+
+    model = build_model("llama", TinyShape(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, vocab=300))
+    model.save_pretrained(tmp_path / "checkpoint")
+    output = tmp_path / "model.onnx"
+    code, out, _ = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
+    assert code == 0 and f"wrote {output}" in out and output.exists()
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids), use_cache=False).logits.numpy()
+    np.savez(tmp_path / "ids.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    assert main(["run", str(output), "--inputs", str(tmp_path / "ids.npz"), "-o", str(tmp_path / "logits.npz")]) == 0
+    with np.load(tmp_path / "logits.npz") as logits:
+        np.testing.assert_allclose(logits["logits"], expected, atol=1e-4)
+    capsys.readouterr()
+    inspected = json.loads(_cli(capsys, "inspect", output, "--json")[1])
+    assert inspected["layers"][0]["module_path"] == "model.layers.0.self_attn.q_proj"  # the checkpoint's own paths
+
+    code, _, err = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
+    _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
+    code, _, err = _cli(capsys, "export", tmp_path / "ids.npz", "-o", tmp_path / "other.onnx")
+    _one_line_error(code, err, "is neither a .gguf file nor a Hugging Face model folder")
+    assert not (tmp_path / "other.onnx").exists()
+
+
+def test_docs_commands_are_written_as_a_user_types_them():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert not re.search(r"(?<![\w.])/(work|root|home|tmp|Users)/", text), f"{page.name} names one machine's paths"
+        assert "../shared/" not in text, f"{page.name} links outside the repository"

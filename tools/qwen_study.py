@@ -87,7 +87,7 @@ def write_page(path: Path, dense: float, rows: list[dict], commands: list[str], 
     lines = [
         "## A second model: Qwen2.5-Coder-0.5B-Instruct",
         "",
-        "Qwen2.5-Coder-0.5B-Instruct (../shared/ASSETS.md: 24 layers, hidden 896, intermediate 4864, q/k/v with",
+        "Qwen2.5-Coder-0.5B-Instruct ([models.md](models.md): 24 layers, hidden 896, intermediate 4864, q/k/v with",
         "biases, untied lm_head; 630M parameters in fp32), MLPs rewritten, ranks aligned to 32. Statistics from",
         f"{args.calib_samples} Old Testament windows of 512 tokens; sequential calibration runs on {args.sequential_samples}",
         f"of them; fine-tuning distils from the dense model for {args.finetune_minutes:g} minutes on the CPU",

@@ -95,7 +95,7 @@ def write_page(path, totals, agreement, answers, modelled, commands, args) -> No
     lines = [
         "# SmolLM2-135M on the Trainium path",
         "",
-        "SmolLM2-135M-Instruct (../shared/ASSETS.md) with its 30 MLPs rewritten and fused: each gate/up/down triple",
+        "SmolLM2-135M-Instruct ([models.md](models.md)) with its 30 MLPs rewritten and fused: each gate/up/down triple",
         "is one `ai.onnx_nmm::SvdGatedMLP`, which the lowering hands to the `fused_svd_mlp` NKI kernel",
         "(docs/kernels.md). Two rewrites: **keep 0.8** (whitened SVD calibrated on the Old Testament, ranks",
         f"aligned to 128: rank {rank}, {kept['kept_fraction']:.1%} of the MLP parameters kept) and an exact **full-rank**",

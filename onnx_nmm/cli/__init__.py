@@ -18,6 +18,7 @@ from onnx_nmm.cli import _common
 
 # Order is the order of `onnx-nmm --help`.
 COMMAND_MODULES = [
+    "export",
     "inspect",
     "rewrite",
     "diff",

@@ -17,8 +17,8 @@ from rich.progress import Progress as RichBars
 import onnx_nmm
 
 # Tables and results go to stdout; progress and notes to stderr, so `--json` output stays clean.
-# Piped output gets a wide page instead of rich's 80 columns: the tables are meant to be read whole.
-stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+# Piped output gets 120 columns instead of rich's 80: wide enough for the tables, narrow enough for a log viewer.
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 stderr = Console(stderr=True, highlight=False)
 
 # Option paths (errors.py) whose flag is not `--` + the last part with dashes.

@@ -1,0 +1,31 @@
+"""`onnx-nmm export CHECKPOINT -o MODEL.onnx`: a Hugging Face folder or a GGUF file as an ONNX causal LM
+(onnx_nmm.export_checkpoint)."""
+
+from __future__ import annotations
+
+import onnx_nmm
+from onnx_nmm.cli import _common
+
+EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="export a Hugging Face folder or a GGUF file to ONNX "
+                                                  "(input_ids, attention_mask → logits)")
+    parser.add_argument("checkpoint", help="a Hugging Face model folder (config.json and weights) or a .gguf file")
+    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    parser.add_argument("--exporter", choices=("dynamo", "dynamo-noopt", "torchscript"), default="dynamo",
+                        help="torch.onnx's dynamo exporter (default; dynamo-noopt skips its optimizer) or the "
+                             "TorchScript one (opset 17)")
+    parser.add_argument("--external-data", choices=tuple(EXTERNAL_DATA), default="auto",
+                        help="write the weights to OUTPUT.data: auto = when they pass 1 GiB")
+    parser.add_argument("--force", action="store_true", help="replace an existing output")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    with _common.progress() as progress, progress.phase(f"exporting {args.checkpoint}"):
+        written = onnx_nmm.export_checkpoint(args.checkpoint, args.output, args.exporter,
+                                             EXTERNAL_DATA[args.external_data], overwrite=args.force)
+    _common.stdout.print(f"wrote {written}: inputs input_ids and attention_mask [batch, sequence], output logits")
+    return 0
