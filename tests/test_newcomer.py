@@ -156,8 +156,9 @@ def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_
     model = build_model("llama", TinyShape(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, vocab=300))
     model.save_pretrained(tmp_path / "checkpoint")
     output = tmp_path / "model.onnx"
-    code, out, _ = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
+    code, out, err = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
     assert code == 0 and f"wrote {output}" in out and output.exists()
+    assert "torchvision" not in err  # torch.onnx's note about each torchvision op it skips
     ids = np.arange(12, dtype=np.int64).reshape(2, 6)
     with torch.no_grad():
         expected = model(torch.from_numpy(ids), use_cache=False).logits.numpy()
@@ -184,3 +185,22 @@ def test_docs_commands_are_written_as_a_user_types_them():
         text = page.read_text()
         assert not re.search(r"(?<![\w.])/(work|root|home|tmp|Users)/", text), f"{page.name} names one machine's paths"
         assert "../shared/" not in text, f"{page.name} links outside the repository"
+
+
+def test_every_flag_says_what_it_does():
+    from onnx_nmm.cli import build_parser
+
+    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
+    for command, parser in subparsers.choices.items():
+        for action in parser._actions:
+            if action.dest != "help":
+                assert action.help, f"onnx-nmm {command} {action.option_strings or action.dest} has no help text"
+
+
+def test_counts_and_piped_tables_read_right(capsys, tmp_path):
+    path = tmp_path / "head.onnx"
+    onnx.save(graphs.matmul(16, 24), path)
+    code, out, _ = _cli(capsys, "rewrite", path, "-o", tmp_path / "o.onnx", "--lm-head", "--rank", "4")
+    assert code == 0 and "1 layer factorized," in " ".join(out.split())
+    code, out, _ = _cli(capsys, "inspect", path)  # piped: no dimming to see, a column instead
+    assert code == 0 and "targeted" in out and "see the targeted column" in " ".join(out.split())
