@@ -27,7 +27,7 @@ import onnx
 
 from onnx_nmm import ort_runner
 from onnx_nmm.errors import DataError, ExecutionError, ModelError
-from onnx_nmm.graph_probe import prune, value_types
+from onnx_nmm.graph_probe import first_step, prune, value_types
 
 if TYPE_CHECKING:
     from onnx_nmm.model_source import ModelSource
@@ -102,7 +102,7 @@ def collect_gram_matrices(source: "ModelSource", inputs: dict[str, int], batches
     Raises ExecutionError if onnxruntime fails or an activation is not finite.
     """
     plan = _GramPlan(inputs)
-    session = source.session_of(_gram_graph(source.graph_proto(), plan))
+    session = source.session_of(_gram_graph(first_step(source.graph_proto()), plan))
     sums: list[np.ndarray] | None = None
     tokens = 0
     for index, batch in enumerate(batches):

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -15,8 +16,9 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm import ort_runner
-from onnx_nmm.causal_lm import vocabulary_size
+from onnx_nmm.causal_lm import CausalLm, vocabulary_size
 from onnx_nmm.errors import DataError, OptionError
+from onnx_nmm.graph_probe import first_step
 from onnx_nmm.model_source import ModelSource
 
 RUN_BACKENDS = ("ort", "torch", "emulator")
@@ -41,11 +43,16 @@ class ModelRunner:
         self.vocabulary = vocabulary_size(graph)
         self.session = source.session()  # the reference, and the input specs for every backend
         self.kernels = None
+        self.first_step_only = False  # a merged decoder lowered as the branch its first step takes
         if backend != "ort":
             from onnx_nmm.lowering import backend_named, lower
 
             self.kernels = backend_named(backend, target)
-            self.module = lower(source.path if source.path is not None else source.full_proto(), self.kernels)
+            proto = source.full_proto()
+            nodes = len(proto.graph.node)
+            proto = first_step(proto)
+            self.first_step_only = len(proto.graph.node) != nodes
+            self.module = lower(proto, self.kernels)
 
     @property
     def kernel_calls(self) -> list:
@@ -67,9 +74,20 @@ class ModelRunner:
         results = result if isinstance(result, (tuple, list)) else (result,)
         return {name: tensor.numpy() for name, tensor in zip(self.output_names, results)}
 
+    @functools.cached_property
+    def causal_lm(self) -> CausalLm:
+        """The model's inputs by their meaning (token ids, mask, positions, KV cache)."""
+        return CausalLm.of_session(self.session, self.label)
+
     def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """The first output (the logits of a causal LM) for token ids [B, S]."""
-        return self(ort_runner.token_inputs(self.session, tokens))[self.output_names[0]]
+        """The first output (the logits of a causal LM) for token ids [B, S], after an empty cache."""
+        return self(self.causal_lm.feeds(tokens))[self.output_names[0]]
+
+    def random_tokens(self, batch: int, length: int, seed: int) -> np.ndarray:
+        if self.vocabulary is None:
+            raise DataError(f"cannot tell the vocabulary size of {self.label} to draw token ids from; give the "
+                            "{inputs}", inputs="inputs")
+        return np.random.default_rng(seed).integers(0, self.vocabulary, size=(batch, length), dtype=np.int64)
 
     def inputs(self, inputs: str | os.PathLike | dict[str, np.ndarray] | None, batch: int, seq_len: int,
                seed: int) -> dict[str, np.ndarray]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from onnx_nmm import metrics
 from onnx_nmm.backend_runner import Model, ModelRunner, check_backend
 from onnx_nmm.errors import ModelError, OptionError
@@ -17,12 +19,15 @@ from onnx_nmm.progress import Progress
 
 @dataclass(frozen=True)
 class DiffOptions:
-    """inputs: an .npz (keys = input names) or arrays; else random token ids [batch, seq_len] from `seed`.
-    atol/rtol: an element fails when |a − b| > atol + rtol·|a|. backend: how the candidate runs (ort, or
-    its PyTorch lowering with the custom ops as torch math or on the emulated NKI kernels for `target`)."""
+    """inputs: an .npz (keys = input names) or arrays; else random token ids [batch, seq_len] from `seed`,
+    after an empty KV cache, or with `past_len` a decode step of seq_len tokens after a cache each model
+    filled with its own prefill of past_len tokens. atol/rtol: an element fails when |a − b| > atol + rtol·|a|.
+    backend: how the candidate runs (ort, or its PyTorch lowering with the custom ops as torch math or on the
+    emulated NKI kernels for `target`)."""
 
     batch: int = 1
     seq_len: int = 32
+    past_len: int = 0
     seed: int = 0
     inputs: str | os.PathLike | dict | None = None
     atol: float | None = None
@@ -31,8 +36,12 @@ class DiffOptions:
     target: str = "trn2"
 
     def __post_init__(self):
-        if self.batch < 1 or self.seq_len < 1:
-            raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")
+        if self.batch < 1 or self.seq_len < 1 or self.past_len < 0:
+            raise OptionError("{batch} and {seq_len} must be positive, {past_len} ≥ 0", batch="batch",
+                              seq_len="seq_len", past_len="past_len")
+        if self.past_len and self.inputs is not None:
+            raise OptionError("{past_len} fills the cache with a prefill of random token ids: it does not go with "
+                              "{inputs}", past_len="past_len", inputs="inputs")
         for name in ("atol", "rtol"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise OptionError(f"{{{name}}} must be ≥ 0, got {getattr(self, name)}", **{name: name})
@@ -74,8 +83,13 @@ def diff(reference: Model, candidate: Model, options: DiffOptions | None = None)
     o = options or DiffOptions()
     expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, o.backend, o.target)
     _check_same_interface(expected_runner, actual_runner)
-    inputs = expected_runner.inputs(o.inputs, o.batch, o.seq_len, o.seed)
-    expected, actual = expected_runner(inputs), actual_runner(inputs)
+    if o.past_len:
+        tokens = expected_runner.random_tokens(o.batch, o.past_len + o.seq_len, o.seed)
+        inputs, expected = _after_prefill(expected_runner, tokens, o.past_len)
+        _, actual = _after_prefill(actual_runner, tokens, o.past_len)
+    else:
+        inputs = expected_runner.inputs(o.inputs, o.batch, o.seq_len, o.seed)
+        expected, actual = expected_runner(inputs), actual_runner(inputs)
     comparisons = []
     for name, array in expected.items():
         if array.shape != actual[name].shape:
@@ -86,6 +100,20 @@ def diff(reference: Model, candidate: Model, options: DiffOptions | None = None)
     return Diff(expected_runner.label, actual_runner.label, o.backend,
                 {name: list(array.shape) for name, array in inputs.items()}, o.atol, o.rtol, comparisons,
                 random_tokens=o.inputs is None)
+
+
+def _after_prefill(runner: ModelRunner, tokens: np.ndarray, past: int) -> tuple[dict, dict]:
+    """(feeds, outputs) of a decode step over tokens[:, past:], after the model's own prefill of the rest."""
+    model = runner.causal_lm
+    if runner.first_step_only:
+        raise ModelError(f"the {runner.backend} backend runs a merged decoder's first step only (its later-step "
+                         "branch is not lowered): compare decode steps with the ort backend")
+    if not model.has_cache:
+        raise ModelError(f"{runner.label} has no KV cache, so there is no decode step to compare; leave out "
+                         "{past_len}", past_len="past_len")
+    cache = model.cache_after(runner(model.feeds(tokens[:, :past])))
+    feeds = model.feeds(tokens[:, past:], cache)
+    return feeds, runner(feeds)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch import nn
 from onnx_nmm.errors import DataError, ModelError, OptionError, TrainingDiverged
 from onnx_nmm.finetuning import TrainingOptions
 from onnx_nmm.factor_adapters import add_adapters, merge_adapters
-from onnx_nmm.lowering import factor_parameters
+from onnx_nmm.lowering import CausalLmInputs, factor_parameters
 from onnx_nmm.perplexity import LogitsFn
 
 @dataclass
@@ -73,33 +73,6 @@ class TrainingResult:
                 "trainable_parameters": self.trainable_parameters,
                 "loss_first_tenth": self.mean_loss(first=True), "loss_last_tenth": self.mean_loss(first=False),
                 "records": [asdict(record) for record in self.records]}
-
-
-class CausalLmInputs:
-    """The lowered module's inputs for token ids [B, S]: per graph input, the ids, an all-ones attention
-    mask or positions 0..S−1 (the inputs of a causal LM exported without a KV cache)."""
-
-    def __init__(self, graph: ir.Graph):
-        self.inputs = []
-        for value in graph.inputs:
-            if value.const_value is not None:
-                continue
-            if value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-                raise ModelError(f"model input '{value.name}' is {value.dtype}, not token ids, a mask or positions; "
-                                "fine-tuning and Fisher statistics need a causal LM exported without a KV cache")
-            self.inputs.append((value.name.lower(), value.dtype.numpy()))
-
-    def __call__(self, tokens: np.ndarray) -> tuple[torch.Tensor, ...]:
-        feeds = []
-        for name, dtype in self.inputs:
-            if "mask" in name:
-                feed = np.ones(tokens.shape, dtype)
-            elif "position" in name:
-                feed = np.broadcast_to(np.arange(tokens.shape[1], dtype=dtype), tokens.shape).copy()
-            else:
-                feed = tokens.astype(dtype)
-            feeds.append(torch.from_numpy(feed))
-        return tuple(feeds)
 
 
 def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,

@@ -25,6 +25,7 @@ from onnx_nmm.calibration_data import TokenWindows, check_token_ids, token_windo
 from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.evaluation import TextOptions
+from onnx_nmm.graph_probe import first_step
 from onnx_nmm.model_io import PROTOBUF_LIMIT, check_model_file, check_output_path, save_model, weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.svd_ops import DOMAIN
@@ -168,11 +169,12 @@ LOSS_ROSE = 1.5
 def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None = None,
              progress: Progress | None = None) -> FinetuneResult:
     """Train the factors of the rewritten `model` on `data`; the tuned model (same graph) and how it went."""
-    from onnx_nmm.factor_training import CausalLmInputs, check_windows, replace_factors
+    from onnx_nmm.factor_training import check_windows, replace_factors
+    from onnx_nmm.lowering import CausalLmInputs
 
     options, progress = options or FinetuneOptions(), progress or Progress()
     source = ModelSource.of(model)
-    if not any(node.domain == DOMAIN for node in source.model.graph):
+    if not any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph)):
         raise ModelError(f"{source.label} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first")
     vocabulary = vocabulary_size(source.model.graph)
     teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None
@@ -201,7 +203,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     with phases("lowering"):
         from onnx_nmm.lowering import factor_parameters, lower
 
-        module = lower(source.path if source.path is not None else source.full_proto())
+        module = lower(first_step(source.full_proto()))
     with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
                                             total=options.training.steps) as phase:
         from onnx_nmm.factor_training import finetune as train_factors

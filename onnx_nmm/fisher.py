@@ -60,10 +60,10 @@ def collect_fisher_statistics(source: "ModelSource", layers: list[LinearLayer], 
     import torch
     import torch.nn.functional as F
 
-    from onnx_nmm.factor_training import CausalLmInputs
-    from onnx_nmm.lowering import lower, modules_by_output
+    from onnx_nmm.graph_probe import first_step
+    from onnx_nmm.lowering import CausalLmInputs, lower, modules_by_output
 
-    module = lower(source.full_proto())
+    module = lower(first_step(source.full_proto()))
     producers = modules_by_output(module)
     inputs = CausalLmInputs(source.model.graph)
     input_grams = {layer.x.name: _Sum(torch.float64) for layer in layers}

@@ -1,7 +1,11 @@
-"""Read values from inside a model in onnxruntime: expose them as outputs, prune what they do not need.
+"""Read values from inside a model: expose them as outputs, prune what they do not need, and see a merged
+decoder as the graph its first step runs.
 
 Calibration (activation_stats) and sequential calibration (sequential) both run the original model cut
 down to the inner values they observe; neither the logits nor any layer past those values is computed.
+A merged decoder keeps its layers in the two branches of an If (first step, later steps); what observes
+or lowers them sees the first step's branch in place of the If (`first_step`), the prefill every
+calibration window, perplexity window and training window is.
 """
 
 from __future__ import annotations
@@ -48,3 +52,25 @@ def prune(graph: onnx.GraphProto) -> None:
     kept = [node for node in graph.node if id(node) in needed]
     del graph.node[:]
     graph.node.extend(kept)
+
+
+def first_step(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` (changed in place) with every If on a boolean graph input — a merged decoder's use_cache_branch
+    — replaced by its else branch, the one an empty cache takes. A graph without one is returned as it is."""
+    graph = proto.graph
+    flags = {value.name for value in graph.input if value.type.tensor_type.elem_type == onnx.TensorProto.BOOL}
+    if not any(node.op_type == "If" and node.input[0] in flags for node in graph.node):
+        return proto
+    nodes = []
+    for node in graph.node:
+        if node.op_type != "If" or node.input[0] not in flags:
+            nodes.append(node)
+            continue
+        branch = next(attribute.g for attribute in node.attribute if attribute.name == "else_branch")
+        nodes.extend(branch.node)
+        graph.initializer.extend(branch.initializer)
+        nodes.extend(onnx.helper.make_node("Identity", [inner.name], [outer])
+                     for inner, outer in zip(branch.output, node.output) if inner.name != outer)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return proto

@@ -35,6 +35,7 @@ class LayerInfo:
     rank: int | None  # what the rank rule gives, when it needs no spectrum
     rank_note: str
     parameters_after: int
+    sites: int = 1  # nodes computing it: a merged decoder's branches each hold one, reading the same weight
 
 
 @dataclass
@@ -62,8 +63,9 @@ class Inspection:
 
 def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOptions | None = None,
             selection: Selection | None = None) -> Inspection:
-    """Every linear layer of `model`: role, shape, storage, whether `selection` targets it, and the rank
-    `ranks` gives it. Raises ModelError, naming the ops it saw, when there is no linear layer."""
+    """Every linear layer of `model` (once, however many subgraphs compute it): role, shape, storage, whether
+    `selection` targets it, and the rank `ranks` gives it. Raises ModelError, naming the ops it saw, when
+    there is no linear layer."""
     ranks, selection = ranks or RankOptions(), selection or Selection()
     source = ModelSource.of(model)
     layers = find_linear_layers(source.model)
@@ -72,10 +74,14 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
         seen = ", ".join(f"{count} {op}" for op, count in ops.most_common(8)) or "no nodes"
         raise ModelError(f"no linear layer found in {source.label}: looked for MatMul/Gemm nodes whose second input "
                          f"is a constant weight, and saw {seen}")
-    targeted, _ = select_layers(layers, selection)
-    targeted_ids = {id(layer) for layer in targeted}
-    return Inspection(source.label, ranks.describe(), selection.describe(),
-                      [_info(layer, ranks, id(layer) in targeted_ids) for layer in layers])
+    targeted = {layer.name for layer in select_layers(layers, selection)[0]}
+    infos: dict[str, LayerInfo] = {}
+    for layer in layers:
+        if layer.name in infos:
+            infos[layer.name].sites += 1
+        else:
+            infos[layer.name] = _info(layer, ranks, layer.name in targeted)
+    return Inspection(source.label, ranks.describe(), selection.describe(), list(infos.values()))
 
 
 def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:

@@ -1,7 +1,7 @@
 """onnxruntime on CPU, the reference every other number is measured against.
 
-Builds sessions with one-line errors, and makes model inputs: token ids drawn at random from the
-model's vocabulary, an all-ones attention mask, positions 0..S-1 — or whatever an .npz file holds.
+Builds sessions with one-line errors, and makes model inputs: a causal LM's feeds for token ids (random
+ones from its vocabulary, or given; causal_lm.CausalLm) — or whatever an .npz file holds.
 """
 
 from __future__ import annotations
@@ -12,20 +12,15 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, ExecutionError, ModelError
-
-_NUMPY_OF_ORT = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
-}
-
 
 def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
                    extra_config: dict[str, str] | None = None, label: str | os.PathLike | None = None
                    ) -> ort.InferenceSession:
     """A CPU session for a model file, or for serialized bytes (`label` names it in errors)."""
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach the user as one line of ours, not as onnxruntime's log
     if threads:
         options.intra_op_num_threads = threads
     for key, value in (extra_config or {}).items():
@@ -40,40 +35,22 @@ def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
 
 def random_inputs(session: ort.InferenceSession, vocabulary: int | None, batch: int, seq_len: int,
                   seed: int) -> dict[str, np.ndarray]:
-    """Inputs for a causal LM: random token ids below `vocabulary`, a full attention mask, positions 0..S-1."""
+    """The feeds of a causal LM for random token ids [batch, seq_len] below `vocabulary`, after an empty cache."""
     if vocabulary is None:
         raise DataError("cannot tell the model's vocabulary size to draw token ids from; give the {inputs}",
                         inputs="inputs")
     tokens = np.random.default_rng(seed).integers(0, vocabulary, size=(batch, seq_len), dtype=np.int64)
-    return token_inputs(session, tokens, seed)
+    model = CausalLm.of_session(session)
+    if model.unknown or model.tokens is None:
+        missing = ", ".join(spec.name for spec in model.unknown) or "no token ids"
+        raise DataError(f"the model takes {missing}: random token ids cannot feed it; give the {{inputs}}",
+                        inputs="inputs")
+    return model.feeds(tokens)
 
 
-def token_inputs(session: ort.InferenceSession, tokens: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
-    """The feeds of a causal LM for these token ids [B, S]: a full attention mask, positions 0..S-1."""
-    batch, seq_len = tokens.shape
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for spec in session.get_inputs():
-        dtype = _NUMPY_OF_ORT.get(spec.type)
-        if dtype is None:
-            raise DataError(f"input '{spec.name}' has type {spec.type}, not token ids; give the {{inputs}}",
-                            inputs="inputs")
-        shape = _concrete_shape(spec, batch, seq_len)
-        name = spec.name.lower()
-        if np.issubdtype(dtype, np.integer):
-            if "mask" in name:
-                inputs[spec.name] = np.ones(shape, dtype)
-            elif "position" in name:
-                inputs[spec.name] = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
-            elif "type" in name:
-                inputs[spec.name] = np.zeros(shape, dtype)
-            else:
-                inputs[spec.name] = tokens.astype(dtype).reshape(shape)
-        elif dtype == np.bool_:
-            inputs[spec.name] = np.ones(shape, dtype)
-        else:
-            inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
-    return inputs
+def token_inputs(session: ort.InferenceSession, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The feeds of a causal LM for token ids [B, S] after an empty cache (causal_lm.CausalLm)."""
+    return CausalLm.of_session(session).feeds(tokens)
 
 
 def load_inputs(path: str | os.PathLike, session: ort.InferenceSession) -> dict[str, np.ndarray]:
@@ -98,19 +75,3 @@ def run(session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> dict[st
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExecutionError(f"onnxruntime failed to run the model: {message}") from None
-
-
-def _concrete_shape(spec, batch: int, seq_len: int) -> tuple[int, ...]:
-    shape = []
-    for position, dim in enumerate(spec.shape):
-        if isinstance(dim, int):
-            shape.append(dim)
-        elif dim is not None and "past" in str(dim).lower():
-            shape.append(0)
-        elif position == 0:
-            shape.append(batch)
-        elif position == 1 or dim is None or "seq" in str(dim).lower():
-            shape.append(seq_len)
-        else:
-            raise DataError(f"input '{spec.name}' has a free dimension '{dim}'; give the {{inputs}}", inputs="inputs")
-    return tuple(shape)

@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from onnx_nmm import fisher, lowrank, rank_allocation
 from onnx_nmm.errors import OptionError
+from onnx_nmm.graph_probe import first_step
 from onnx_nmm.metrics import log_softmax
 from onnx_nmm.rank_plan import Dense, RankPlan, aligned_ranks, parameters
 
@@ -190,21 +191,19 @@ class DamageProbe:
 
     def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
                  tokens: np.ndarray, metric: str):
-        import torch
-
-        from onnx_nmm.lowering import factor_parameters, lower
+        from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower
 
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
         ir.external_data.load_to_model(model)  # the lowering reads weights from the proto
-        self.module = lower(ir.to_proto(model))
+        self.module = lower(first_step(ir.to_proto(model)))
         self.parameters = factor_parameters(self.module)
         missing = [name for pair in factor_names.values() for name in pair if name not in self.parameters]
         if missing:
             raise RuntimeError(f"the lowered model has no factor parameters {missing[:3]}")
         self.factor_names, self.decompositions, self.metric = factor_names, decompositions, metric
         self.tokens = tokens
-        self.batch = torch.from_numpy(tokens.astype(np.int64))
+        self.inputs = CausalLmInputs(model.graph)(tokens)
         self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64))
         self.base_nll, _ = mean_log_loss_and_kl(self._logits(), tokens, self.reference)
 
@@ -226,11 +225,10 @@ class DamageProbe:
         return nll - self.base_nll if self.metric == "ppl" else kl
 
     def _logits(self) -> np.ndarray:
-        import torch
-
         from onnx_nmm.lowering import call_lowered
 
-        return call_lowered(self.module, self.batch, torch.ones_like(self.batch)).numpy()
+        outputs = call_lowered(self.module, *self.inputs)
+        return (outputs[0] if isinstance(outputs, (tuple, list)) else outputs).numpy()
 
 
 def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric: str, budget: float | None,

@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from onnx_nmm import ort_runner
 from onnx_nmm.errors import DataError, ExecutionError
-from onnx_nmm.graph_probe import expose, value_types
+from onnx_nmm.graph_probe import expose, first_step, value_types
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import LinearLayer
 
@@ -104,7 +104,7 @@ class GroupObserver:
         self.source = source
         self.batches = list(batches)
         self.make_feeds = make_feeds
-        self.dense_proto = source.graph_proto()
+        self.dense_proto = first_step(source.graph_proto())
         self.types = value_types(self.dense_proto)
         self.dense_cache: dict[str, list[np.ndarray]] = {}
 
@@ -122,7 +122,7 @@ class GroupObserver:
 
     def observe(self, working: ir.Model, value: str) -> GroupStatistics:
         dense = None if value in self.dense_cache else self._session(self.dense_proto, value)
-        compressed = self._session(ir.serde.serialize_model(working), value)
+        compressed = self._session(first_step(ir.serde.serialize_model(working)), value)
         gram_c = cross = gram_d = None
         tokens = 0
         for index, batch in enumerate(self.batches):

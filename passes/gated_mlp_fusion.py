@@ -40,12 +40,15 @@ class FuseGatedMlpPass(ir.passes.InPlacePass):
         self.unfused: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
         self.fused, self.unfused = [], {}
-        for down in [node for node in graph if _is_mlp_output_projection(node)]:
+        downs = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_mlp_output_projection(node)]
+        for down in downs:  # subgraphs too: each branch of a merged decoder holds its own MLPs
+            graph = down.graph
             mlp = _match(down, graph) if _is_plain_svd_matmul(down) else None
             if mlp is not None:
-                self.fused.append(_replace(model, mlp))
+                name = _replace(model, mlp)
+                if name not in self.fused:  # the same MLP in another branch
+                    self.fused.append(name)
             else:
                 self.unfused[roles.module_path(down) or down.name] = _why_not_fused(down, graph)
         return ir.passes.PassResult(model, modified=bool(self.fused))
@@ -169,7 +172,7 @@ def _replace(model: ir.Model, mlp: _GatedMlp) -> str:
                     [mlp.gate.inputs[0], *mlp.gate.inputs[1:], *mlp.up.inputs[1:], *mlp.down.inputs[1:]],
                     [ir.AttrString("activation", "silu"), ir.AttrInt64s("ranks", ranks)],
                     num_outputs=1, name=name, metadata_props=metadata)
-    ir.convenience.replace_nodes_and_values(model.graph, mlp.down, old_nodes=mlp.nodes, new_nodes=[fused],
+    ir.convenience.replace_nodes_and_values(mlp.down.graph, mlp.down, old_nodes=mlp.nodes, new_nodes=[fused],
                                             old_values=[mlp.down.outputs[0]], new_values=fused.outputs)
     return name
 

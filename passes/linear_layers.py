@@ -6,6 +6,7 @@ Matched forms (all seen in real exports, ASSETS.md):
     MatMul(X, Transpose(W))           dynamo with optimize=False, tied lm_head: W stored [N, K]
     MatMul(X, Identity(W)), Cast(W)   TorchScript dedup; a weight stored in another dtype
     MatMul(X, W) → Add(·, b)          b a constant [N]: folded in as the layer's bias
+    W also a graph input              older exporters list every initializer as an input too
     Gemm(X, W, C, transA=0, transB)   GPT-2's Conv1D; alpha scales W, beta scales C
 
 A layer is `Y = X·W_eff + b` with W_eff = alpha·op(W) of shape K×N. Products of two activations (the
@@ -73,10 +74,12 @@ class LinearLayer:
     group: str = roles.OTHER
     role: str = roles.OTHER
     shared_with: list[str] = field(default_factory=list)  # names of other consumers of the weight
+    scope: str = ""  # the subgraph, when its node name alone would name two different layers
 
     @property
     def name(self) -> str:
-        return self.node.name or self.module_path
+        """What names the layer as a target; layers of two subgraphs that read one weight share it."""
+        return f"{self.scope}{self.node.name or self.module_path}"
 
     @property
     def x(self) -> ir.Value:
@@ -115,17 +118,37 @@ class LinearLayer:
 
 
 def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
-    """Every linear layer of the main graph, in graph order, with its role."""
-    graph = model.graph
+    """Every linear layer, in graph order, subgraphs (If, Loop and Scan bodies) included, with its role.
+
+    The same layer in two subgraphs — a merged decoder's first-step and later-step branches, both reading one
+    weight — is one target under one name, and neither node counts as another reader of the weight.
+    """
     layers = []
-    for node in graph:
-        layer = _match(node, graph)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        layer = _match(node, node.graph)
         if layer is not None:
+            _assign_role(layer, node.graph)
             layers.append(layer)
+    _tell_apart(layers)
+    sites: dict[str, set[ir.Node]] = {}
     for layer in layers:
-        _assign_role(layer, graph)
-        layer.shared_with = [other.name or other.op_type for other in layer.weight.other_consumers(set(layer.nodes))]
+        sites.setdefault(layer.name, set()).update(layer.nodes)
+    for layer in layers:
+        others = layer.weight.other_consumers(sites[layer.name])
+        layer.shared_with = [other.name or other.op_type for other in others]
     return layers
+
+
+def _tell_apart(layers: list[LinearLayer]) -> None:
+    """Layers that share a node name but read different weights get their subgraph's name in front."""
+    by_name: dict[str, list[LinearLayer]] = {}
+    for layer in layers:
+        by_name.setdefault(layer.name, []).append(layer)
+    for same in by_name.values():
+        if len({id(layer.weight.storage) for layer in same}) > 1:
+            for layer in same:
+                graph = layer.node.graph
+                layer.scope = f"{graph.name}/" if graph is not None and graph.name else ""
 
 
 def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
@@ -170,8 +193,9 @@ def _resolve_weight(value: ir.Value) -> WeightSource | None:
     transposed = False
     cast_to = None
     while True:
-        if value.is_graph_input():
-            return None  # an initializer that is also an input can be overridden: not a constant
+        if value.is_graph_input() and not value.is_initializer():
+            return None  # computed from the inputs, not a constant (an initializer that older exporters also
+            # list as an input is one: the exporter's default, which no caller overrides)
         if ir.convenience.get_const_tensor(value) is not None:
             return WeightSource(storage=value, path=path[::-1], transposed=transposed, cast_to=cast_to)
         producer = value.producer()

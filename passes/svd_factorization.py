@@ -49,21 +49,28 @@ class SvdFactorizationPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names = _NameAllocator(model.graph)
+        made: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}  # one pair of initializers per shared factors
         for item in self.factorized:
-            self.factor_names[item.layer.name] = _replace_layer(model, item, names)
+            self.factor_names[item.layer.name] = _replace_layer(model, item, names, made)
         if self.factorized:
             RemoveUnusedNodesPass()(model)
+            _drop_unread_weight_inputs(model.graph, [item.layer.weight.storage for item in self.factorized])
         return ir.passes.PassResult(model, modified=bool(self.factorized))
 
 
-def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocator") -> tuple[str, str]:
-    """Swap one layer for its SvdMatMul; the names of the U and V initializers."""
+def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocator",
+                   made: dict[tuple[int, int], tuple[ir.Value, ir.Value]]) -> tuple[str, str]:
+    """Swap one layer for its SvdMatMul; the names of the U and V initializers. The factors are initializers
+    of the main graph, which subgraph nodes read from the outer scope; a layer whose weight and factors another
+    site already got reads the same ones."""
     layer = item.layer
     graph = model.graph
     base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
-    storage_dtype = layer.dtype
-    u = _initializer(graph, names.fresh(f"{base}.svd_u"), item.u, storage_dtype)
-    v = _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, storage_dtype)
+    key = (id(layer.weight.storage), id(item.u))
+    if key not in made:
+        made[key] = (_initializer(graph, names.fresh(f"{base}.svd_u"), item.u, layer.dtype),
+                     _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, layer.dtype))
+    u, v = made[key]
     factor_names = (u.name, v.name)
     new_nodes: list[ir.Node] = []
     if layer.weight.cast_to is not None:
@@ -79,10 +86,19 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
     )
     new_nodes.append(call)
     ir.convenience.replace_nodes_and_values(
-        graph, layer.node, old_nodes=layer.nodes, new_nodes=new_nodes,
+        layer.node.graph, layer.node, old_nodes=layer.nodes, new_nodes=new_nodes,
         old_values=[layer.output], new_values=call.outputs,
     )
     return factor_names
+
+
+def _drop_unread_weight_inputs(graph: ir.Graph, weights: list[ir.Value]) -> None:
+    """A replaced weight that an older exporter also listed as a graph input would stay a required input
+    once its initializer goes: drop both when nothing reads it any more."""
+    for weight in weights:
+        if weight in graph.inputs and not list(weight.uses()):
+            graph.inputs.remove(weight)
+            graph.initializers.pop(weight.name, None)
 
 
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:

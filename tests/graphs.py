@@ -78,7 +78,7 @@ def activation_product(k=16) -> onnx.ModelProto:
 
 
 def weight_as_graph_input(k=16, n=24) -> onnx.ModelProto:
-    """An initializer that is also a graph input can be overridden at run time: not a constant."""
+    """W an initializer that is also a graph input, as older exporters list every initializer."""
     w = helper.make_tensor_value_info("W", TensorProto.FLOAT, [k, n])
     return model([helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm")], {"W": weight(k, n)}, k=k,
                  extra_inputs=[w])

@@ -12,7 +12,8 @@ from exported_models import exported_model
 from onnx_nmm.backend_runner import ModelRunner
 from onnx_nmm.cli import main
 from onnx_nmm import TrainingDiverged, TrainingOptions
-from onnx_nmm.factor_training import CausalLmInputs, finetune, next_token_loss, replace_factors
+from onnx_nmm.factor_training import finetune, next_token_loss, replace_factors
+from onnx_nmm.lowering import CausalLmInputs
 from onnx_nmm.lowering import call_lowered, factor_parameters, lower
 from onnx_nmm.model_io import check_model_file, load_model, save_model
 from rewriting import assert_logits_close

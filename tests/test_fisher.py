@@ -143,5 +143,5 @@ def test_fisher_on_a_model_that_is_not_a_causal_lm_is_a_one_line_error(capsys, t
     code = main([str(a) for a in ("rewrite", source, "-o", tmp_path / "o.onnx", "--method", "fisher", "--calib", ids,
                                   "--quiet")])
     error = capsys.readouterr().err
-    assert code == 2 and "Fisher statistics need a causal LM" in error and len(error.splitlines()) == 1
+    assert code == 2 and "cannot make from token ids: it runs causal LMs" in error and len(error.splitlines()) == 1
     assert not (tmp_path / "o.onnx").exists()

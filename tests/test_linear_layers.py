@@ -50,8 +50,7 @@ def test_constant_node_weight():
     assert not layer.weight.is_initializer and (layer.k, layer.n) == (16, 24)
 
 
-@pytest.mark.parametrize("builder", [graphs.activation_product, graphs.weight_as_graph_input,
-                                     graphs.vector_input, graphs.no_linear_layers])
+@pytest.mark.parametrize("builder", [graphs.activation_product, graphs.vector_input, graphs.no_linear_layers])
 def test_not_linear_layers(builder):
     assert _layers(builder()) == []
 

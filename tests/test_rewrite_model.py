@@ -39,7 +39,7 @@ def _svd_nodes(proto):
 
 
 @pytest.mark.parametrize("builder", [graphs.matmul, graphs.matmul_transposed, graphs.matmul_bias,
-                                     graphs.constant_weight, graphs.matmul_identity_cast])
+                                     graphs.constant_weight, graphs.matmul_identity_cast, graphs.weight_as_graph_input])
 def test_full_rank_rewrite_of_each_pattern_is_exact(builder):
     original = builder()
     rewritten, _ = _rewrite_proto(original, RankOptions(rank="full"))
@@ -165,3 +165,10 @@ def test_failed_validation_leaves_nothing_on_disk(tmp_path):
     with pytest.raises(OnnxNmmError):
         save_model(model, tmp_path / "out.onnx", external_data=True, validate=reject)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_weight_older_exporters_also_list_as_an_input_is_replaced_inputs_and_all():
+    rewritten, report = _rewrite_proto(graphs.weight_as_graph_input(), RankOptions(rank=4))
+    assert report.layers[0].status == "factorized"
+    assert [value.name for value in rewritten.graph.input] == ["X"]  # W is neither required nor kept
+    assert "W" not in {tensor.name for tensor in rewritten.graph.initializer}

@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     parser.add_argument("--batch", type=int, help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
     parser.add_argument("--seq-len", type=int,
                         help=f"sequence length of the random inputs (default {_common.default(D, 'seq_len')})")
+    parser.add_argument("--past-len", type=int,
+                        help="compare a decode step of --seq-len tokens after a KV cache each model fills with its "
+                             "own prefill of this many tokens (default 0: a prefill over an empty cache)")
     parser.add_argument("--seed", type=int, help="seed of the random token ids")
     parser.add_argument("--inputs", metavar="FILE.npz", help="use these inputs (keys = input names) instead")
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
@@ -31,7 +34,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    options = onnx_nmm.DiffOptions(**_common.given(batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+    options = onnx_nmm.DiffOptions(**_common.given(batch=args.batch, seq_len=args.seq_len, past_len=args.past_len,
+                                                   seed=args.seed,
                                                    inputs=args.inputs, atol=args.atol, rtol=args.rtol,
                                                    backend=args.backend, target=args.target))
     if args.text:

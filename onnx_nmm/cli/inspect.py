@@ -44,6 +44,8 @@ def _print_table(inspection: onnx_nmm.Inspection) -> None:
         storage += " +bias" if layer.bias else ""
         if layer.shared_with:
             storage += f" shared: {', '.join(layer.shared_with)}"
+        if layer.sites > 1:
+            storage += f" ×{layer.sites} subgraphs"
         rank = str(layer.rank) if layer.rank is not None else "—"
         if layer.rank_note:
             rank += f" ({layer.rank_note})"

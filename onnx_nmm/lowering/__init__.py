@@ -8,6 +8,7 @@ import importlib.util
 import os
 import warnings
 
+import numpy as np
 import onnx
 
 from onnx_nmm.errors import MissingDependencyError, ModelError
@@ -43,6 +44,24 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
         raise ModelError(f"the lowering to PyTorch failed: {error}") from None
     set_backend(module, backend or TorchMath())
     return module.eval()
+
+
+class CausalLmInputs:
+    """The lowered module's inputs for token ids [B, S], in the graph's input order: the causal LM's feeds
+    after an empty cache (causal_lm.CausalLm)."""
+
+    def __init__(self, graph):
+        from onnx_nmm.causal_lm import CausalLm
+
+        self.order = [value.name for value in graph.inputs if not value.is_initializer()]
+        self.model = CausalLm.of_graph(graph)
+        self.model.feeds(np.zeros((1, 2), np.int64))  # refuse a graph that is no causal LM before any work
+
+    def __call__(self, tokens: np.ndarray) -> tuple:
+        import torch
+
+        feeds = self.model.feeds(tokens)
+        return tuple(torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in self.order)
 
 
 def call_lowered(module, *inputs):
@@ -106,5 +125,5 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
     return missing
 
 
-__all__ = ["BACKENDS", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
+__all__ = ["BACKENDS", "CausalLmInputs", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
            "factor_parameters", "lower", "modules_by_output", "set_backend", "svd_ops_of", "unsupported_nodes"]

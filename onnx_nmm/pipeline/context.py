@@ -50,7 +50,8 @@ class RewriteContext:
 
 def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer], list[LinearLayer], dict[str, str]]:
     """(every linear layer, the targets, why each other layer is left alone); refused when there is nothing
-    to target."""
+    to target. A target that sits in several subgraphs (a merged decoder's branches) is listed once, by its
+    first site; `sites` gives them all."""
     layers = find_linear_layers(model)
     if not layers:
         raise ModelError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "
@@ -59,7 +60,16 @@ def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer]
     if not chosen:
         raise ModelError(f"none of the {len(layers)} linear layers matches {options.selection.describe()}; "
                          "inspect lists their names and roles")
-    return layers, chosen, skipped
+    first_sites: dict[str, LinearLayer] = {}
+    for layer in chosen:
+        first_sites.setdefault(layer.name, layer)
+    return layers, list(first_sites.values()), skipped
+
+
+def sites(layers: list[LinearLayer], chosen: list[LinearLayer]) -> list[LinearLayer]:
+    """Every node of the targets, in graph order: a target in several subgraphs has a site in each."""
+    names = {layer.name for layer in chosen}
+    return [layer for layer in layers if layer.name in names]
 
 
 class RewritePass(ir.passes.InPlacePass):

@@ -12,11 +12,13 @@ weights they replace) are the only new arrays.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import onnx_ir as ir
 
 from onnx_nmm import sequential
-from onnx_nmm.passes import SvdFactorizationPass
-from onnx_nmm.pipeline.context import RewritePass, targets
+from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
+from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.rank_plan import Dense
 
@@ -40,8 +42,10 @@ class FactorizeLayers(RewritePass):
         layers, chosen, skipped = targets(model, context.options)
         plan, factorizer = context.plan, context.make_factorizer()
         observer = self._observer()
-        groups = sequential.layer_groups(chosen) if observer is not None else [chosen]
+        every_site = sites(layers, chosen)
+        groups = sequential.layer_groups(every_site) if observer is not None else [every_site]
         outcomes: dict[str, LayerOutcome] = {}
+        made: dict[str, FactorizedLayer] = {}  # a target's factors, for its other sites
         description = "observing and factorizing" if observer is not None else "factorizing"
         with context.progress.phase(description, total=len(chosen)) as phase:
             if observer is not None:
@@ -55,16 +59,20 @@ class FactorizeLayers(RewritePass):
                     if isinstance(choice, Dense):
                         outcomes[layer.name] = LayerOutcome.of(layer, "dense", choice.reason,
                                                                parameters_after=layer.parameters)
+                    elif layer.name in made:  # another subgraph's site of a target: the same factors
+                        factorized.append(replace(made[layer.name], layer=layer))
+                        continue
                     else:
-                        outcomes[layer.name], factors = factorizer.factorize(layer, choice, statistics)
-                        factorized.append(factors)
+                        outcomes[layer.name], made[layer.name] = factorizer.factorize(layer, choice, statistics)
+                        factorized.append(made[layer.name])
                     phase.advance(detail=layer.module_path or layer.name)
                 surgery = SvdFactorizationPass(factorized)
                 surgery(model)
                 self.factor_names.update(surgery.factor_names)
         factorizer.decompositions.clear()
-        context.report.layers = [outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
-                                 for layer in layers]
+        rows = {layer.name: outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
+                for layer in layers}  # one row per target, however many subgraphs hold it
+        context.report.layers = list(rows.values())
         return bool(self.factor_names)
 
     def _observer(self) -> sequential.GroupObserver | None:

@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from onnx_nmm import rank_allocation, sensitivity
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
-from onnx_nmm.pipeline.context import RewritePass, targets
+from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.rank_plan import (Dense, RankPlan, aligned_ranks, energy_choice, explicit_ranks, keep_choice,
                                 parameters, plan_from_report)
@@ -84,16 +84,17 @@ class PlanRanks(RewritePass):
         context, ranks = self.context, self.context.options.ranks
         metric = "kl" if ranks.rule == "max_kl" else "ppl"
         probe_model = model.clone()
-        _, probe_layers, _ = targets(probe_model, context.options)
+        probe_layers, probe_targets, _ = targets(probe_model, context.options)
+        probe_layers = sites(probe_layers, probe_targets)
         with context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
             for layer in probe_layers:
                 factorizer.decompositions[layer.name] = factorizer.decompose(layer)
                 phase.advance(detail=layer.module_path or layer.name)
         decompositions = factorizer.decompositions  # kept: the factorization reuses them
-        full_rank = [FactorizedLayer(layer, *decompositions[layer.name].factors(decompositions[layer.name].max_rank,
-                                                                                np.float64),
-                                     align=ranks.align, method=f"{context.options.method}/exact")
-                     for layer in probe_layers]
+        factors = {name: decomposition.factors(decomposition.max_rank, np.float64)
+                   for name, decomposition in decompositions.items()}  # one pair per target, for all its sites
+        full_rank = [FactorizedLayer(layer, *factors[layer.name], align=ranks.align,
+                                     method=f"{context.options.method}/exact") for layer in probe_layers]
         surgery = SvdFactorizationPass(full_rank)
         surgery(probe_model)
         tokens = context.calibration_windows(ranks.sensitivity_windows).tokens  # chosen like calibration's

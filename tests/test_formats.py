@@ -1,0 +1,101 @@
+"""The ONNX LLMs people deploy: a KV cache, a merged decoder. Fixtures made by optimum itself
+(tools/format_fixtures.py), run by every command with no hand-made inputs."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_nmm.causal_lm import CausalLm
+from onnx_nmm.cli import main
+from onnx_nmm.passes import svd_ops
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+PAST, MERGED = FORMATS / "optimum-past" / "model.onnx", FORMATS / "optimum-merged" / "model.onnx"
+VOCAB = 300
+
+
+def _cli(capsys, *argv):
+    code = main([str(arg) for arg in argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    path = tmp_path / "ids.npz"
+    np.savez(path, input_ids=np.random.default_rng(0).integers(0, VOCAB, (4, 32), dtype=np.int64))
+    return path
+
+
+def _prefill_then_step(path: Path, prefix: np.ndarray, step: np.ndarray) -> list[np.ndarray]:
+    """Every output of a prefill, then of one decode step fed the prefill's cache, run by hand."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    model = CausalLm.of_session(session)
+    names = [output.name for output in session.get_outputs()]
+    first = dict(zip(names, session.run(None, model.feeds(prefix))))
+    second = session.run(None, model.feeds(step, model.cache_after(first)))
+    return list(first.values()) + second
+
+
+@pytest.mark.parametrize("path", [PAST, MERGED], ids=["with-past", "merged"])
+def test_the_inputs_are_read_off_the_graph(path):
+    model = CausalLm.of_session(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    assert model.tokens.name == "input_ids" and model.mask.name == "attention_mask"
+    assert model.positions.name == "position_ids" and not model.unknown
+    assert [entry.present for entry in model.cache] == ["present.0.key", "present.0.value", "present.1.key",
+                                                        "present.1.value"]
+    feeds = model.feeds(np.zeros((2, 5), np.int64))
+    assert feeds["past_key_values.0.key"].shape == (2, 2, 0, 16) and feeds["attention_mask"].shape == (2, 5)
+    step = model.feeds(np.zeros((2, 1), np.int64), {name: np.zeros((2, 2, 5, 16), np.float32) for name in
+                                                    (entry.input.name for entry in model.cache)})
+    assert step["attention_mask"].shape == (2, 6) and step["position_ids"].tolist() == [[5], [5]]
+    assert ("use_cache_branch" in feeds) == (path == MERGED) and step.get("use_cache_branch", [True])[0]
+
+
+@pytest.mark.parametrize("path", [PAST, MERGED], ids=["with-past", "merged"])
+def test_a_full_rank_rewrite_is_exact_on_the_prefill_and_on_a_decode_step(capsys, tmp_path, path):
+    rewritten = tmp_path / "full.onnx"
+    _cli(capsys, "rewrite", path, "-o", rewritten, "--rank", "full", "--targets", "all", "--lm-head", "--quiet")
+    ids = np.random.default_rng(1).integers(0, VOCAB, (2, 9), dtype=np.int64)
+    for expected, actual in zip(_prefill_then_step(path, ids[:, :8], ids[:, 8:]),
+                                _prefill_then_step(rewritten, ids[:, :8], ids[:, 8:])):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_a_merged_decoder_shares_each_targets_factors_between_its_branches(capsys, tmp_path, tokens):
+    rewritten, report = tmp_path / "m.onnx", tmp_path / "r.json"
+    _cli(capsys, "rewrite", MERGED, "-o", rewritten, "--calib", tokens, "--keep", "0.5", "--align", "16",
+         "--fuse-mlp", "--report", report, "--quiet")
+    proto = onnx.load(rewritten)
+    factors = [tensor.name for tensor in proto.graph.initializer if ".svd_" in tensor.name]
+    data = json.loads(report.read_text())
+    assert len(factors) == 2 * data["totals"]["layers_factorized"] == 12  # 6 MLP matrices, once each
+    (branching,) = proto.graph.node
+    for branch in branching.attribute:
+        assert sum(node.op_type == svd_ops.SVD_GATED_MLP for node in branch.g.node) == 2
+    assert data["fused_mlps"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert sum(layer["status"] != "skipped" for layer in data["layers"]) == 6  # one row per target
+
+
+@pytest.mark.parametrize("path", [PAST, MERGED], ids=["with-past", "merged"])
+def test_every_command_runs_on_a_cached_model_without_hand_made_inputs(capsys, tmp_path, tokens, path):
+    whitened = tmp_path / "w.onnx"
+    _cli(capsys, "rewrite", path, "-o", whitened, "--calib", tokens, "--keep", "0.5", "--align", "16", "--quiet")
+    compared = json.loads(_cli(capsys, "diff", path, whitened, "--json"))
+    assert [output["name"] for output in compared["outputs"]] == ["logits", "present.0.key", "present.0.value",
+                                                                  "present.1.key", "present.1.value"]
+    step = json.loads(_cli(capsys, "diff", path, whitened, "--past-len", "6", "--seq-len", "4", "--json"))
+    assert step["inputs"]["past_key_values.0.key"] == [1, 2, 6, 16] and step["outputs"][0]["cosine"] > 0.9
+    scored = json.loads(_cli(capsys, "eval", whitened, "--text", tokens, "--window", "16", "--json"))
+    assert scored["tokens_scored"] == 120 and 1 < scored["perplexity"] < 10 * VOCAB
+    for method in (["--method", "fisher"], ["--calib-mode", "sequential"], ["--max-ppl-increase", "0.2"]):
+        _cli(capsys, "rewrite", path, "-o", tmp_path / "other.onnx", "--calib", tokens, "--align", "16", "--quiet",
+             "--force", *method)
+    _cli(capsys, "finetune", whitened, "--text", tokens, "--steps", "2", "-o", tmp_path / "tuned.onnx", "--quiet")
+    emulated = json.loads(_cli(capsys, "diff", whitened, whitened, "--backend", "emulator", "--json"))
+    assert emulated["outputs"][0]["top1_agreement"] > 0.8  # the kernels run in bf16

@@ -1,0 +1,105 @@
+"""Tiny LLMs in the formats people deploy, made by the exporters that make them, committed for the tests.
+
+    tests/data/formats/optimum-past/      optimum-onnx, text-generation-with-past (a KV cache)
+    tests/data/formats/optimum-merged/    optimum's merged decoder: one If choosing the first step or a
+                                          later one, both branches reading the same weights
+
+The model is one random-weight Llama (hidden 64, 2 layers, vocabulary 300; small enough to commit), built
+from a config here so that this script needs nothing of onnx-nmm. optimum-onnx pins transformers below the
+project's, so run it in an environment of its own:
+
+    python -m venv /tmp/fixtures
+    /tmp/fixtures/bin/pip install torch==2.13.0 optimum-onnx==0.1.0
+    /tmp/fixtures/bin/python tools/format_fixtures.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "formats"
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A random-weight Llama checkpoint, every parameter perturbed so that no weight is zero or repeated."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape) * 0.02)
+    model.save_pretrained(folder)
+    return folder
+
+
+def optimum_export(checkpoint: Path, task: str, folder: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", str(checkpoint),
+                    "--task", task, str(folder)], check=True, capture_output=True)
+    return folder / "model.onnx"
+
+
+def first_step_decoder(with_past: Path, target: Path) -> Path:
+    """The decoder optimum 1.x exported for the first step (no past inputs, presents out), made from the
+    with-past export by feeding it an empty cache: past [batch, heads, 0, head_dim] from input_ids' batch."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(with_past)
+    graph = model.graph
+    past = {value.name: value for value in graph.input if value.name.startswith("past_key_values")}
+    empty = {name: f"{name}.empty" for name in past}
+    for node in graph.node:
+        node.input[:] = [empty.get(name, name) for name in node.input]
+    nodes = [helper.make_node("Shape", ["input_ids"], ["first_step_batch"], start=0, end=1)]
+    for name, value in past.items():
+        dims = value.type.tensor_type.shape.dim
+        graph.initializer.append(numpy_helper.from_array(np.array([dims[1].dim_value, 0, dims[3].dim_value]),
+                                                         f"{name}.rest"))
+        nodes += [helper.make_node("Concat", ["first_step_batch", f"{name}.rest"], [f"{name}.shape"], axis=0),
+                  helper.make_node("ConstantOfShape", [f"{name}.shape"], [empty[name]],
+                                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))]
+        graph.input.remove(value)
+    original = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + original)
+    onnx.save(model, target)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    from optimum.onnx.graph_transformations import merge_decoders
+
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        checkpoint = tiny_llama(work / "checkpoint")
+        with_past = optimum_export(checkpoint, "text-generation-with-past", work / "past")
+        first_step = first_step_decoder(with_past, work / "first-step.onnx")
+        for name, source in (("optimum-past", with_past),):
+            target = args.out / name
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            shutil.copy(source, target / "model.onnx")
+        merged = args.out / "optimum-merged"
+        shutil.rmtree(merged, ignore_errors=True)
+        merged.mkdir(parents=True)
+        merge_decoders(first_step, with_past, strict=False, save_path=merged / "model.onnx")
+    for model in sorted(args.out.glob("*/model.onnx")):
+        print(f"wrote {model} ({model.stat().st_size / 1e6:.2f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
