@@ -170,16 +170,18 @@ def _gram_graph(proto: onnx.ModelProto, plan: _GramPlan) -> onnx.ModelProto:
     then the number of rows; nodes the blocks do not need are pruned."""
     graph = proto.graph
     types = value_types(proto)
+    known = {value.name for value in proto.graph.input} | {node_output for node in proto.graph.node
+                                                            for node_output in node.output}
     helper, numpy_helper = onnx.helper, onnx.numpy_helper
     outputs, nodes = [], []
     for index, (name, width) in enumerate(plan.inputs.items()):
-        if name not in types:
-            raise ModelError(f"cannot observe '{name}': the model declares no type for it")
+        if name not in known:
+            raise ModelError(f"cannot observe '{name}': no node of the model computes it")
         prefix = f"onnx_nmm_gram_{index}"
         graph.initializer.append(numpy_helper.from_array(np.array([-1, width], np.int64), f"{prefix}_shape"))
         rows = f"{prefix}_rows"
         nodes.append(helper.make_node("Reshape", [name, f"{prefix}_shape"], [rows]))
-        if types[name] != onnx.TensorProto.FLOAT:  # fp16/bf16 activations: square them in fp32
+        if types.get(name) != onnx.TensorProto.FLOAT:  # fp16/bf16 (or, past a contrib op, unknown): square in fp32
             nodes.append(helper.make_node("Cast", [rows], [f"{rows}_fp32"], to=onnx.TensorProto.FLOAT))
             rows = f"{rows}_fp32"
         edges = plan.edges[name]

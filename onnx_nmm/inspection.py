@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import onnx
 import onnx_ir as ir
@@ -12,7 +12,7 @@ import onnx_ir as ir
 from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RankOptions, Selection
-from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
+from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
 from onnx_nmm.rank_plan import Dense, keep_choice
 
 
@@ -44,6 +44,7 @@ class Inspection:
     rule: str
     selection: str
     layers: list[LayerInfo]
+    unread: list[dict] = field(default_factory=list)  # quantized layers in forms onnx-nmm does not read
 
     def totals(self) -> dict:
         targeted = [layer for layer in self.layers if layer.targeted]
@@ -58,7 +59,7 @@ class Inspection:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "rule": self.rule, "selection": self.selection,
-                "layers": [asdict(layer) for layer in self.layers], "totals": self.totals()}
+                "layers": [asdict(layer) for layer in self.layers], "unread": self.unread, "totals": self.totals()}
 
 
 def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOptions | None = None,
@@ -69,7 +70,9 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
     ranks, selection = ranks or RankOptions(), selection or Selection()
     source = ModelSource.of(model)
     layers = find_linear_layers(source.model)
-    if not layers:
+    unread = [{"node": layer.node.name, "op": layer.op, "module_path": layer.module_path, "group": layer.group}
+              for layer in find_unread_layers(source.model)]
+    if not layers and not unread:
         ops = Counter(node.op_type for node in source.model.graph)
         seen = ", ".join(f"{count} {op}" for op, count in ops.most_common(8)) or "no nodes"
         raise ModelError(f"no linear layer found in {source.label}: looked for MatMul/Gemm nodes whose second input "
@@ -81,12 +84,16 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
             infos[layer.name].sites += 1
         else:
             infos[layer.name] = _info(layer, ranks, layer.name in targeted)
-    return Inspection(source.label, ranks.describe(), selection.describe(), list(infos.values()))
+    return Inspection(source.label, ranks.describe(), selection.describe(), list(infos.values()), unread)
 
 
 def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
     rank, note = _rank(layer, ranks)
     storage = "external data" if layer.weight.is_external else ("initializer" if layer.weight.is_initializer else "Constant")
+    quantized = layer.weight.quantized
+    if quantized is not None:
+        storage = f"{quantized.format} {quantized.bits}-bit" + (f" blocks of {quantized.block_size}"
+                                                                 if quantized.block_size else "") + f", {storage}"
     return LayerInfo(
         name=layer.name, module_path=layer.module_path, group=layer.group, role=layer.role, k=layer.k, n=layer.n,
         dtype=layer.dtype.name.lower(), weight=layer.weight.name, storage=storage,

@@ -28,6 +28,7 @@ FULL_RANK = "full"
 METHODS = ("svd", "whiten", "fisher")
 BUDGETS = ("uniform", "global", "sensitivity")
 CALIBRATION_MODES = ("independent", "sequential")
+FACTOR_DTYPES = ("float16", "float32")
 RANDOM_CALIBRATION = "random"
 
 # The ways of choosing ranks; exactly one drives a rewrite.
@@ -175,13 +176,16 @@ class FactorizationOptions:
     """method: svd (truncated SVD of W), whiten (SVD-LLM: minimise the layer's output error on the
     calibration data), or fisher (also weigh each output direction by the loss's gradients); None means
     whiten with calibration data, else svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
-    the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling)."""
+    the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling).
+    factor_dtype: how U and V are stored — None: as the weight was (a quantized weight's factors quantized
+    the same way, a float weight's in its dtype), or "float16" / "float32"."""
 
     method: str | None = None
     svd: str = "exact"
     power_iterations: int = 2
     oversample: int = 64
     seed: int = 0
+    factor_dtype: str | None = None
 
     def __post_init__(self):
         if self.method is not None and self.method not in METHODS:
@@ -190,6 +194,9 @@ class FactorizationOptions:
         if self.svd not in SVD_METHODS:
             raise OptionError(f"{{svd}} must be one of {', '.join(SVD_METHODS)}, got {self.svd!r}",
                               svd="factorization.svd")
+        if self.factor_dtype is not None and self.factor_dtype not in FACTOR_DTYPES:
+            raise OptionError(f"{{factor_dtype}} must be one of {', '.join(FACTOR_DTYPES)}, got {self.factor_dtype!r}",
+                              factor_dtype="factorization.factor_dtype")
         for name in ("power_iterations", "oversample"):
             if getattr(self, name) < 0:
                 raise OptionError(f"{{{name}}} must be ≥ 0, got {getattr(self, name)}",

@@ -8,9 +8,13 @@ Matched forms (all seen in real exports, ASSETS.md):
     MatMul(X, W) → Add(·, b)          b a constant [N]: folded in as the layer's bias
     W also a graph input              older exporters list every initializer as an input too
     Gemm(X, W, C, transA=0, transB)   GPT-2's Conv1D; alpha scales W, beta scales C
+    MatMulNBits(X, codes, scales, …)  int4/int8 weights (onnxruntime-genai, most CPU models on the hub)
+    MatMul(X, DequantizeLinear(Wq))   QDQ: a quantized weight dequantized on the way (quantized_weights.py)
+    MatMulInteger(DQL(X), Wq) · s     onnxruntime's dynamic int8 quantization
 
 A layer is `Y = X·W_eff + b` with W_eff = alpha·op(W) of shape K×N. Products of two activations (the
-attention scores) never match: the weight must be a constant. Only top-level graph nodes are scanned.
+attention scores) never match: the weight must be a constant. Subgraphs (If, Loop, Scan bodies) are
+scanned too.
 """
 
 from __future__ import annotations
@@ -21,19 +25,22 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.passes import roles
+from onnx_nmm.passes.quantized_weights import (DEQUANTIZE, IntegerProduct, QuantizedWeight, dequantize_linear_parts,
+                                               integer_layer_parts, nbits_layer_parts, unsupported_quantized)
 
 # Ops allowed between a weight's storage and the MatMul that reads it.
-_WEIGHT_PATH_OPS = ("Identity", "Transpose", "Cast")
+_WEIGHT_PATH_OPS = ("Identity", "Transpose", "Cast", DEQUANTIZE)
 
 
 @dataclass
 class WeightSource:
     """Where W comes from: a stored constant, seen through Identity/Transpose/Cast nodes."""
 
-    storage: ir.Value  # initializer, or output of a Constant node
+    storage: ir.Value  # initializer, or output of a Constant node (the codes of a quantized weight)
     path: list[ir.Node] = field(default_factory=list)  # from storage towards the consumer
     transposed: bool = False  # storage is [N, K]
     cast_to: ir.DataType | None = None
+    quantized: QuantizedWeight | None = None  # the weight is stored quantized (codes, scales, zero points)
 
     @property
     def tensor(self) -> ir.TensorProtocol:
@@ -75,6 +82,8 @@ class LinearLayer:
     role: str = roles.OTHER
     shared_with: list[str] = field(default_factory=list)  # names of other consumers of the weight
     scope: str = ""  # the subgraph, when its node name alone would name two different layers
+    quantizer: ir.Node | None = None  # MatMulInteger: the DynamicQuantizeLinear X passes through first
+    chain: list[ir.Node] = field(default_factory=list)  # MatMulInteger: its Cast and rescaling Muls
 
     @property
     def name(self) -> str:
@@ -84,25 +93,30 @@ class LinearLayer:
     @property
     def x(self) -> ir.Value:
         """The activation input, read from the node: rewriting an upstream layer replaces that value."""
-        return self.node.inputs[0]
+        return (self.quantizer or self.node).inputs[0]
 
     @property
     def nodes(self) -> list[ir.Node]:
-        return [self.node] + ([self.bias_node] if self.bias_node is not None else [])
+        """The nodes the layer is made of (not a quantizer other layers may share)."""
+        return [self.node, *self.chain] + ([self.bias_node] if self.bias_node is not None else [])
 
     @property
     def dtype(self) -> ir.DataType:
-        """W's storage dtype (what the factors are stored in)."""
-        return self.weight.tensor.dtype
+        """W's float dtype: its storage's, or its scales' when it is stored quantized (what float factors are
+        stored in)."""
+        return self.weight.quantized.float_dtype if self.weight.quantized else self.weight.tensor.dtype
 
     @property
     def parameters(self) -> int:
         return self.k * self.n
 
     def weight_matrix(self) -> np.ndarray:
-        """W_eff [K, N] as float32 (float64 if stored so): transpose and alpha applied."""
-        array = self.weight.tensor.numpy()
-        array = array.astype(np.float64 if array.dtype == np.float64 else np.float32)
+        """W_eff [K, N] as float32 (float64 if stored so): dequantized, transpose and alpha applied."""
+        if self.weight.quantized is not None:
+            array = self.weight.quantized.dequantize(self.k, self.n)
+        else:
+            array = self.weight.tensor.numpy()
+            array = array.astype(np.float64 if array.dtype == np.float64 else np.float32)
         if self.weight.transposed:
             array = array.T
         if self.alpha != 1.0:
@@ -139,6 +153,28 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
     return layers
 
 
+@dataclass
+class UnreadLayer:
+    """A product of an activation and a quantized constant in a form no rewrite reads."""
+
+    node: ir.Node
+    op: str
+    module_path: str
+    group: str
+
+
+def find_unread_layers(model: ir.Model) -> list[UnreadLayer]:
+    """The quantized linear layers of forms onnx-nmm does not read (quantized_weights.unsupported_quantized)."""
+    unread = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        op = unsupported_quantized(node)
+        if op is not None:
+            path = roles.module_path(node)
+            named = roles.classify(path)
+            unread.append(UnreadLayer(node, op, path, named[0] if named is not None else roles.OTHER))
+    return unread
+
+
 def _tell_apart(layers: list[LinearLayer]) -> None:
     """Layers that share a node name but read different weights get their subgraph's name in front."""
     by_name: dict[str, list[LinearLayer]] = {}
@@ -152,6 +188,12 @@ def _tell_apart(layers: list[LinearLayer]) -> None:
 
 
 def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
+    nbits = nbits_layer_parts(node)
+    if nbits is not None:
+        return _match_nbits(node, graph, *nbits)
+    product = integer_layer_parts(node)
+    if product is not None:
+        return _match_integer(node, graph, product)
     if node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
@@ -168,6 +210,28 @@ def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
         return _match_gemm(node, source, rows, cols)
     k, n = (cols, rows) if source.transposed else (rows, cols)
     layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0])
+    _fold_bias_add(layer, graph)
+    return layer
+
+
+def _match_nbits(node: ir.Node, graph: ir.Graph, weight: QuantizedWeight, k: int, n: int,
+                 bias: ir.Value | None) -> LinearLayer:
+    """MatMulNBits: Wᵀ's rows quantized in blocks along K (quantized_weights.py)."""
+    source = WeightSource(storage=weight.codes, quantized=weight)
+    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0], bias=bias)
+    if bias is None:
+        _fold_bias_add(layer, graph)
+    return layer
+
+
+def _match_integer(node: ir.Node, graph: ir.Graph, product: IntegerProduct) -> LinearLayer | None:
+    """MatMulInteger with its DynamicQuantizeLinear, Cast and rescaling (quantized_weights.py)."""
+    shape = ir.convenience.get_const_tensor(product.weight.codes).shape
+    if len(shape) != 2:
+        return None
+    k, n = shape.dims
+    layer = LinearLayer(node=node, weight=WeightSource(storage=product.weight.codes, quantized=product.weight), k=k,
+                        n=n, output=product.output, quantizer=product.quantizer, chain=product.chain)
     _fold_bias_add(layer, graph)
     return layer
 
@@ -191,17 +255,24 @@ def _resolve_weight(value: ir.Value) -> WeightSource | None:
     """Follow Identity/Transpose/Cast back to a stored constant; None if W is computed."""
     path: list[ir.Node] = []
     transposed = False
-    cast_to = None
+    cast_to = quantized = None
     while True:
         if value.is_graph_input() and not value.is_initializer():
             return None  # computed from the inputs, not a constant (an initializer that older exporters also
             # list as an input is one: the exporter's default, which no caller overrides)
         if ir.convenience.get_const_tensor(value) is not None:
-            return WeightSource(storage=value, path=path[::-1], transposed=transposed, cast_to=cast_to)
+            return WeightSource(storage=value, path=path[::-1], transposed=transposed, cast_to=cast_to,
+                                quantized=quantized)
         producer = value.producer()
         if producer is None or producer.domain != "" or producer.op_type not in _WEIGHT_PATH_OPS:
             return None
-        if producer.op_type == "Transpose":
+        if quantized is not None and producer.op_type != "Identity":
+            return None  # codes that are themselves transposed or cast: their scales' axis would not apply
+        if producer.op_type == DEQUANTIZE:
+            quantized = dequantize_linear_parts(producer)
+            if quantized is None:
+                return None  # scales or zero points that are computed, not constants
+        elif producer.op_type == "Transpose":
             perm = producer.attributes.get("perm")
             if perm is not None and list(perm.as_ints()) != [1, 0]:
                 return None
@@ -214,7 +285,7 @@ def _resolve_weight(value: ir.Value) -> WeightSource | None:
 
 def _fold_bias_add(layer: LinearLayer, graph: ir.Graph) -> None:
     """MatMul → Add(constant [N]): the Add becomes part of the layer."""
-    output = layer.node.outputs[0]
+    output = layer.output
     uses = list(output.uses())
     if len(uses) != 1 or output in graph.outputs:
         return

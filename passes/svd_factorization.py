@@ -1,12 +1,17 @@
-"""Replace factorized linear layers by `ai.onnx_nmm::SvdMatMul` calls.
+"""Replace factorized linear layers by `ai.onnx_nmm::SvdMatMul` calls — or, for a weight stored quantized,
+by the same quantized form twice.
 
-    Y = X·W (+ b)   →   Y = SvdMatMul(X, U, V (, b))      with  U·V ≈ W,  U [K, r], V [r, N]
+    Y = X·W (+ b)                  →   Y = SvdMatMul(X, U, V (, b))      with  U·V ≈ W,  U [K, r], V [r, N]
+    Y = MatMulNBits(X, W…)         →   Y = MatMulNBits(MatMulNBits(X, U…), V…) (+ b)
+    Y = MatMul(X, Dequantize(W…))  →   Y = SvdMatMul(X, Dequantize(U…), Dequantize(V…) (, b))
+    Y = MatMulInteger(DQL(X), W…)  →   H = MatMulInteger(DQL(X), U…);  Y = MatMulInteger(DQL(H), V…) (+ b)
 
-The pass is pure graph surgery: the factors come computed (onnx_nmm.pipeline.factorize). U and V become
-initializers in W's storage dtype; if W was read through a Cast, U and V get the same Cast. The new
-node keeps the replaced node's name and metadata (so module paths survive) and records the names of
-the nodes it replaced. Weights, Transposes and Identities nobody reads any more are removed; a weight
-that another node still reads (a tied embedding) stays.
+The pass is pure graph surgery: the factors come computed (onnx_nmm.pipeline.factorize), quantized too when
+they are to be stored so (onnx_nmm.quantization). Float U and V become initializers in W's float dtype (or
+the one asked for), behind a Cast when the layer computes in another. The new node keeps the replaced
+node's name and metadata (so module paths survive) and records the names of the nodes it replaced.
+Weights, Transposes and Identities nobody reads any more are removed; a weight that another node still
+reads (a tied embedding) stays.
 """
 
 from __future__ import annotations
@@ -19,17 +24,44 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer
+from onnx_nmm.passes.quantized_weights import INTEGER, MICROSOFT, NBITS, dequantized
+
+# Node metadata of the two nodes a quantized layer becomes: which factor each computes, and the rank.
+FACTOR_KEY, RANK_KEY = "onnx_nmm.svd_factor", "onnx_nmm.rank"
+
+
+@dataclass
+class QuantizedFactor:
+    """A factor stored quantized: codes, scales, zero points (None: symmetric), and its node's attributes
+    (MatMulNBits: K, N, bits, block_size; DequantizeLinear: axis)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    attributes: dict
+
+    def matrix(self, format: str, bits: int, block_size: int, k: int, n: int) -> np.ndarray:
+        """The float32 factor [k, n] the stored arrays stand for."""
+        return dequantized(format, self.codes, self.scales, self.zero_points, bits, block_size,
+                           self.attributes.get("axis", 1), k, n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in (self.codes, self.scales, self.zero_points) if array is not None)
 
 
 @dataclass
 class FactorizedLayer:
-    """A layer and the factors that replace its weight (any float dtype; stored in W's dtype)."""
+    """A layer and the factors that replace its weight: float (stored in W's float dtype, or `storage`), or
+    `quantized` in W's own format."""
 
     layer: LinearLayer
     u: np.ndarray  # [K, r]
     v: np.ndarray  # [r, N]
     align: int
     method: str
+    storage: ir.DataType | None = None
+    quantized: tuple[QuantizedFactor, QuantizedFactor] | None = None
 
     @property
     def rank(self) -> int:
@@ -66,15 +98,22 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
     layer = item.layer
     graph = model.graph
     base = layer.weight.name.removesuffix(".weight") if layer.weight.is_initializer else layer.name
+    if item.quantized is not None and layer.weight.quantized.format == NBITS:
+        return _replace_with_nbits(model, item, base, names, made)
+    if item.quantized is not None and layer.weight.quantized.format == INTEGER:
+        return _replace_with_integer(model, item, base, names, made)
     key = (id(layer.weight.storage), id(item.u))
     if key not in made:
-        made[key] = (_initializer(graph, names.fresh(f"{base}.svd_u"), item.u, layer.dtype),
-                     _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, layer.dtype))
+        made[key] = _factor_initializers(graph, item, base, names)
     u, v = made[key]
     factor_names = (u.name, v.name)
     new_nodes: list[ir.Node] = []
-    if layer.weight.cast_to is not None:
-        u, v = (_cast(value, layer.weight.cast_to, new_nodes) for value in (u, v))
+    if item.quantized is not None:  # QDQ: the factors dequantized on the way, as the weight was
+        u, v = (_dequantize(value, factor, new_nodes) for value, factor in zip((u, v), item.quantized))
+    else:
+        compute = layer.weight.cast_to or layer.dtype
+        if u.dtype != compute:
+            u, v = (_cast(value, compute, new_nodes) for value in (u, v))
     bias = _bias_value(graph, layer, names)
     overload = svd_ops.register_svd_matmul(model, with_bias=bias is not None)
     metadata = dict(layer.node.metadata_props)
@@ -90,6 +129,106 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
         old_values=[layer.output], new_values=call.outputs,
     )
     return factor_names
+
+
+def _factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str,
+                         names: "_NameAllocator") -> tuple[ir.Value, ir.Value]:
+    """U and V as initializers: float in the storage dtype, or a quantized factor's codes (its scales and zero
+    points beside them, found by `_dequantize` under the codes' name)."""
+    if item.quantized is None:
+        dtype = item.storage or item.layer.dtype
+        return (_initializer(graph, names.fresh(f"{base}.svd_u"), item.u, dtype),
+                _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, dtype))
+    return tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)[0]
+                 for which, factor in zip("uv", item.quantized))
+
+
+def _quantized_initializers(graph: ir.Graph, name: str, factor: QuantizedFactor) -> list[ir.Value]:
+    """[codes, scales(, zero points)] of a quantized factor, registered as initializers (or found, if they are)."""
+    arrays = [("", factor.codes), ("_scales", factor.scales), ("_zero_points", factor.zero_points)]
+    values = []
+    for suffix, array in arrays:
+        if array is None:
+            continue
+        if name + suffix in graph.initializers:
+            values.append(graph.initializers[name + suffix])
+        else:
+            values.append(_initializer(graph, name + suffix, array, ir.DataType.from_numpy(array.dtype)))
+    return values
+
+
+def _dequantize(codes: ir.Value, factor: QuantizedFactor, nodes: list[ir.Node]) -> ir.Value:
+    graph = codes.graph
+    inputs = [graph.initializers[codes.name + suffix] for suffix in ("", "_scales", "_zero_points")
+              if codes.name + suffix in graph.initializers]
+    node = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", factor.attributes["axis"])], num_outputs=1,
+                   name=f"{codes.name}.dequantize")
+    node.outputs[0].name = f"{codes.name}.dequantized"
+    nodes.append(node)
+    return node.outputs[0]
+
+
+def _replace_with_nbits(model: ir.Model, item: FactorizedLayer, base: str, names: "_NameAllocator",
+                        made: dict) -> tuple[str, str]:
+    """MatMulNBits(X, W…) → MatMulNBits(MatMulNBits(X, U…), V…) (+ bias): the same kernels, two smaller codes."""
+    layer, graph = item.layer, model.graph
+    key = (id(layer.weight.storage), id(item.u))
+    if key not in made:
+        made[key] = tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
+                          for which, factor in zip("uv", item.quantized))
+    stored = made[key]
+    metadata = dict(layer.node.metadata_props)
+    metadata[svd_ops.ORIGINAL_NODE_KEY] = ",".join(node.name or node.op_type for node in layer.nodes)
+    nodes, value = [], layer.x
+    for which, factor, values in zip("uv", item.quantized, stored):
+        attributes = [ir.AttrInt64(key, value) for key, value in factor.attributes.items() if isinstance(value, int)]
+        node = ir.Node(MICROSOFT, NBITS, [value, *values], attributes, num_outputs=1,
+                       name=f"{layer.node.name or base}.svd_{which}",
+                       metadata_props={**metadata, FACTOR_KEY: which, RANK_KEY: str(item.rank)})
+        nodes.append(node)
+        value = node.outputs[0]
+    bias = _bias_value(graph, layer, names)
+    if bias is not None:
+        nodes.append(ir.Node("", "Add", [value, bias], num_outputs=1, name=f"{layer.node.name or base}.bias"))
+        value = nodes[-1].outputs[0]
+    model.opset_imports.setdefault(MICROSOFT, 1)
+    ir.convenience.replace_nodes_and_values(layer.node.graph, layer.node, old_nodes=layer.nodes, new_nodes=nodes,
+                                            old_values=[layer.output], new_values=[value])
+    return stored[0][0].name, stored[1][0].name
+
+
+def _replace_with_integer(model: ir.Model, item: FactorizedLayer, base: str, names: "_NameAllocator",
+                          made: dict) -> tuple[str, str]:
+    """A dynamically quantized product twice: X's own quantization feeds U's, H is quantized on the way to V's."""
+    layer, graph = item.layer, model.graph
+    key = (id(layer.weight.storage), id(item.u))
+    if key not in made:
+        made[key] = tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
+                          for which, factor in zip("uv", item.quantized))
+    stored = made[key]
+    name = layer.node.name or base
+    nodes: list[ir.Node] = []
+
+    def node(op_type, inputs, label, **integers):
+        nodes.append(ir.Node("", op_type, inputs, [ir.AttrInt64(key, value) for key, value in integers.items()],
+                             num_outputs=3 if op_type == "DynamicQuantizeLinear" else 1, name=f"{name}.{label}"))
+        return nodes[-1].outputs
+
+    quantized_x, x_scale, x_zero_point = layer.quantizer.outputs
+    value = None
+    for which, (codes, scales, zero_points) in zip("uv", stored):
+        if which == "v":
+            quantized_x, x_scale, x_zero_point = node("DynamicQuantizeLinear", [value], "svd_h_quantized")
+        (product,) = node(INTEGER, [quantized_x, codes, x_zero_point, zero_points], f"svd_{which}")
+        (widened,) = node("Cast", [product], f"svd_{which}_cast", to=layer.dtype.value)
+        (scale,) = node("Mul", [x_scale, scales], f"svd_{which}_scales")
+        (value,) = node("Mul", [widened, scale], f"svd_{which}_rescaled")
+    bias = _bias_value(graph, layer, names)
+    if bias is not None:
+        (value,) = node("Add", [value, bias], "bias")
+    ir.convenience.replace_nodes_and_values(layer.node.graph, layer.node, old_nodes=layer.nodes, new_nodes=nodes,
+                                            old_values=[layer.output], new_values=[value])
+    return stored[0][0].name, stored[1][0].name
 
 
 def _drop_unread_weight_inputs(graph: ir.Graph, weights: list[ir.Value]) -> None:

@@ -99,3 +99,95 @@ def test_every_command_runs_on_a_cached_model_without_hand_made_inputs(capsys, t
     _cli(capsys, "finetune", whitened, "--text", tokens, "--steps", "2", "-o", tmp_path / "tuned.onnx", "--quiet")
     emulated = json.loads(_cli(capsys, "diff", whitened, whitened, "--backend", "emulator", "--json"))
     assert emulated["outputs"][0]["top1_agreement"] > 0.8  # the kernels run in bf16
+
+
+def _quantized(kind: str, path: Path) -> Path:
+    """The optimum fixture quantized the way onnxruntime's own tools quantize LLMs."""
+    model = onnx.load(PAST)
+    if kind.startswith("nbits"):
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        bits, symmetric = {"nbits-4": (4, False), "nbits-4-symmetric": (4, True), "nbits-8": (8, False)}[kind]
+        quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=symmetric, bits=bits)
+        quantizer.process()
+        onnx.save(quantizer.model.model, path)
+    elif kind == "dynamic-int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(PAST, path, weight_type=QuantType.QInt8)
+    else:  # QDQ, weights per channel
+        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+        session = ort.InferenceSession(str(PAST), providers=["CPUExecutionProvider"])
+        feeds = [CausalLm.of_session(session).feeds(np.full((1, 8), i, np.int64)) for i in range(4)]
+
+        class Windows(CalibrationDataReader):
+            def get_next(self):
+                return feeds.pop() if feeds else None
+
+        quantize_static(PAST, path, Windows(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                        per_channel=True, weight_type=QuantType.QInt8)
+    return path
+
+
+QUANTIZED = ["nbits-4", "nbits-4-symmetric", "nbits-8", "dynamic-int8", "qdq"]
+# What onnxruntime computes differently from a float product of the dequantized weight: the dynamic and QDQ
+# models quantize their activations too, so float factors of the same weight are close, not equal.
+EXACT = {"nbits-4": 1e-4, "nbits-4-symmetric": 1e-4, "nbits-8": 1e-4, "dynamic-int8": 0.05, "qdq": 0.05}
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_a_quantized_model_is_read_and_rewritten_in_its_own_format(capsys, tmp_path, tokens, kind):
+    quantized = _quantized(kind, tmp_path / "quantized.onnx")
+    inspected = json.loads(_cli(capsys, "inspect", quantized, "--json"))
+    assert inspected["totals"]["layers"] == 15 and not inspected["unread"]
+    assert all(layer["storage"].startswith(("MatMulNBits", "MatMulInteger", "DequantizeLinear"))
+               for layer in inspected["layers"] if layer["group"] == "mlp")
+    full = tmp_path / "full.onnx"  # float factors of the dequantized weight: the quantized model, computed in float
+    _cli(capsys, "rewrite", quantized, "-o", full, "--rank", "full", "--factor-dtype", "float32", "--quiet")
+    logits = json.loads(_cli(capsys, "diff", quantized, full, "--json"))["outputs"][0]
+    assert logits["max_rel"] < EXACT[kind]
+
+    rewritten, report = tmp_path / "rewritten.onnx", tmp_path / "r.json"
+    _cli(capsys, "rewrite", quantized, "-o", rewritten, "--keep", "0.5", "--align", "16", "--calib", tokens,
+         "--report", report, "--quiet")
+    data = json.loads(report.read_text())
+    assert data["totals"]["weight_bytes_after"] < data["totals"]["weight_bytes_before"]
+    assert rewritten.stat().st_size < quantized.stat().st_size  # quantized factors: smaller than the input
+    for layer in (layer for layer in data["layers"] if layer["status"] == "factorized"):
+        assert layer["bytes_after"] < layer["bytes_before"] and layer["stored_error"] >= layer["relative_error"] - 1e-3
+    step = json.loads(_cli(capsys, "diff", quantized, rewritten, "--past-len", "6", "--seq-len", "4", "--json"))
+    assert step["outputs"][0]["cosine"] > 0.9
+    if kind.startswith("nbits"):
+        ops = [node.op_type for node in onnx.load(rewritten).graph.node]
+        assert ops.count("MatMulNBits") == 15 + 6  # six MLP matrices became two each
+
+
+def test_a_quantized_form_onnx_nmm_does_not_read_is_named(capsys, tmp_path):
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("DynamicQuantizeMatMul", ["X", "Wq", "s"], ["Y"], domain="com.microsoft",
+                            name="/model/layers.0/mlp/down_proj/MatMul")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 4, 16])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 4, 8])],
+                              [helper.make_tensor("Wq", TensorProto.INT8, [16, 8], [1] * 128),
+                               helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])])
+    path = tmp_path / "q.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                      helper.make_opsetid("com.microsoft", 1)]), path)
+    inspected = json.loads(_cli(capsys, "inspect", path, "--json"))
+    assert inspected["unread"][0]["op"] == "DynamicQuantizeMatMul" and inspected["totals"]["layers"] == 0
+    code = main(["rewrite", str(path), "-o", str(tmp_path / "o.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and "quantized as DynamicQuantizeMatMul" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.onnx").exists()
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_a_quantized_model_lowers_to_pytorch_so_fisher_and_budgets_run_on_it(capsys, tmp_path, tokens, kind):
+    quantized = _quantized(kind, tmp_path / "quantized.onnx")
+    lowered = json.loads(_cli(capsys, "diff", quantized, quantized, "--backend", "torch", "--json"))["outputs"][0]
+    assert lowered["max_rel"] < EXACT[kind]  # onnxruntime runs QDQ as fused integer kernels, the lowering as written
+    for budget in (["--method", "fisher", "--keep", "0.5"], ["--max-ppl-increase", "0.2"]):
+        _cli(capsys, "rewrite", quantized, "-o", tmp_path / "o.onnx", "--calib", tokens, "--align", "16", "--quiet",
+             "--force", *budget)

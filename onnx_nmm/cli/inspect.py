@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 from rich.table import Table
 
@@ -39,7 +40,7 @@ def _print_table(inspection: onnx_nmm.Inspection) -> None:
                             ("rank", "right"), *([("targeted", "left")] if not sys.stdout.isatty() else [])):
         table.add_column(column, justify=justify)
     for index, layer in enumerate(inspection.layers):
-        storage = {"external data": "external", "initializer": "init", "Constant": "Constant"}[layer.storage]
+        storage = layer.storage.replace("external data", "external").replace("initializer", "init")
         storage += "ᵀ" if layer.transposed else ""
         storage += " +bias" if layer.bias else ""
         if layer.shared_with:
@@ -54,6 +55,10 @@ def _print_table(inspection: onnx_nmm.Inspection) -> None:
                       *(["yes" if layer.targeted else "no"] if not sys.stdout.isatty() else []),
                       style=None if layer.targeted else "dim")
     _common.stdout.print(table)
+    if inspection.unread:
+        ops = Counter(layer["op"] for layer in inspection.unread)
+        _common.stdout.print(f"{_common.count(len(inspection.unread), 'linear layer')} quantized in a form onnx-nmm "
+                             f"does not read: {', '.join(f'{count} {op}' for op, count in ops.items())}")
     totals = inspection.totals()
     groups = ", ".join(f"{count} {group}" for group, count in totals["by_group"].items())
     before, after = totals["targeted_parameters"], totals["targeted_parameters_after"]

@@ -9,7 +9,7 @@ from rich.table import Table
 import onnx_nmm
 from onnx_nmm.cli import _common
 from onnx_nmm.cli._common import default
-from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, METHODS, SVD_METHODS
+from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, SVD_METHODS
 
 EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
 
@@ -75,6 +75,10 @@ def register(subparsers) -> None:
     parser.add_argument("--svd", choices=SVD_METHODS,
                         help="exact (float64 Gram eigendecomposition) or randomized (faster for low ranks; "
                              f"its error is in the report) (default {default(F, 'svd')})")
+    parser.add_argument("--factor-dtype", choices=FACTOR_DTYPES,
+                        help="store U and V in this float dtype; by default as the weight was: a quantized weight's "
+                             "factors quantized the same way (two MatMulNBits for an int4 layer), a float weight's "
+                             "in its dtype")
     parser.add_argument("--power-iterations", type=int,
                         help=f"randomized SVD power iterations (default {default(F, 'power_iterations')})")
     parser.add_argument("--seed", type=int, help="seed of the randomized SVD and of fisher's sampled tokens "
@@ -122,7 +126,8 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
             spread=args.calib_spread or None, batch=args.calib_batch, mode=args.calib_mode,
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
-        method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed))
+        method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
+        factor_dtype=args.factor_dtype))
     return onnx_nmm.RewriteOptions(ranks, _common.selection_from(args), factorization, calibration, args.fuse_mlp)
 
 

@@ -24,6 +24,7 @@ if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("t
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
                                                 backend_named)
 from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain, modules_by_output
+from onnx_nmm.lowering import quantized_converters  # noqa: F401 (registers the quantized forms' converters)
 from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_parameters, set_backend, svd_ops_of
 
 

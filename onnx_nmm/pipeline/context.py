@@ -13,7 +13,7 @@ from onnx_nmm.calibration_data import CalibrationData, TokenWindows
 from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import LinearLayer, find_linear_layers, select_layers
+from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.report import RewriteReport
 from onnx_nmm.progress import Progress
@@ -53,9 +53,11 @@ def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer]
     to target. A target that sits in several subgraphs (a merged decoder's branches) is listed once, by its
     first site; `sites` gives them all."""
     layers = find_linear_layers(model)
+    _refuse_unread_targets(model, layers, options)
     if not layers:
         raise ModelError("no linear layer found: looked for MatMul/Gemm nodes whose second input is a constant weight "
-                         "(an initializer or a Constant, possibly behind Identity/Transpose/Cast)")
+                         "(an initializer or a Constant, possibly behind Identity/Transpose/Cast), and MatMulNBits, "
+                         "DequantizeLinear → MatMul and MatMulInteger")
     chosen, skipped = select_layers(layers, options.selection)
     if not chosen:
         raise ModelError(f"none of the {len(layers)} linear layers matches {options.selection.describe()}; "
@@ -64,6 +66,17 @@ def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer]
     for layer in chosen:
         first_sites.setdefault(layer.name, layer)
     return layers, list(first_sites.values()), skipped
+
+
+def _refuse_unread_targets(model: ir.Model, layers: list[LinearLayer], options: RewriteOptions) -> None:
+    """Quantized layers in a form onnx-nmm does not read, where the rewrite would target them: name the op."""
+    unread = [layer for layer in find_unread_layers(model)
+              if not layers or options.selection.targets in ("all", layer.group) or layer.group == "other"]
+    if unread:
+        ops = sorted({layer.op for layer in unread})
+        raise ModelError(f"{len(unread)} of the targeted linear layers are quantized as {', '.join(ops)} (e.g. "
+                         f"{unread[0].module_path or unread[0].node.name}), a form onnx-nmm does not read; rewrite the "
+                         "float model and quantize the result, or quantize with MatMulNBits, QDQ or dynamic int8")
 
 
 def sites(layers: list[LinearLayer], chosen: list[LinearLayer]) -> list[LinearLayer]:

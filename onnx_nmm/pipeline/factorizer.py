@@ -77,17 +77,33 @@ class Factorizer:
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(v))):
             raise ExecutionError(f"factorizing {layer.name} gave non-finite factors; nothing was written "
                                  "(please report this with the model)")
+        factors = FactorizedLayer(layer=layer, u=u, v=v, align=self.align, storage=self._storage(),
+                                  method=f"{self.options.method}/{self.options.svd}", quantized=self._quantized(layer, u, v))
         outcome = LayerOutcome.of(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
-                                  relative_error=decomposition.relative_error(rank))
+                                  relative_error=decomposition.relative_error(rank), bytes_after=_bytes(factors))
         self._measure(outcome, layer, weight, decomposition, u, v, group)
+        if factors.quantized is not None:
+            stored = _stored_product(layer, factors)
+            outcome.stored_error = float(np.linalg.norm(weight - stored) / max(np.linalg.norm(weight), 1e-30))
         if layer.shared_with:  # a tied embedding keeps reading W: it stays, beside its factors
             outcome.parameters_after += layer.parameters
             outcome.reason = f"its weight stays for {', '.join(layer.shared_with)}"
         elif rank >= break_even_rank(layer.k, layer.n):
             outcome.reason = "explicit rank saves nothing"
         outcome.seconds = time.perf_counter() - start
-        return outcome, FactorizedLayer(layer=layer, u=u, v=v, align=self.align,
-                                        method=f"{self.options.method}/{self.options.svd}")
+        return outcome, factors
+
+    def _storage(self) -> ir.DataType | None:
+        """The float dtype asked for the factors, if any."""
+        return {"float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}.get(self.options.factor_dtype)
+
+    def _quantized(self, layer: LinearLayer, u: np.ndarray, v: np.ndarray):
+        """U and V quantized as the weight is, unless a float dtype is asked for (or the weight is float)."""
+        if layer.weight.quantized is None or self.options.factor_dtype is not None:
+            return None
+        from onnx_nmm.quantization import quantize_like
+
+        return quantize_like(layer.weight.quantized, u), quantize_like(layer.weight.quantized, v)
 
     def _measure(self, outcome: LayerOutcome, layer: LinearLayer, weight: np.ndarray, decomposition, u, v,
                  group: sequential.GroupStatistics | None) -> None:
@@ -132,3 +148,19 @@ class Factorizer:
         if isinstance(tensor, ir.ExternalTensor):
             tensor.release()
         return weight
+
+
+def _bytes(factors: FactorizedLayer) -> int:
+    """Bytes of the factors as stored."""
+    if factors.quantized is not None:
+        return sum(factor.nbytes for factor in factors.quantized)
+    dtype = factors.storage or factors.layer.dtype
+    return int((factors.u.size + factors.v.size) * dtype.itemsize)
+
+
+def _stored_product(layer: LinearLayer, factors: FactorizedLayer) -> np.ndarray:
+    """U·V with both factors as stored (dequantized)."""
+    weight, (k, n), rank = layer.weight.quantized, (layer.k, layer.n), factors.rank
+    u, v = (factor.matrix(weight.format, weight.bits, weight.block_size, rows, columns)
+            for factor, (rows, columns) in zip(factors.quantized, ((k, rank), (rank, n))))
+    return u.astype(np.float64) @ v.astype(np.float64)

@@ -34,13 +34,20 @@ class LayerOutcome:
     predicted_kl: float | None = None  # fisher: the mean KL per token this layer's truncation adds, to second order
     plain_svd_error: float | None = None  # ‖W − W_r‖_F / ‖W‖_F of plain SVD at the same rank (for comparison)
     conditioning: str = ""  # how XᵀX was factorized (cholesky, damped ε=…, eigendecomposition) and why
+    stored_error: float | None = None  # ‖W − UV‖_F / ‖W‖_F with U, V as stored (quantized factors)
+    bytes_before: int = 0  # of the weight as stored (codes, scales and zero points when quantized)
+    bytes_after: int = 0  # of the factors as stored (the weight's again when it stays)
     seconds: float = 0.0
 
     @classmethod
     def of(cls, layer: LinearLayer, status: str, reason: str = "", **values) -> "LayerOutcome":
+        """A row; a layer left as it is keeps its bytes."""
+        stored = layer.weight.quantized.stored_bytes if layer.weight.quantized else layer.weight.tensor.nbytes
+        values.setdefault("bytes_after", stored if status != "skipped" else 0)
         return cls(name=layer.name, module_path=layer.module_path, role=layer.role, group=layer.group, k=layer.k,
                    n=layer.n, dtype=layer.dtype.name.lower(), status=status, reason=reason,
-                   parameters_before=layer.parameters if status != "skipped" else 0, **values)
+                   parameters_before=layer.parameters if status != "skipped" else 0,
+                   bytes_before=stored if status != "skipped" else 0, **values)
 
 
 @dataclass
