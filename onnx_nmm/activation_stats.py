@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from onnx_nmm import ort_runner
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, ExecutionError, ModelError
 from onnx_nmm.graph_probe import first_step, prune, value_types
 
@@ -92,22 +92,23 @@ GRAM_BLOCK = 512
 
 
 def collect_gram_matrices(source: "ModelSource", inputs: dict[str, int], batches: Iterable, description: str = "",
-                          make_feeds: Callable = ort_runner.token_inputs,
+                          make_feeds: Callable | None = None,
                           on_batch: Callable[[int], None] | None = None) -> GramStatistics:
     """Run the original model of `source` on every batch; accumulate XᵀX for each input value name → its
     width K.
 
-    `make_feeds(session, batch)` turns a batch into the model's feeds (default: token ids [B, S] of a
-    causal LM). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
+    `make_feeds(batch)` turns a batch into the model's feeds (default: token ids [B, S] of a causal LM,
+    causal_lm.CausalLm). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
     Raises ExecutionError if onnxruntime fails or an activation is not finite.
     """
     plan = _GramPlan(inputs)
+    make_feeds = make_feeds or CausalLm.of_source(source).feeds
     session = source.session_of(_gram_graph(first_step(source.graph_proto()), plan))
     sums: list[np.ndarray] | None = None
     tokens = 0
     for index, batch in enumerate(batches):
         try:
-            *blocks, rows = session.run(None, make_feeds(session, batch))
+            *blocks, rows = session.run(None, make_feeds(batch))
         except Exception as error:
             raise ExecutionError(f"onnxruntime failed on calibration batch {index}: "
                                  f"{str(error).splitlines()[0]}") from None

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm import ort_runner
-from onnx_nmm.causal_lm import CausalLm, vocabulary_size
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.graph_probe import first_step
 from onnx_nmm.model_source import ModelSource
@@ -40,7 +39,8 @@ class ModelRunner:
         graph = source.model.graph
         self.input_names = [value.name for value in graph.inputs if not value.is_initializer()]
         self.output_names = [value.name for value in graph.outputs]
-        self.vocabulary = vocabulary_size(graph)
+        self.causal_lm = CausalLm.of_source(source)  # the inputs by their meaning (token ids, mask, KV cache)
+        self.vocabulary = self.causal_lm.vocabulary
         self.session = source.session()  # the reference, and the input specs for every backend
         self.kernels = None
         self.first_step_only = False  # a merged decoder lowered as the branch its first step takes
@@ -74,20 +74,12 @@ class ModelRunner:
         results = result if isinstance(result, (tuple, list)) else (result,)
         return {name: tensor.numpy() for name, tensor in zip(self.output_names, results)}
 
-    @functools.cached_property
-    def causal_lm(self) -> CausalLm:
-        """The model's inputs by their meaning (token ids, mask, positions, KV cache)."""
-        return CausalLm.of_session(self.session, self.label)
-
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """The first output (the logits of a causal LM) for token ids [B, S], after an empty cache."""
         return self(self.causal_lm.feeds(tokens))[self.output_names[0]]
 
     def random_tokens(self, batch: int, length: int, seed: int) -> np.ndarray:
-        if self.vocabulary is None:
-            raise DataError(f"cannot tell the vocabulary size of {self.label} to draw token ids from; give the "
-                            "{inputs}", inputs="inputs")
-        return np.random.default_rng(seed).integers(0, self.vocabulary, size=(batch, length), dtype=np.int64)
+        return self.causal_lm.random_tokens(batch, length, seed)
 
     def inputs(self, inputs: str | os.PathLike | dict[str, np.ndarray] | None, batch: int, seq_len: int,
                seed: int) -> dict[str, np.ndarray]:
@@ -96,7 +88,7 @@ class ModelRunner:
             return inputs
         if inputs is not None:
             return ort_runner.load_inputs(inputs, self.session)
-        return ort_runner.random_inputs(self.session, self.vocabulary, batch, seq_len, seed)
+        return self.causal_lm.random_feeds(batch, seq_len, seed)
 
 
 def check_backend(backend: str, target: str) -> None:

@@ -7,8 +7,9 @@ Inputs are recognised by what they mean, not by the names of their dimensions al
     attention mask   covering past + new tokens, all ones
     positions        past … past + new − 1 (position_ids, or cache_position: one row)
     KV cache         past inputs (past_key_values.N.key, past.N.v, ...): [batch, heads, length, head_dim]
-                     with heads and head_dim fixed by the graph; each is paired with the present output of
-                     the same layer and kind, which the next step reads back
+                     with heads and head_dim fixed by the graph (or head_dim by onnxruntime-genai's
+                     genai_config.json beside the file); each is paired with the present output of the same
+                     layer and kind, which the next step reads back
     cache branch     a merged decoder's use_cache_branch: whether the cache holds anything
     token types      zeros
 
@@ -17,16 +18,16 @@ An input that is none of these has no meaning onnx-nmm can give it: feeds are re
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.errors import DataError
-
-_NUMPY = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-          "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+from onnx_nmm.model_io import GENAI_CONFIG
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class CacheEntry:
 class CausalLm:
     """The inputs of a causal LM graph by their meaning; see the module docstring."""
 
-    def __init__(self, inputs: list[TensorSpec], outputs: list[str], label: str = "the model"):
-        self.label = label
+    def __init__(self, inputs: list[TensorSpec], outputs: list[str], label: str = "the model",
+                 vocabulary: int | None = None, head_size: int | None = None):
+        self.label, self.vocabulary, self.head_size = label, vocabulary, head_size
         self.tokens = self.mask = self.positions = self.branch = None
         self.token_types: list[TensorSpec] = []
         self.cache: list[CacheEntry] = []
@@ -65,13 +67,13 @@ class CausalLm:
                 self.unknown.remove(self.tokens)
 
     @classmethod
-    def of_session(cls, session, label: str = "the model") -> "CausalLm":
-        inputs = [TensorSpec(spec.name, tuple(spec.shape), _NUMPY.get(spec.type, object))
-                  for spec in session.get_inputs()]
-        return cls(inputs, [output.name for output in session.get_outputs()], label)
+    def of_source(cls, source) -> "CausalLm":
+        """The causal LM of a model_source.ModelSource: its graph, and the folder the file is in."""
+        head_size = genai_head_size(source.path.parent) if source.path is not None else None
+        return cls.of_graph(source.model.graph, source.label, head_size)
 
     @classmethod
-    def of_graph(cls, graph: ir.Graph, label: str = "the model") -> "CausalLm":
+    def of_graph(cls, graph: ir.Graph, label: str = "the model", head_size: int | None = None) -> "CausalLm":
         inputs = []
         for value in graph.inputs:
             if value.is_initializer():
@@ -80,7 +82,7 @@ class CausalLm:
                           for dim in value.shape) if value.shape is not None else ()
             dtype = value.dtype.numpy() if value.dtype is not None else object
             inputs.append(TensorSpec(value.name, shape, dtype))
-        return cls(inputs, [value.name for value in graph.outputs], label)
+        return cls(inputs, [value.name for value in graph.outputs], label, vocabulary_size(graph), head_size)
 
     @property
     def has_cache(self) -> bool:
@@ -109,6 +111,20 @@ class CausalLm:
         feeds.update(cache)
         return feeds
 
+    def random_feeds(self, batch: int, length: int, seed: int) -> dict[str, np.ndarray]:
+        """The feeds for random token ids [batch, length] below the vocabulary, after an empty cache."""
+        if self.unknown or self.tokens is None:
+            missing = ", ".join(spec.name for spec in self.unknown) or "no token ids"
+            raise DataError(f"{self.label} takes {missing}: random token ids cannot feed it; give the {{inputs}}",
+                            inputs="inputs")
+        return self.feeds(self.random_tokens(batch, length, seed))
+
+    def random_tokens(self, batch: int, length: int, seed: int) -> np.ndarray:
+        if self.vocabulary is None:
+            raise DataError(f"cannot tell the vocabulary size of {self.label} to draw token ids from; give the "
+                            "{inputs}", inputs="inputs")
+        return np.random.default_rng(seed).integers(0, self.vocabulary, size=(batch, length), dtype=np.int64)
+
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         """A cache holding nothing: every past input with length 0."""
         return {entry.input.name: np.zeros(self._cache_shape(entry, batch, 0), entry.input.dtype) for entry in self.cache}
@@ -135,6 +151,8 @@ class CausalLm:
                 shape.append(dim)
             elif axis == 0:
                 shape.append(batch)
+            elif axis == len(entry.input.shape) - 1 and self.head_size is not None:
+                shape.append(self.head_size)
             else:
                 raise DataError(f"the cache input '{entry.input.name}' of {self.label} has a free dimension '{dim}' "
                                 "besides its batch and length; give the {inputs}", inputs="inputs")
@@ -188,6 +206,14 @@ def _present_of(past: str, outputs: list[str]) -> str | None:
         if "present" in output.lower() and _layer_and_kind(output) == wanted:
             return output
     return None
+
+
+def genai_head_size(folder: Path) -> int | None:
+    """The head size an onnxruntime-genai folder's genai_config.json gives (its models leave it free)."""
+    try:
+        return int(json.loads((folder / GENAI_CONFIG).read_text())["model"]["decoder"]["head_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def vocabulary_size(graph: ir.Graph) -> int | None:

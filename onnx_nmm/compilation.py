@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from onnx_nmm import metrics, neuron, ort_runner
 from onnx_nmm.backend_runner import Model
-from onnx_nmm.causal_lm import vocabulary_size
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
@@ -79,8 +79,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
 
     module = lower(proto, TorchMath())
     reference = source.session()
-    inputs = ort_runner.random_inputs(reference, vocabulary_size(source.model.graph), options.batch, options.seq_len,
-                                      seed=0)
+    inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
     check = _check_lowering(module, reference, inputs)
     kernels = neuron.plan_kernels(proto, options.batch * options.seq_len, options.target, model_costs=USING_EMULATOR)
     missing = [] if options.dry_run else neuron.missing_neuron_packages()

@@ -10,6 +10,7 @@ Only the factor initializers change, each in its dtype; the result saves like a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -26,7 +27,8 @@ from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.graph_probe import first_step
-from onnx_nmm.model_io import PROTOBUF_LIMIT, check_model_file, check_output_path, save_model, weight_bytes
+from onnx_nmm.model_io import (PROTOBUF_LIMIT, carry_genai_config, check_model_file, check_output_path, save_model,
+                               weight_bytes)
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.svd_ops import DOMAIN
 from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
@@ -147,7 +149,10 @@ class FinetuneResult:
         if self.source_path is not None:
             check_output_path(self.source_path, path, overwrite_input)
         external = self.source_used_external_data or weight_bytes(self.model) > PROTOBUF_LIMIT
-        written = save_model(self.model, path, external_data=external, validate=check_model_file)
+        written = save_model(self.model, path, external_data=external,
+                             validate=functools.partial(check_model_file, source=self.source_path))
+        if self.source_path is not None:
+            carry_genai_config(self.source_path, written)
         self.seconds["writing"] = time.perf_counter() - start
         return written
 

@@ -9,9 +9,11 @@ touches an existing one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -111,13 +113,60 @@ def _umask() -> int:
     return mask
 
 
-def check_model_file(path: Path) -> None:
-    """onnx.checker with full_check (shape inference included), by path so > 2 GB models work."""
+def check_model_file(path: Path, source: str | os.PathLike | None = None) -> None:
+    """onnx.checker with full_check (shape inference included), by path so > 2 GB models work.
+
+    An error the `source` model already has is not the rewrite's (onnxruntime-genai's builder writes
+    contrib ops under the default domain's opset, which the checker refuses): then the written model must
+    load in onnxruntime instead, and a warning says so.
+    """
+    error = _checker_error(path)
+    if error is None:
+        return
+    if source is not None and _checker_error(Path(source)) == error:
+        from onnx_nmm.ort_runner import create_session
+
+        create_session(path, label="the rewritten model")
+        warnings.warn(f"the input already fails onnx.checker ({error}); the rewritten model was checked by loading it "
+                      "in onnxruntime instead", stacklevel=2)
+        return
+    raise ModelError(f"the rewritten model fails onnx.checker: {error} (a bug in onnx-nmm: please report it with "
+                     "the input model)")
+
+
+def _checker_error(path: Path) -> str | None:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as error:
-        raise ModelError(f"the rewritten model fails onnx.checker: {_first_line(error)} "
-                         "(a bug in onnx-nmm: please report it with the input model)") from None
+        return _first_line(error)
+    return None
+
+
+# onnxruntime-genai's model folder: the generator reads these beside the model.
+GENAI_CONFIG = "genai_config.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def carry_genai_config(source: Path, output: Path) -> Path | None:
+    """Give a model written from an onnxruntime-genai folder the same companions: its genai_config.json with the
+    decoder's filename changed to the output's, and the tokenizer files, in the output's folder. Nothing is
+    written over the input's own folder (a warning says what to change); the path of the config written, or None."""
+    config_path = source.parent / GENAI_CONFIG
+    if not config_path.is_file():
+        return None
+    if output.parent.resolve() == source.parent.resolve():
+        warnings.warn(f"{config_path} still names {source.name}: onnxruntime-genai runs {output.name} once the "
+                      "config's decoder filename is changed, or write the output into a folder of its own",
+                      stacklevel=2)
+        return None
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["filename"] = output.name
+    written = write_text_atomically(output.parent / GENAI_CONFIG, json.dumps(config, indent=4))
+    for name in _TOKENIZER_FILES:
+        if (source.parent / name).is_file() and not (output.parent / name).exists():
+            shutil.copy2(source.parent / name, output.parent / name)
+    return written
 
 
 def weight_bytes(model: ir.Model) -> int:

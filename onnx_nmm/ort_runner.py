@@ -1,7 +1,6 @@
 """onnxruntime on CPU, the reference every other number is measured against.
 
-Builds sessions with one-line errors, and makes model inputs: a causal LM's feeds for token ids (random
-ones from its vocabulary, or given; causal_lm.CausalLm) — or whatever an .npz file holds.
+Builds sessions with one-line errors, reads model inputs from an .npz file, and runs a session.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, ExecutionError, ModelError
 
 def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
@@ -31,26 +29,6 @@ def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelError(f"onnxruntime cannot load {label or model}: {message}") from None
-
-
-def random_inputs(session: ort.InferenceSession, vocabulary: int | None, batch: int, seq_len: int,
-                  seed: int) -> dict[str, np.ndarray]:
-    """The feeds of a causal LM for random token ids [batch, seq_len] below `vocabulary`, after an empty cache."""
-    if vocabulary is None:
-        raise DataError("cannot tell the model's vocabulary size to draw token ids from; give the {inputs}",
-                        inputs="inputs")
-    tokens = np.random.default_rng(seed).integers(0, vocabulary, size=(batch, seq_len), dtype=np.int64)
-    model = CausalLm.of_session(session)
-    if model.unknown or model.tokens is None:
-        missing = ", ".join(spec.name for spec in model.unknown) or "no token ids"
-        raise DataError(f"the model takes {missing}: random token ids cannot feed it; give the {{inputs}}",
-                        inputs="inputs")
-    return model.feeds(tokens)
-
-
-def token_inputs(session: ort.InferenceSession, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """The feeds of a causal LM for token ids [B, S] after an empty cache (causal_lm.CausalLm)."""
-    return CausalLm.of_session(session).feeds(tokens)
 
 
 def load_inputs(path: str | os.PathLike, session: ort.InferenceSession) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm import ort_runner
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, ExecutionError
 from onnx_nmm.graph_probe import expose, first_step, value_types
 from onnx_nmm.model_source import ModelSource
@@ -100,10 +100,10 @@ class GroupObserver:
     """Runs the dense and the working (partly compressed) model on the calibration batches, pruned to
     one group's input, and returns that group's statistics."""
 
-    def __init__(self, source: ModelSource, batches: Iterable, make_feeds: Callable = ort_runner.token_inputs):
+    def __init__(self, source: ModelSource, batches: Iterable, make_feeds: Callable | None = None):
         self.source = source
         self.batches = list(batches)
-        self.make_feeds = make_feeds
+        self.make_feeds = make_feeds or CausalLm.of_source(source).feeds
         self.dense_proto = first_step(source.graph_proto())
         self.types = value_types(self.dense_proto)
         self.dense_cache: dict[str, list[np.ndarray]] = {}
@@ -117,7 +117,7 @@ class GroupObserver:
         session = self._session(self.dense_proto, *names)
         self.dense_cache = {name: [] for name in names}
         for index, batch in enumerate(self.batches):
-            for name, x in zip(names, session.run(names, self.make_feeds(session, batch))):
+            for name, x in zip(names, session.run(names, self.make_feeds(batch))):
                 self.dense_cache[name].append(self._rows(x, name, index))
 
     def observe(self, working: ir.Model, value: str) -> GroupStatistics:
@@ -145,7 +145,7 @@ class GroupObserver:
         return self.source.session_of(expose(proto, list(values), self.types))
 
     def _activation(self, session, batch, value: str, index: int) -> np.ndarray:
-        (x,) = session.run([value], self.make_feeds(session, batch))
+        (x,) = session.run([value], self.make_feeds(batch))
         return self._rows(x, value, index)
 
     @staticmethod

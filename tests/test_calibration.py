@@ -17,7 +17,7 @@ from onnx_nmm.passes import find_linear_layers, select_layers
 from onnx_nmm.calibration_data import observed_inputs
 
 
-def _float_feeds(session, x):
+def _float_feeds(x):
     return {"X": x}
 
 

@@ -8,7 +8,7 @@ import pytest
 from graphs import swiglu_mlp
 from rewriting import assert_logits_close, run_both
 
-from onnx_nmm import ort_runner
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.cli import main
 from onnx_nmm.fisher import collect_fisher_statistics
@@ -49,10 +49,10 @@ def test_the_lm_heads_output_gram_is_the_fisher_of_the_softmax(export):
     head = [layer for layer in find_linear_layers(source.model) if layer.role == "lm_head"]
     windows = _windows(samples=32)
     statistics = collect_fisher_statistics(source, head, _batches(windows))
-    session = source.session()
+    session, model = source.session(), CausalLm.of_source(source)
     expected = 0.0
     for batch in _batches(windows):
-        logits = session.run(None, ort_runner.token_inputs(session, batch))[0].reshape(-1, 1000).astype(np.float64)
+        logits = session.run(None, model.feeds(batch))[0].reshape(-1, 1000).astype(np.float64)
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         expected = expected + np.diag(p.sum(axis=0)) - p.T @ p

@@ -2,6 +2,7 @@
 (tools/format_fixtures.py), run by every command with no hand-made inputs."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_nmm.causal_lm import CausalLm
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.cli import main
 from onnx_nmm.passes import svd_ops
 
@@ -35,7 +37,7 @@ def tokens(tmp_path):
 def _prefill_then_step(path: Path, prefix: np.ndarray, step: np.ndarray) -> list[np.ndarray]:
     """Every output of a prefill, then of one decode step fed the prefill's cache, run by hand."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    model = CausalLm.of_session(session)
+    model = CausalLm.of_source(ModelSource(path))
     names = [output.name for output in session.get_outputs()]
     first = dict(zip(names, session.run(None, model.feeds(prefix))))
     second = session.run(None, model.feeds(step, model.cache_after(first)))
@@ -44,7 +46,7 @@ def _prefill_then_step(path: Path, prefix: np.ndarray, step: np.ndarray) -> list
 
 @pytest.mark.parametrize("path", [PAST, MERGED], ids=["with-past", "merged"])
 def test_the_inputs_are_read_off_the_graph(path):
-    model = CausalLm.of_session(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    model = CausalLm.of_source(ModelSource(path))
     assert model.tokens.name == "input_ids" and model.mask.name == "attention_mask"
     assert model.positions.name == "position_ids" and not model.unknown
     assert [entry.present for entry in model.cache] == ["present.0.key", "present.0.value", "present.1.key",
@@ -118,8 +120,7 @@ def _quantized(kind: str, path: Path) -> Path:
     else:  # QDQ, weights per channel
         from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-        session = ort.InferenceSession(str(PAST), providers=["CPUExecutionProvider"])
-        feeds = [CausalLm.of_session(session).feeds(np.full((1, 8), i, np.int64)) for i in range(4)]
+        feeds = [CausalLm.of_source(ModelSource(PAST)).feeds(np.full((1, 8), i, np.int64)) for i in range(4)]
 
         class Windows(CalibrationDataReader):
             def get_next(self):
@@ -191,3 +192,48 @@ def test_a_quantized_model_lowers_to_pytorch_so_fisher_and_budgets_run_on_it(cap
     for budget in (["--method", "fisher", "--keep", "0.5"], ["--max-ppl-increase", "0.2"]):
         _cli(capsys, "rewrite", quantized, "-o", tmp_path / "o.onnx", "--calib", tokens, "--align", "16", "--quiet",
              "--force", *budget)
+
+
+def _generate(folder: Path, prompt: str = "In the beginning", length: int = 24) -> list[int]:
+    """Greedy tokens from onnxruntime-genai's own generator, reading the folder's genai_config.json."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=length)
+    generator = og.Generator(model, params)
+    generator.append_tokens(og.Tokenizer(model).encode(prompt))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(token) for token in generator.get_sequence(0)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_an_onnxruntime_genai_model_rewrites_into_a_folder_its_generator_runs(capsys, tmp_path, tokens, precision):
+    source = FORMATS / f"genai-{precision}" / "model.onnx"
+    with pytest.warns(UserWarning, match="the input already fails onnx.checker"):  # the builder's own opset use
+        _cli(capsys, "rewrite", source, "-o", tmp_path / "full" / "model.onnx", "--rank", "full", "--targets", "all",
+             "--lm-head", "--factor-dtype", "float32", "--quiet")
+        _cli(capsys, "rewrite", source, "-o", tmp_path / "whitened" / "rewritten.onnx", "--calib", tokens, "--keep",
+             "0.5", "--align", "16", "--quiet")
+    config = json.loads((tmp_path / "whitened" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "rewritten.onnx" and (tmp_path / "whitened" / "tokenizer.json").exists()
+    assert not (source.parent / "rewritten.onnx").exists()  # the input's folder is left alone
+    original = _generate(source.parent)
+    if precision == "fp32":  # float factors of a float model at full rank: the same greedy text
+        assert _generate(tmp_path / "full") == original
+    compressed = _generate(tmp_path / "whitened")
+    assert len(compressed) == len(original) and compressed[:5] == original[:5]  # the prompt, then its own tokens
+    step = json.loads(_cli(capsys, "diff", source, tmp_path / "whitened" / "rewritten.onnx", "--past-len", "6",
+                           "--seq-len", "2", "--json"))
+    assert step["outputs"][0]["cosine"] > 0.9
+
+
+def test_a_rewrite_beside_a_genai_model_leaves_its_config_and_says_so(capsys, tmp_path):
+    folder = tmp_path / "genai"
+    shutil.copytree(FORMATS / "genai-fp32", folder)
+    before = (folder / "genai_config.json").read_text()
+    with pytest.warns(UserWarning) as caught:
+        _cli(capsys, "rewrite", folder / "model.onnx", "-o", folder / "small.onnx", "--keep", "0.5", "--quiet")
+    assert any("still names model.onnx" in str(warning.message) for warning in caught)
+    assert (folder / "genai_config.json").read_text() == before and (folder / "small.onnx").exists()

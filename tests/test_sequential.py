@@ -31,7 +31,7 @@ def _batches():
     return [(rng.standard_normal((4, 100, K)) @ mixing.T).astype(np.float32) for _ in range(5)]
 
 
-def _float_feeds(session, x):
+def _float_feeds(x):
     return {"X": x}
 
 

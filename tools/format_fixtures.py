@@ -3,14 +3,18 @@
     tests/data/formats/optimum-past/      optimum-onnx, text-generation-with-past (a KV cache)
     tests/data/formats/optimum-merged/    optimum's merged decoder: one If choosing the first step or a
                                           later one, both branches reading the same weights
+    tests/data/formats/genai-fp32/        onnxruntime-genai's model builder, fp32 and int4 (MatMulNBits):
+    tests/data/formats/genai-int4/        GroupQueryAttention, fused qkv, genai_config.json and a tokenizer
 
-The model is one random-weight Llama (hidden 64, 2 layers, vocabulary 300; small enough to commit), built
-from a config here so that this script needs nothing of onnx-nmm. optimum-onnx pins transformers below the
-project's, so run it in an environment of its own:
+The model is one random-weight Llama (hidden 64, 2 layers, vocabulary 300, with a byte-level BPE tokenizer
+of 300 tokens; small enough to commit), built from a config here so that this script needs nothing of
+onnx-nmm. optimum-onnx pins transformers below the project's and the genai builder wants a newer one, so
+each part runs in an environment of its own:
 
-    python -m venv /tmp/fixtures
-    /tmp/fixtures/bin/pip install torch==2.13.0 optimum-onnx==0.1.0
-    /tmp/fixtures/bin/python tools/format_fixtures.py
+    python -m venv /tmp/optimum && /tmp/optimum/bin/pip install torch==2.13.0 optimum-onnx==0.1.0
+    /tmp/optimum/bin/python tools/format_fixtures.py optimum
+    python -m venv /tmp/genai && /tmp/genai/bin/pip install torch==2.13.0 transformers onnxruntime-genai onnx-ir
+    /tmp/genai/bin/python tools/format_fixtures.py genai
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "formats"
 
 
+TOKENIZER_TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+                  "and darkness was upon the face of the deep.")
+
+
 def tiny_llama(folder: Path) -> Path:
-    """A random-weight Llama checkpoint, every parameter perturbed so that no weight is zero or repeated."""
+    """A random-weight Llama checkpoint, every parameter perturbed so that no weight is zero or repeated, with
+    a byte-level BPE tokenizer of its vocabulary's size (the genai builder and generator want one)."""
     import torch
     import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,12 +48,19 @@ def tiny_llama(folder: Path) -> Path:
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape) * 0.02)
     model.save_pretrained(folder)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([TOKENIZER_TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=config.vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
+                                         eos_token="<|endoftext|>").save_pretrained(folder)
     return folder
 
 
 def optimum_export(checkpoint: Path, task: str, folder: Path) -> Path:
     subprocess.run([sys.executable, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", str(checkpoint),
-                    "--task", task, str(folder)], check=True, capture_output=True)
+                    "--task", task, str(folder)], check=True, capture_output=True, cwd=folder.parent)
     return folder / "model.onnx"
 
 
@@ -76,26 +93,38 @@ def first_step_decoder(with_past: Path, target: Path) -> Path:
     return target
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+def optimum_fixtures(checkpoint: Path, work: Path, out: Path) -> None:
     from optimum.onnx.graph_transformations import merge_decoders
 
+    with_past = optimum_export(checkpoint, "text-generation-with-past", work / "past")
+    first_step = first_step_decoder(with_past, work / "first-step.onnx")
+    for name in ("optimum-past", "optimum-merged"):
+        shutil.rmtree(out / name, ignore_errors=True)
+        (out / name).mkdir(parents=True)
+    shutil.copy(with_past, out / "optimum-past" / "model.onnx")
+    merge_decoders(first_step, with_past, strict=False, save_path=out / "optimum-merged" / "model.onnx")
+
+
+def genai_fixtures(checkpoint: Path, work: Path, out: Path) -> None:
+    for precision in ("fp32", "int4"):
+        target = out / f"genai-{precision}"
+        shutil.rmtree(target, ignore_errors=True)
+        # run away from this repository: `python -m` puts the working folder first on the path, and transformers
+        # would take the repository's kernels/ for the PyPI package of that name
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint), "-o",
+                        str(target.resolve()), "-p", precision, "-e", "cpu", "-c", str(work / "cache")], check=True,
+                       capture_output=True, cwd=work)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("optimum", "genai"))
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         checkpoint = tiny_llama(work / "checkpoint")
-        with_past = optimum_export(checkpoint, "text-generation-with-past", work / "past")
-        first_step = first_step_decoder(with_past, work / "first-step.onnx")
-        for name, source in (("optimum-past", with_past),):
-            target = args.out / name
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
-            shutil.copy(source, target / "model.onnx")
-        merged = args.out / "optimum-merged"
-        shutil.rmtree(merged, ignore_errors=True)
-        merged.mkdir(parents=True)
-        merge_decoders(first_step, with_past, strict=False, save_path=merged / "model.onnx")
+        (optimum_fixtures if args.part == "optimum" else genai_fixtures)(checkpoint, work, args.out)
     for model in sorted(args.out.glob("*/model.onnx")):
         print(f"wrote {model} ({model.stat().st_size / 1e6:.2f} MB)")
     return 0

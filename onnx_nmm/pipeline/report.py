@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnx_nmm.model_io import PROTOBUF_LIMIT, check_model_file, check_output_path, save_model, weight_bytes
+from onnx_nmm.model_io import (PROTOBUF_LIMIT, carry_genai_config, check_model_file, check_output_path, save_model,
+                               weight_bytes)
 from onnx_nmm.passes import LinearLayer
 
 
@@ -108,6 +110,9 @@ class RewriteResult:
         if external_data is None:
             external_data = self.source_used_external_data
         external_data = external_data or weight_bytes(self.model) > PROTOBUF_LIMIT
-        written = save_model(self.model, path, external_data=external_data, validate=check_model_file)
+        written = save_model(self.model, path, external_data=external_data,
+                             validate=functools.partial(check_model_file, source=self.source_path))
+        if self.source_path is not None:
+            carry_genai_config(self.source_path, written)
         self.report.seconds["writing"] = time.perf_counter() - start
         return written
