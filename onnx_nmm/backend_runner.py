@@ -83,12 +83,25 @@ class ModelRunner:
 
     def inputs(self, inputs: str | os.PathLike | dict[str, np.ndarray] | None, batch: int, seq_len: int,
                seed: int) -> dict[str, np.ndarray]:
-        """Feeds for this model: read from an .npz, given as arrays, or random token ids [batch, seq_len]."""
-        if isinstance(inputs, dict):
-            return inputs
-        if inputs is not None:
-            return ort_runner.load_inputs(inputs, self.session)
-        return self.causal_lm.random_feeds(batch, seq_len, seed)
+        """Feeds for this model: read from an .npz, given as arrays, or random token ids [batch, seq_len].
+
+        Given token ids alone are completed as a causal LM's feeds (mask, positions, the cache given or an
+        empty one), so an .npz of input_ids runs a KV-cache model too."""
+        if inputs is None:
+            return self.causal_lm.random_feeds(batch, seq_len, seed)
+        given = inputs if isinstance(inputs, dict) else ort_runner.load_inputs(inputs)
+        missing = [name for name in self.input_names if name not in given]
+        tokens = self.causal_lm.tokens
+        if missing and tokens is not None and tokens.name in given:
+            cache_names = [entry.input.name for entry in self.causal_lm.cache]
+            cache = {name: given[name] for name in cache_names} if all(name in given for name in cache_names) else None
+            given = {**self.causal_lm.feeds(np.asarray(given[tokens.name]), cache), **given}
+            missing = [name for name in self.input_names if name not in given]
+        if missing:
+            where = inputs if not isinstance(inputs, dict) else "the inputs given"
+            raise DataError(f"model input(s) {', '.join(missing)} not in {where}, which holds "
+                            f"{', '.join(given) or 'nothing'}: give them all, or a causal LM's token ids alone")
+        return {name: given[name] for name in self.input_names}
 
 
 def check_backend(backend: str, target: str) -> None:

@@ -1,4 +1,9 @@
-"""Export decoder-only LLMs from transformers to ONNX, as `forward(input_ids, attention_mask) -> logits`.
+"""Export decoder-only LLMs from transformers to ONNX: with a KV cache, the form runtimes generate with,
+
+    (input_ids, attention_mask, position_ids, past_key_values.N.key/value) -> (logits, present.N.key/value)
+
+(the names optimum and onnxruntime-genai use; the cache [batch, kv_heads, length, head_dim], empty at
+length 0), or cache-free as `(input_ids, attention_mask) -> logits`.
 
 Needs the `export` extra (torch, transformers). `export_checkpoint` (the `export` command) turns a Hugging
 Face folder or a GGUF file into ONNX; the tests, the demo and the benchmarks also export tiny random-weight
@@ -118,9 +123,91 @@ def _logits_forward(model):
         del model.forward
 
 
+@contextlib.contextmanager
+def _cached_forward(model):
+    """`model` called as forward(input_ids, attention_mask, position_ids, past) -> (logits, *present) for the
+    duration, `past` and `present` the cache as flat tensors, each layer's key then value."""
+    from transformers import DynamicCache
+
+    original = model.forward
+
+    def forward(input_ids, attention_mask, position_ids, past):
+        cache = DynamicCache(config=model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        output = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True)
+        present = [tensor for layer in output.past_key_values.layers for tensor in (layer.keys, layer.values)]
+        return output.logits, *present
+
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        del model.forward
+
+
+@dataclass(frozen=True)
+class _ExportInputs:
+    """Example inputs for the exporter, their names and which of their axes are dynamic."""
+
+    args: tuple
+    input_names: list[str]
+    output_names: list[str]
+    axes: dict[str, dict[int, str]]  # input or output name → {axis: dimension name}
+
+    @classmethod
+    def logits_only(cls, model, batch: int, seq_len: int) -> "_ExportInputs":
+        import torch
+
+        tokens = {0: "batch", 1: "sequence"}
+        return cls((torch.randint(0, model.config.vocab_size, (batch, seq_len)),
+                    torch.ones(batch, seq_len, dtype=torch.int64)),
+                   ["input_ids", "attention_mask"], ["logits"],
+                   {"input_ids": tokens, "attention_mask": tokens, "logits": tokens})
+
+    @classmethod
+    def with_cache(cls, model, batch: int, seq_len: int, past_len: int = 3) -> "_ExportInputs":
+        """A step of seq_len tokens after past_len cached ones (neither 0 nor 1, which the exporter would fix)."""
+        import torch
+
+        config = model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        tokens, total = {0: "batch", 1: "sequence"}, {0: "batch", 1: "past_sequence + sequence"}
+        cache = [f"past_key_values.{layer}.{kind}" for layer in range(config.num_hidden_layers)
+                 for kind in ("key", "value")]
+        present = [name.replace("past_key_values", "present") for name in cache]
+        past = tuple(torch.randn(batch, heads, past_len, head_dim) * 0.1 for _ in cache)
+        args = (torch.randint(0, config.vocab_size, (batch, seq_len)),
+                torch.ones(batch, past_len + seq_len, dtype=torch.int64),
+                torch.arange(past_len, past_len + seq_len).expand(batch, seq_len).contiguous(), past)
+        axes = {"input_ids": tokens, "attention_mask": total, "position_ids": tokens, "logits": tokens,
+                **{name: {0: "batch", 2: "past_sequence"} for name in cache},
+                **{name: {0: "batch", 2: "past_sequence + sequence"} for name in present}}
+        return cls(args, ["input_ids", "attention_mask", "position_ids", *cache], ["logits", *present], axes)
+
+    def dynamic_shapes(self) -> tuple:
+        """torch.export's form of `axes`: one dict per argument, a tuple of them for the cache."""
+        import torch
+
+        dims = {}
+
+        def dim(name: str):
+            if name not in dims:
+                dims[name] = torch.export.Dim(name.replace(" ", "").replace("+", "_plus_"), min=1, max=8192)
+            return dims[name]
+
+        shapes = [{axis: dim(name) for axis, name in self.axes[input_name].items()}
+                  for input_name in self.input_names]
+        plain = len(self.args) if not isinstance(self.args[-1], tuple) else len(self.args) - 1
+        return tuple(shapes[:plain]) + ((tuple(shapes[plain:]),) if plain < len(self.args) else ())
+
+
 def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", external_data: bool = False,
-                     batch: int = 2, seq_len: int = 8) -> Path:
-    """Export `model` to `path` with dynamic batch and sequence axes; returns the path.
+                     batch: int = 2, seq_len: int = 8, cache: bool = False) -> Path:
+    """Export `model` to `path` with dynamic batch and sequence axes, with a KV cache if `cache`; returns the
+    path.
 
     exporter: "dynamo" (torch.onnx.export(dynamo=True), optimized), "dynamo-noopt" (optimize=False,
     which leaves `MatMul(X, Transpose(W))`), or "torchscript" (dynamo=False, opset 17).
@@ -131,26 +218,22 @@ def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", e
         raise ValueError(f"unknown exporter {exporter!r}; choose from {', '.join(EXPORTERS)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    input_ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
-    attention_mask = torch.ones(batch, seq_len, dtype=torch.int64)
-    names = dict(input_names=["input_ids", "attention_mask"], output_names=["logits"])
+    inputs = (_ExportInputs.with_cache if cache else _ExportInputs.logits_only)(model, batch, seq_len)
+    names = dict(input_names=inputs.input_names, output_names=inputs.output_names)
+    forward = _cached_forward if cache else _logits_forward
     # torch.onnx logs a line for every torchvision op it cannot register when torchvision is absent
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad(), _logits_forward(model.eval()) as logits_model:
+    with warnings.catch_warnings(), torch.no_grad(), forward(model.eval()) as exported:
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
-            axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                    "logits": {0: "batch", 1: "sequence"}}
-            torch.onnx.export(logits_model, (input_ids, attention_mask), str(path), dynamo=False, opset_version=17,
-                              dynamic_axes=axes, **names)
+            torch.onnx.export(exported, inputs.args, str(path), dynamo=False, opset_version=17,
+                              dynamic_axes=inputs.axes, **names)
             if external_data:
                 _move_weights_to_external_data(path)
         else:
-            batch_dim = torch.export.Dim("batch", min=1, max=64)
-            seq_dim = torch.export.Dim("sequence", min=2, max=4096)
-            shapes = {"input_ids": {0: batch_dim, 1: seq_dim}, "attention_mask": {0: batch_dim, 1: seq_dim}}
-            program = torch.onnx.export(logits_model, (input_ids, attention_mask), dynamo=True, verbose=False,
-                                        optimize=exporter == "dynamo", dynamic_shapes=shapes, **names)
+            program = torch.onnx.export(exported, inputs.args, dynamo=True, verbose=False,
+                                        optimize=exporter == "dynamo", dynamic_shapes=inputs.dynamic_shapes(),
+                                        **names)
             program.save(str(path), external_data=external_data)
     return path
 
@@ -193,10 +276,11 @@ EXTERNAL_DATA_BYTES = 2**30
 
 
 def export_checkpoint(source: str | os.PathLike, output: str | os.PathLike, exporter: str = "dynamo",
-                      external_data: bool | None = None, overwrite: bool = False) -> Path:
-    """Export the causal LM of a Hugging Face folder or a GGUF file to `output` (weights to `<output>.data`
-    with `external_data`; None: when they pass EXTERNAL_DATA_BYTES). Written under a temporary name and
-    moved into place once complete; refused over an existing file unless `overwrite`."""
+                      external_data: bool | None = None, overwrite: bool = False, cache: bool = True) -> Path:
+    """Export the causal LM of a Hugging Face folder or a GGUF file to `output`, with a KV cache unless not
+    `cache` (weights to `<output>.data` with `external_data`; None: when they pass EXTERNAL_DATA_BYTES).
+    Written under a temporary name and moved into place once complete; refused over an existing file unless
+    `overwrite`."""
     from onnx_nmm.model_io import external_data_path
 
     output = Path(output)
@@ -211,7 +295,7 @@ def export_checkpoint(source: str | os.PathLike, output: str | os.PathLike, expo
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".onnx-nmm-", dir=output.parent))
     try:
-        staged = export_causal_lm(model, staging / output.name, exporter, external_data=external_data)
+        staged = export_causal_lm(model, staging / output.name, exporter, external_data=external_data, cache=cache)
         if external_data_path(staged).exists():
             os.replace(external_data_path(staged), external_data_path(output))
         os.replace(staged, output)

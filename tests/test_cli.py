@@ -65,9 +65,12 @@ def test_diff_reads_inputs_from_npz(capsys, export, tmp_path):
     np.savez(inputs, input_ids=np.arange(10, dtype=np.int64).reshape(2, 5), attention_mask=np.ones((2, 5), np.int64))
     code, out, _ = _cli(capsys, "diff", source, source, "--inputs", inputs, "--json")
     assert code == 0 and json.loads(out)["inputs"] == {"input_ids": [2, 5], "attention_mask": [2, 5]}
-    np.savez(inputs, input_ids=np.zeros((1, 3), np.int64))
+    np.savez(inputs, input_ids=np.zeros((1, 3), np.int64))  # token ids alone: a causal LM's feeds complete them
+    code, out, _ = _cli(capsys, "diff", source, source, "--inputs", inputs, "--json")
+    assert code == 0 and json.loads(out)["inputs"] == {"input_ids": [1, 3], "attention_mask": [1, 3]}
+    np.savez(inputs, ids_of_tokens=np.zeros((1, 3), np.int64))
     code, _, err = _cli(capsys, "diff", source, source, "--inputs", inputs)
-    _assert_one_line_error(code, err, 2, "lacks model input(s) attention_mask")
+    _assert_one_line_error(code, err, 2, "model input(s) input_ids, attention_mask not in")
 
 
 def test_not_an_onnx_file(capsys, tmp_path):

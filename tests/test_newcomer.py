@@ -149,6 +149,7 @@ def test_random_token_ids_come_with_a_note_when_they_mislead(capsys, export, tmp
 
 
 def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_path):
+    import onnx
     import torch
 
     from onnx_nmm import TinyShape, build_model
@@ -159,17 +160,26 @@ def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_
     code, out, err = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
     assert code == 0 and f"wrote {output}" in out and output.exists()
     assert "torchvision" not in err  # torch.onnx's note about each torchvision op it skips
+    assert [value.name for value in onnx.load(output).graph.input] == [
+        "input_ids", "attention_mask", "position_ids", "past_key_values.0.key", "past_key_values.0.value"]
     ids = np.arange(12, dtype=np.int64).reshape(2, 6)
     with torch.no_grad():
         expected = model(torch.from_numpy(ids), use_cache=False).logits.numpy()
-    np.savez(tmp_path / "ids.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    np.savez(tmp_path / "ids.npz", input_ids=ids)  # token ids alone: an empty cache, a mask and positions added
     assert main(["run", str(output), "--inputs", str(tmp_path / "ids.npz"), "-o", str(tmp_path / "logits.npz")]) == 0
     with np.load(tmp_path / "logits.npz") as logits:
         np.testing.assert_allclose(logits["logits"], expected, atol=1e-4)
     capsys.readouterr()
     inspected = json.loads(_cli(capsys, "inspect", output, "--json")[1])
     assert inspected["layers"][0]["module_path"] == "model.layers.0.self_attn.q_proj"  # the checkpoint's own paths
+    full = tmp_path / "full.onnx"
+    assert main(["rewrite", str(output), "-o", str(full), "--rank", "full", "--targets", "all", "--quiet"]) == 0
+    code, _, _ = _cli(capsys, "diff", output, full, "--past-len", "5", "--seq-len", "1", "--atol", "1e-4")
+    assert code == 0  # a decode step after a filled cache, exact at full rank
 
+    code, _, _ = _cli(capsys, "export", tmp_path / "checkpoint", "-o", tmp_path / "plain.onnx", "--no-cache")
+    assert code == 0 and [value.name for value in onnx.load(tmp_path / "plain.onnx").graph.input] == [
+        "input_ids", "attention_mask"]
     code, _, err = _cli(capsys, "export", tmp_path / "checkpoint", "-o", output)
     _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
     code, _, err = _cli(capsys, "export", tmp_path / "ids.npz", "-o", tmp_path / "other.onnx")

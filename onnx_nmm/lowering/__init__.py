@@ -36,8 +36,9 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
     proto = _load_with_shapes(model)
     unsupported = unsupported_nodes(proto)
     if unsupported:
-        shown = "; ".join(unsupported[:5]) + (f"; and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
-        raise ModelError(f"the lowering to PyTorch does not cover: {shown}")
+        shown = "; ".join(unsupported[:3]) + (f"; and {len(unsupported) - 3} more" if len(unsupported) > 3 else "")
+        raise ModelError(f"the lowering to PyTorch, which fisher, finetune, the quality budgets, compile and the "
+                         f"torch/emulator backends run the model through, does not cover: {shown}")
     reset_shared_parameters()
     try:
         module = convert(_with_lowering_domains(proto))
