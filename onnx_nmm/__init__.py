@@ -16,8 +16,10 @@ __version__ = "0.1.0"
 
 from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
 from onnx_nmm.calibration_data import load_tokenizer
+from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.compilation import Compilation, CompileOptions, compile
+from onnx_nmm.decoding import Decoder
 from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
                              NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
 from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
@@ -31,7 +33,8 @@ from onnx_nmm.progress import Phase, Progress
 from onnx_nmm.rank_plan import Dense, RankPlan
 
 __all__ = [
-    "RUN_BACKENDS", "CalibrationOptions", "Compilation", "CompileOptions", "DataError", "Dense", "Diff", "DiffOptions",
+    "RUN_BACKENDS", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError", "Decoder", "Dense",
+    "Diff", "DiffOptions",
     "Evaluation", "ExecutionError", "FactorizationOptions", "FinetuneOptions", "FinetuneResult", "Inspection",
     "LayerInfo", "LayerOutcome", "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "NeuronSdkMissing",
     "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",

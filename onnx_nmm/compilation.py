@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnx_nmm import metrics, neuron, ort_runner
 from onnx_nmm.backend_runner import Model
 from onnx_nmm.causal_lm import CausalLm
+from onnx_nmm.graph_probe import first_step
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
@@ -73,6 +74,9 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         fusion(source.model)
     proto = ir.to_proto(source.model)
     onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
+    branches = len(proto.graph.node)
+    proto = first_step(proto)  # a merged decoder compiles as the prefill its first step is
+    first_step_only = len(proto.graph.node) != branches
 
     from onnx_nmm.kernels.nki_api import USING_EMULATOR
     from onnx_nmm.lowering import TorchMath, lower
@@ -91,7 +95,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
         "fused_mlps": fusion.fused, "unfused_mlps": fusion.unfused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
-        **kernels.to_dict(), "dry_run": options.dry_run,
+        **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }
     with _staged_folder(output) as folder:
         if not options.dry_run:

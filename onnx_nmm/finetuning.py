@@ -180,6 +180,10 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     options, progress = options or FinetuneOptions(), progress or Progress()
     source = ModelSource.of(model)
     if not any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+        if any(".svd_" in name for name in source.model.graph.initializers):
+            raise ModelError(f"the factors of {source.label} are written quantized, and fine-tuning trains float "
+                             "factors: rewrite it with {factor_dtype} float32 (or float16) to fine-tune",
+                             factor_dtype="factorization.factor_dtype")
         raise ModelError(f"{source.label} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first")
     vocabulary = vocabulary_size(source.model.graph)
     teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None

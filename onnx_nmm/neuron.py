@@ -63,7 +63,7 @@ class KernelSummary:
 
     def to_dict(self) -> dict:
         totals = {}
-        if self.modelled:
+        if self.modelled and self.entries:
             totals = {"modelled_us": sum(e.modelled_us for e in self.entries),
                       "modelled_dense_us": sum(e.modelled_dense_us for e in self.entries)}
         return {"target": self.target, "modelled": self.modelled, **totals,

@@ -253,3 +253,29 @@ def test_what_needs_the_lowering_says_a_genai_model_has_none(capsys, tmp_path, t
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and "GroupQueryAttention" in err and "fisher" in err
     assert not list(tmp_path.glob("o.onnx*"))
+
+
+def test_compile_takes_a_merged_decoders_first_step_and_says_what_quantized_factors_miss(capsys, tmp_path, tokens):
+    out = _cli(capsys, "compile", MERGED, "--dry-run", "--seq-len", "16", "-o", tmp_path / "merged.neuron")
+    assert "first-step branch" in out and json.loads((tmp_path / "merged.neuron" / "manifest.json").read_text())[
+        "first_step_only"]
+    quantized, rewritten = _quantized("nbits-4", tmp_path / "q.onnx"), tmp_path / "r.onnx"
+    _cli(capsys, "rewrite", quantized, "-o", rewritten, "--keep", "0.5", "--align", "16", "--quiet")
+    assert "nothing for the NKI kernels" in " ".join(
+        _cli(capsys, "compile", rewritten, "--dry-run", "--seq-len", "16", "-o", tmp_path / "q.neuron").split())
+    code = main(["finetune", str(rewritten), "--text", str(tokens), "--steps", "1", "-o", str(tmp_path / "t.onnx")])
+    assert code == 2 and "--factor-dtype float32" in capsys.readouterr().err
+
+
+def test_initializers_also_listed_as_graph_inputs_are_still_weights(capsys, tmp_path, export):
+    """What the TorchScript exporter writes with keep_initializers_as_inputs=True, as older exports did."""
+    source = export("llama", "torchscript")
+    proto = onnx.load(source)
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)
+                             for tensor in proto.graph.initializer)
+    listed, rewritten = tmp_path / "listed.onnx", tmp_path / "full.onnx"
+    onnx.save(proto, listed)
+    layers = json.loads(_cli(capsys, "inspect", listed, "--json"))["layers"]
+    assert layers == json.loads(_cli(capsys, "inspect", source, "--json"))["layers"] and len(layers) == 15
+    _cli(capsys, "rewrite", listed, "-o", rewritten, "--rank", "full", "--targets", "all", "--quiet")
+    assert json.loads(_cli(capsys, "diff", listed, rewritten, "--atol", "1e-4", "--json"))["passed"]

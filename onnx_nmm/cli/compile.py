@@ -53,11 +53,18 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
                       " ".join(f"{k}={v}" for k, v in plan),
                       f"{first.modelled_us:,.1f}" if first.modelled_us is not None else "—",
                       f"{first.modelled_dense_us:,.1f}" if first.modelled_dense_us is not None else "—")
-    _common.stdout.print(table)
+    if kernels.entries:
+        _common.stdout.print(table)
+    else:
+        _common.stdout.print("no ai.onnx_nmm SVD op, so nothing for the NKI kernels: rewrite the model first (a "
+                             "quantized one with --factor-dtype float16: quantized factors stay onnxruntime ops)")
     totals = manifest.get("modelled_us"), manifest.get("modelled_dense_us")
     if totals[0] is not None:
         _common.stdout.print(f"modelled on {manifest['target']}: SVD kernels {totals[0]:,.1f} µs vs the same layers dense "
                              f"{totals[1]:,.1f} µs ({totals[1] / totals[0]:.2f}×)")
+    if manifest["first_step_only"]:
+        _common.stdout.print("a merged decoder: its first-step branch (the prefill over an empty cache) is what was "
+                             "lowered")
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {manifest['lowering_check']['max_abs']:.2e}; "
                          f"{len(manifest['fused_mlps'])} gated MLPs fused. "
                          + ("Dry run: no trace. " if manifest["dry_run"] else f"NEFF: {', '.join(manifest['neff'])}. ")
