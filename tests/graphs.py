@@ -108,3 +108,30 @@ def swiglu_mlp(hidden=32, intermediate=64, names=True) -> onnx.ModelProto:
     initializers = {"Wg": weight(hidden, intermediate, 1), "Wu": weight(hidden, intermediate, 2),
                     "Wd": weight(intermediate, hidden, 3)}
     return model(nodes, initializers, k=hidden)
+
+
+def scan_body(k=16, n=16) -> onnx.ModelProto:
+    """Two linear layers inside a Scan over the batch: one weight the body's own, one from the outer graph."""
+    step = [helper.make_tensor_value_info("x_t", TensorProto.FLOAT, ["seq", k])]
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["x_t", "W_body"], ["h_t"], name="inner_mm"),
+         helper.make_node("MatMul", ["h_t", "W_outer"], ["y_t"], name="outer_mm")],
+        "body", step, [helper.make_tensor_value_info("y_t", TensorProto.FLOAT, ["seq", n])],
+        [numpy_helper.from_array(weight(k, n, seed=1), "W_body")])
+    scan = helper.make_node("Scan", ["X"], ["Y"], num_scan_inputs=1, body=body, name="scan")
+    return model([scan], {"W_outer": weight(n, n, seed=2)}, k=k)
+
+
+def loop_body(k=16) -> onnx.ModelProto:
+    """A linear layer applied twice by a Loop carrying the state through it."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "W"], ["h_w"], name="loop_mm"),
+         helper.make_node("Tanh", ["h_w"], ["h_next"], name="tanh"),
+         helper.make_node("Identity", ["cond"], ["cond_out"], name="keep_going")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("h", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_next", TensorProto.FLOAT, None)])
+    loop = helper.make_node("Loop", ["trips", "", "X"], ["Y"], body=body, name="loop")
+    return model([loop], {"W": weight(k, k), "trips": np.array(2, np.int64)}, k=k)
