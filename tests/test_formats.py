@@ -279,3 +279,21 @@ def test_initializers_also_listed_as_graph_inputs_are_still_weights(capsys, tmp_
     assert layers == json.loads(_cli(capsys, "inspect", source, "--json"))["layers"] and len(layers) == 15
     _cli(capsys, "rewrite", listed, "-o", rewritten, "--rank", "full", "--targets", "all", "--quiet")
     assert json.loads(_cli(capsys, "diff", listed, rewritten, "--atol", "1e-4", "--json"))["passed"]
+
+
+LLAMA_ROLES = {"q": 2, "k": 2, "v": 2, "o": 2, "gate": 2, "up": 2, "down": 2, "lm_head": 1}
+GENAI_ROLES = {"qkv": 2, "o": 2, "gate": 2, "up": 2, "down": 2, "lm_head": 1}  # the builder fuses q, k and v
+
+
+@pytest.mark.parametrize("name, roles", [("optimum-past", LLAMA_ROLES), ("optimum-merged", LLAMA_ROLES),
+                                         ("dynamo", LLAMA_ROLES), ("torchscript", LLAMA_ROLES),
+                                         ("genai-fp32", GENAI_ROLES), ("genai-int4", GENAI_ROLES)])
+def test_inspect_finds_every_linear_layer_of_each_format(capsys, export, name, roles):
+    path = FORMATS / name / "model.onnx" if name.startswith(("optimum", "genai")) else _kv_model(name, export)
+    inspected = json.loads(_cli(capsys, "inspect", path, "--json"))
+    found: dict[str, int] = {}
+    for layer in inspected["layers"]:
+        found[layer["role"]] = found.get(layer["role"], 0) + 1
+    assert found == roles and not inspected["unread"]
+    if name == "optimum-merged":  # each weight read in both branches, listed once
+        assert all(layer["sites"] == 2 for layer in inspected["layers"] if layer["role"] != "lm_head")
