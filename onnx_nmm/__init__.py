@@ -15,31 +15,35 @@ changed. Every error is an OnnxNmmError subclass saying what is wrong and what t
 __version__ = "0.1.0"
 
 from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
+from onnx_nmm.benchmark import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.calibration_data import load_tokenizer
 from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.compilation import Compilation, CompileOptions, compile
-from onnx_nmm.decoding import Decoder
+from onnx_nmm.decoding import Decoder, DecoderState
 from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
                              NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
 from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
 from onnx_nmm.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
+from onnx_nmm.generation import GenerateOptions, Generation, generate
+from onnx_nmm.host import describe_machine
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
 from onnx_nmm.model_io import check_output_path, external_data_path
-from onnx_nmm.options import (CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection)
+from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
 from onnx_nmm.progress import Phase, Progress
 from onnx_nmm.rank_plan import Dense, RankPlan
 
 __all__ = [
-    "RUN_BACKENDS", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError", "Decoder", "Dense",
-    "Diff", "DiffOptions",
-    "Evaluation", "ExecutionError", "FactorizationOptions", "FinetuneOptions", "FinetuneResult", "Inspection",
-    "LayerInfo", "LayerOutcome", "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "NeuronSdkMissing",
+    "Benchmark", "BenchOptions", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError",
+    "Decoder", "DecoderState", "Dense", "Diff", "DiffOptions", "Evaluation", "ExecutionError", "FactorizationOptions",
+    "FinetuneOptions", "FinetuneResult", "GenerateOptions", "Generation", "Inspection", "LayerInfo", "LayerOutcome",
+    "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing",
     "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
-    "RewriteReport", "RewriteResult", "RunResult", "Selection", "TextDiff", "TextOptions", "TinyShape",
-    "TrainingData", "TrainingDiverged", "TrainingOptions", "build_model", "check_output_path", "compile", "diff", "diff_on_text",
-    "evaluate", "export_causal_lm", "export_checkpoint", "external_data_path", "finetune", "inspect", "load_gguf_causal_lm", "load_tokenizer",
-    "rewrite", "run_model",
+    "RewriteReport", "RewriteResult", "RUN_BACKENDS", "RunResult", "Selection", "TextDiff", "TextOptions",
+    "TinyShape", "TrainingData", "TrainingDiverged", "TrainingOptions", "bench", "build_model", "check_output_path",
+    "compile", "describe_machine", "diff", "diff_on_text", "evaluate", "export_causal_lm", "export_checkpoint",
+    "external_data_path", "finetune", "generate", "inspect", "load_gguf_causal_lm", "load_tokenizer", "rewrite",
+    "run_model",
 ]

@@ -32,7 +32,8 @@ class ModelRunner:
     `kernel_calls` lists the kernel launches so far (emulator backend only).
     """
 
-    def __init__(self, model: Model | ModelSource, backend: str = "ort", target: str = "trn2"):
+    def __init__(self, model: Model | ModelSource, backend: str = "ort", target: str = "trn2",
+                 threads: int | None = None):
         check_backend(backend, target)
         source = ModelSource.of(model)
         self.backend, self.label = backend, source.label
@@ -41,7 +42,7 @@ class ModelRunner:
         self.output_names = [value.name for value in graph.outputs]
         self.causal_lm = CausalLm.of_source(source)  # the inputs by their meaning (token ids, mask, KV cache)
         self.vocabulary = self.causal_lm.vocabulary
-        self.session = source.session()  # the reference, and the input specs for every backend
+        self.session = source.session(threads)  # the reference, and the input specs for every backend
         self.kernels = None
         self.first_step_only = False  # a merged decoder lowered as the branch its first step takes
         if backend != "ort":
@@ -53,6 +54,10 @@ class ModelRunner:
             proto = first_step(proto)
             self.first_step_only = len(proto.graph.node) != nodes
             self.module = lower(proto, self.kernels)
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
 
     @property
     def kernel_calls(self) -> list:

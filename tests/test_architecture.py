@@ -54,7 +54,7 @@ def test_passes_know_graphs_and_nothing_else_of_the_project(path):
 
 # What the CLI may use besides the top-level API: its own modules, the option constants for flag choices,
 # the plotting helpers, JSON writing, and the kernels' benchmark (`bench-kernels` is a shell over it).
-CLI_MAY_IMPORT = ("onnx_nmm.cli", "onnx_nmm.options", "onnx_nmm.finetuning", "onnx_nmm.report_plot",
+CLI_MAY_IMPORT = ("onnx_nmm.cli", "onnx_nmm.options", "onnx_nmm.finetuning", "onnx_nmm.report_plot", "onnx_nmm.bench_plot",
                   "onnx_nmm.finetune_plot", "onnx_nmm.model_io", "onnx_nmm.kernels")
 
 

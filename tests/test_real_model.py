@@ -88,3 +88,15 @@ def test_fisher_beats_whitening_at_the_same_parameter_count_on_smollm2(capsys, s
     assert kept["fisher-global"] <= kept["fisher"] == kept["whiten"]
     assert _perplexity(capsys, model, tokenizer) < perplexities["fisher-global"] < perplexities["fisher"] \
         < perplexities["whiten"]
+
+
+def test_smollm2_answers_a_simple_question_before_and_after_a_full_rank_rewrite(capsys, tmp_path):
+    assets.CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(assets.CACHE / "smollm2.lock")):
+        model, tokenizer = assets.smollm2_kv_onnx(), assets.smollm2_gguf()
+    out = tmp_path / "full.onnx"
+    _run(capsys, "rewrite", model, "-o", out, "--rank", "full", "--quiet")
+    answers = [_run(capsys, "generate", path, "--tokenizer", tokenizer, "--prompt", "What is the capital of France?",
+                    "--max-new-tokens", "24") for path in (model, out)]
+    _discard(out)
+    assert "Paris" in answers[0] and answers[1] == answers[0]

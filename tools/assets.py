@@ -110,3 +110,20 @@ def smollm2_study(work: str | Path) -> tuple[Path, Path, Path, Path]:
     evaluation text), with the work folder created."""
     Path(work).mkdir(parents=True, exist_ok=True)
     return smollm2_onnx(), smollm2_gguf(), kjv_text("calibration"), kjv_text("evaluation")
+
+
+def int4_quantized(source: Path, target: Path) -> Path:
+    """`source` with every MatMul on a constant weight as int4 MatMulNBits (onnxruntime's quantizer, blocks of
+    32, with zero points: what onnxruntime-genai ships for CPU), written once to `target`."""
+    if not target.exists():
+        import logging
+
+        import onnx
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node otherwise
+        print(f"# quantizing {source} to int4 (MatMulNBitsQuantizer, block 32)", flush=True)
+        quantizer = MatMulNBitsQuantizer(onnx.load(source), block_size=32, is_symmetric=False, bits=4)
+        quantizer.process()
+        onnx.save(quantizer.model.model, target, save_as_external_data=True, location=f"{target.name}.data")
+    return target

@@ -117,21 +117,7 @@ class Study:
         return path
 
     def quantized(self, source: Path) -> Path:
-        """`source` with every MatMul on a constant weight as int4 MatMulNBits (onnxruntime's quantizer)."""
-        target = self.work / f"{source.stem}-int4.onnx"
-        if not target.exists():
-            import logging
-
-            import onnx
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-            logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node otherwise
-
-            print(f"# quantizing {as_typed(str(source))} to int4 (MatMulNBitsQuantizer, block 32)", flush=True)
-            quantizer = MatMulNBitsQuantizer(onnx.load(source), block_size=32, is_symmetric=False, bits=4)
-            quantizer.process()
-            onnx.save(quantizer.model.model, target, save_as_external_data=True, location=f"{target.name}.data")
-        return target
+        return assets.int4_quantized(source, self.work / f"{source.stem}-int4.onnx")
 
     def measure(self) -> None:
         self.rows = {}

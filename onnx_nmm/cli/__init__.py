@@ -24,6 +24,8 @@ COMMAND_MODULES = [
     "diff",
     "eval",
     "run",
+    "generate",
+    "bench",
     "compile",
     "finetune",
     "bench_kernels",
