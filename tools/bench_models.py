@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 from onnx_nmm import TinyShape, build_model, export_causal_lm
+from onnx_nmm import describe_machine as machine  # noqa: F401 (the studies import it from here)
 
 # Llama-3.2-1B's width (hidden 2048, intermediate 8192, 32 heads, 8 kv heads), fewer layers, and a
 # 32k vocabulary instead of 128k so the benchmark model stays near 1.5 GB.
@@ -20,25 +20,3 @@ def llama_1b_width(folder: Path = Path("out/bench"), layers: int = 4) -> Path:
         print(f"exporting a Llama-3.2-1B-width model with {layers} layers to {path} ...", flush=True)
         export_causal_lm(build_model("llama", shape), path, "dynamo", external_data=True, batch=1, seq_len=8)
     return path
-
-
-def machine() -> str:
-    """One line saying what the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    memory = ""
-    try:
-        kib = int(next(line for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemTotal")).split()[1])
-        memory = f", {kib / 2**20:.0f} GiB RAM"
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores{memory}, Python {platform.python_version()}"
