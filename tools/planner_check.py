@@ -19,13 +19,8 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from onnx_nmm.kernels import dense_matmul, dense_matmul_lhsT, fused_svd_mlp, fused_xuv
-from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, candidate_plans, estimate_plan, plan_dense, plan_mlp, plan_xuv
-from onnx_nmm.kernels.hardware import neuron_core
-from onnx_nmm.kernels.runner import estimate
-
-KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
-                    "fused_svd_mlp": fused_svd_mlp}
+from onnx_nmm.kernels.blocking import estimate_plan
+from onnx_nmm.kernels.plan_tracing import fitting_plans, planned, traced_cost
 
 # (kernel, plan_* dimensions, dtype, target)
 CASES = [
@@ -68,9 +63,7 @@ def main() -> int:
 def report(pool, kernel, shape, dtype, target) -> tuple[float, float]:
     """Print one row; returns (how much slower the choice is than the best candidate, the worst estimate
     error), both as fractions."""
-    budget = neuron_core(target).sbuf_partition_bytes - SBUF_RESERVE_BYTES
-    plans = [plan for plan in candidate_plans(kernel, shape)
-             if estimate_plan(kernel, shape, plan, dtype, target).sbuf_bytes <= budget]
+    plans = fitting_plans(kernel, shape, dtype, target)
     traced = dict(zip(map(repr, plans), pool.map(traced_seconds, [(kernel, shape, p, dtype, target) for p in plans])))
     errors = {repr(p): estimate_plan(kernel, shape, p, dtype, target).total_s / traced[repr(p)] - 1 for p in plans}
     chosen = repr(planned(kernel, shape, dtype, target))
@@ -83,30 +76,9 @@ def report(pool, kernel, shape, dtype, target) -> tuple[float, float]:
     return mine / best - 1, worst
 
 
-def planned(kernel, shape, dtype, target):
-    if kernel == "fused_xuv":
-        return plan_xuv(*shape, dtype, target=target)
-    if kernel == "fused_svd_mlp":
-        return plan_mlp(*shape, dtype, target=target)
-    return plan_dense(*shape, dtype, transposed_input=kernel == "dense_matmul_lhsT", target=target)
-
-
 def traced_seconds(job) -> float:
     kernel, shape, plan, dtype, target = job
-    return estimate(KERNEL_FUNCTIONS[kernel], *input_shapes(kernel, shape), dtype=dtype, target=target, plan=plan).total_s
-
-
-def input_shapes(kernel, shape):
-    """The kernel's argument shapes for the planner's dimensions."""
-    if kernel == "fused_xuv":
-        M, K, rank, N = shape
-        return (M, K), (K, rank), (rank, N)
-    if kernel == "fused_svd_mlp":
-        M, H, intermediate, rank_gate, rank_up, rank_down = shape
-        return ((M, H), (H, rank_gate), (rank_gate, intermediate), (H, rank_up), (rank_up, intermediate),
-                (intermediate, rank_down), (rank_down, H))
-    M, K, N = shape
-    return ((K, M) if kernel == "dense_matmul_lhsT" else (M, K)), (K, N)
+    return traced_cost(kernel, shape, plan, dtype, target).total_s
 
 
 if __name__ == "__main__":

@@ -3,21 +3,8 @@ run with that plan."""
 
 import pytest
 
-from onnx_nmm.kernels import dense_matmul, dense_matmul_lhsT, fused_svd_mlp, fused_xuv
-from onnx_nmm.kernels.blocking import (
-    ENGINES,
-    SBUF_RESERVE_BYTES,
-    candidate_plans,
-    estimate_plan,
-    plan_dense,
-    plan_mlp,
-    plan_xuv,
-)
-from onnx_nmm.kernels.hardware import neuron_core
-from onnx_nmm.kernels.runner import estimate
-
-KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
-                    "fused_svd_mlp": fused_svd_mlp}
+from onnx_nmm.kernels.blocking import ENGINES, estimate_plan
+from onnx_nmm.kernels.plan_tracing import fitting_plans, planned, traced_cost
 
 # (kernel, the planner's dimensions, dtype, target). M from 1 to 2048, most not a multiple of the token block;
 # K, N, I and the ranks mostly not multiples of 128 or 512.
@@ -47,50 +34,20 @@ CASES = [
 TOTAL_TOLERANCE = 0.30
 
 
-def planned(kernel, shape, dtype, target):
-    if kernel == "fused_xuv":
-        return plan_xuv(*shape, dtype, target=target)
-    if kernel == "fused_svd_mlp":
-        return plan_mlp(*shape, dtype, target=target)
-    return plan_dense(*shape, dtype, transposed_input=kernel == "dense_matmul_lhsT", target=target)
-
-
-def fitting_candidates(kernel, shape, dtype, target):
-    budget = neuron_core(target).sbuf_partition_bytes - SBUF_RESERVE_BYTES
-    return [plan for plan in candidate_plans(kernel, shape)
-            if estimate_plan(kernel, shape, plan, dtype, target).sbuf_bytes <= budget]
-
-
 def plans_to_check(kernel, shape, dtype, target):
     """The planner's choice and three candidates it did not choose: the smallest blocks (remainders in every
     dimension), a middle one and the largest."""
     chosen = planned(kernel, shape, dtype, target)
-    others = [plan for plan in fitting_candidates(kernel, shape, dtype, target) if plan != chosen]
+    others = [plan for plan in fitting_plans(kernel, shape, dtype, target) if plan != chosen]
     picks = [others[0], others[len(others) // 2], others[-1]] if others else []
     return [chosen] + [plan for i, plan in enumerate(picks) if plan not in picks[:i]]
-
-
-def input_shapes(kernel, shape):
-    if kernel == "fused_xuv":
-        M, K, rank, N = shape
-        return (M, K), (K, rank), (rank, N)
-    if kernel == "fused_svd_mlp":
-        M, H, intermediate, rank_gate, rank_up, rank_down = shape
-        return ((M, H), (H, rank_gate), (rank_gate, intermediate), (H, rank_up), (rank_up, intermediate),
-                (intermediate, rank_down), (rank_down, H))
-    M, K, N = shape
-    return ((K, M) if kernel == "dense_matmul_lhsT" else (M, K)), (K, N)
-
-
-def traced(kernel, shape, plan, dtype, target):
-    return estimate(KERNEL_FUNCTIONS[kernel], *input_shapes(kernel, shape), dtype=dtype, target=target, plan=plan)
 
 
 @pytest.mark.parametrize(("kernel", "shape", "dtype", "target"), CASES)
 def test_the_planners_estimate_of_a_plan_is_the_traced_cost_of_the_kernel_run_with_it(kernel, shape, dtype, target):
     for plan in plans_to_check(kernel, shape, dtype, target):
         planner = estimate_plan(kernel, shape, plan, dtype, target)
-        trace = traced(kernel, shape, plan, dtype, target)
+        trace = traced_cost(kernel, shape, plan, dtype, target)
         for engine in ENGINES:
             assert planner.busy_s[engine] == pytest.approx(trace.busy_s[engine], rel=1e-9, abs=1e-15), (plan, engine)
         assert planner.hbm_read_bytes == trace.hbm_read_bytes, plan
@@ -103,14 +60,14 @@ def test_the_planners_estimate_of_a_plan_is_the_traced_cost_of_the_kernel_run_wi
 def test_the_planner_picks_the_candidate_it_estimates_fastest(kernel, shape, dtype, target):
     chosen = estimate_plan(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
     assert chosen == min(estimate_plan(kernel, shape, plan, dtype, target).total_s
-                         for plan in fitting_candidates(kernel, shape, dtype, target))
+                         for plan in fitting_plans(kernel, shape, dtype, target))
 
 
 @pytest.mark.parametrize(("kernel", "shape", "dtype", "target"),
                          [("fused_xuv", (300, 1000, 200, 700), "float32", "trn2"),
                           ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1")])
-def test_the_planners_choice_is_close_to_the_best_candidate_traced(kernel, shape, dtype, target):
+def test_the_planners_choice_is_close_to_the_best_candidate_traced_cost(kernel, shape, dtype, target):
     """A loose check of the choice; tools/planner_check.py measures it on larger shapes."""
-    times = [traced(kernel, shape, plan, dtype, target).total_s for plan in fitting_candidates(kernel, shape, dtype, target)]
-    chosen = traced(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
+    times = [traced_cost(kernel, shape, plan, dtype, target).total_s for plan in fitting_plans(kernel, shape, dtype, target)]
+    chosen = traced_cost(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
     assert chosen <= 1.10 * min(times)
