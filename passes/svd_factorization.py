@@ -81,7 +81,7 @@ class SvdFactorizationPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names = _NameAllocator(model.graph)
-        made: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}  # one pair of initializers per shared factors
+        made: dict[tuple[int, int], tuple] = {}  # the factors' initializers, once per shared weight (_made_once)
         for item in self.factorized:
             self.factor_names[item.layer.name] = _replace_layer(model, item, names, made)
         if self.factorized:
@@ -91,7 +91,7 @@ class SvdFactorizationPass(ir.passes.InPlacePass):
 
 
 def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocator",
-                   made: dict[tuple[int, int], tuple[ir.Value, ir.Value]]) -> tuple[str, str]:
+                   made: dict[tuple[int, int], tuple]) -> tuple[str, str]:
     """Swap one layer for its SvdMatMul; the names of the U and V initializers. The factors are initializers
     of the main graph, which subgraph nodes read from the outer scope; a layer whose weight and factors another
     site already got reads the same ones."""
@@ -102,10 +102,7 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
         return _replace_with_nbits(model, item, base, names, made)
     if item.quantized is not None and layer.weight.quantized.format == INTEGER:
         return _replace_with_integer(model, item, base, names, made)
-    key = (id(layer.weight.storage), id(item.u))
-    if key not in made:
-        made[key] = _factor_initializers(graph, item, base, names)
-    u, v = made[key]
+    u, v = _made_once(made, item, lambda: _factor_initializers(graph, item, base, names))
     factor_names = (u.name, v.name)
     new_nodes: list[ir.Node] = []
     if item.quantized is not None:  # QDQ: the factors dequantized on the way, as the weight was
@@ -131,6 +128,15 @@ def _replace_layer(model: ir.Model, item: FactorizedLayer, names: "_NameAllocato
     return factor_names
 
 
+def _made_once(made: dict, item: FactorizedLayer, make):
+    """The initializers of `item`'s factors, made by `make` at the first site that needs them: every site of a
+    shared weight (a merged decoder's branches) reads the same ones."""
+    key = (id(item.layer.weight.storage), id(item.u))
+    if key not in made:
+        made[key] = make()
+    return made[key]
+
+
 def _factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str,
                          names: "_NameAllocator") -> tuple[ir.Value, ir.Value]:
     """U and V as initializers: float in the storage dtype, or a quantized factor's codes (its scales and zero
@@ -139,7 +145,13 @@ def _factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str,
         dtype = item.storage or item.layer.dtype
         return (_initializer(graph, names.fresh(f"{base}.svd_u"), item.u, dtype),
                 _initializer(graph, names.fresh(f"{base}.svd_v"), item.v, dtype))
-    return tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)[0]
+    return tuple(values[0] for values in _quantized_factor_initializers(graph, item, base, names))
+
+
+def _quantized_factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str, names: "_NameAllocator"
+                                   ) -> tuple[list[ir.Value], list[ir.Value]]:
+    """[codes, scales(, zero points)] of U, then of V."""
+    return tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
                  for which, factor in zip("uv", item.quantized))
 
 
@@ -172,11 +184,7 @@ def _replace_with_nbits(model: ir.Model, item: FactorizedLayer, base: str, names
                         made: dict) -> tuple[str, str]:
     """MatMulNBits(X, W…) → MatMulNBits(MatMulNBits(X, U…), V…) (+ bias): the same kernels, two smaller codes."""
     layer, graph = item.layer, model.graph
-    key = (id(layer.weight.storage), id(item.u))
-    if key not in made:
-        made[key] = tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
-                          for which, factor in zip("uv", item.quantized))
-    stored = made[key]
+    stored = _made_once(made, item, lambda: _quantized_factor_initializers(graph, item, base, names))
     metadata = dict(layer.node.metadata_props)
     metadata[svd_ops.ORIGINAL_NODE_KEY] = ",".join(node.name or node.op_type for node in layer.nodes)
     nodes, value = [], layer.x
@@ -201,11 +209,7 @@ def _replace_with_integer(model: ir.Model, item: FactorizedLayer, base: str, nam
                           made: dict) -> tuple[str, str]:
     """A dynamically quantized product twice: X's own quantization feeds U's, H is quantized on the way to V's."""
     layer, graph = item.layer, model.graph
-    key = (id(layer.weight.storage), id(item.u))
-    if key not in made:
-        made[key] = tuple(_quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
-                          for which, factor in zip("uv", item.quantized))
-    stored = made[key]
+    stored = _made_once(made, item, lambda: _quantized_factor_initializers(graph, item, base, names))
     name = layer.node.name or base
     nodes: list[ir.Node] = []
 
