@@ -20,6 +20,7 @@ from onnx_nmm.calibration_data import load_tokenizer
 from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.compilation import Compilation, CompileOptions, compile
+from onnx_nmm.decoder_shape import DecoderShape, decoder_shape, decoder_shape_of_config, factorized
 from onnx_nmm.decoding import Decoder, DecoderState
 from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
                              NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
@@ -34,16 +35,17 @@ from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptio
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
 from onnx_nmm.progress import Phase, Progress
 from onnx_nmm.rank_plan import Dense, RankPlan
+from onnx_nmm.trainium_speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
 
 __all__ = [
     "Benchmark", "BenchOptions", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError",
-    "Decoder", "DecoderState", "Dense", "Diff", "DiffOptions", "Evaluation", "ExecutionError", "FactorizationOptions",
+    "Decoder", "DecoderShape", "DecoderState", "Dense", "Diff", "DiffOptions", "Evaluation", "ExecutionError", "FactorizationOptions",
     "FinetuneOptions", "FinetuneResult", "GenerateOptions", "Generation", "Inspection", "LayerInfo", "LayerOutcome",
     "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing",
     "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
     "RewriteReport", "RewriteResult", "RUN_BACKENDS", "RunResult", "Selection", "TextDiff", "TextOptions",
-    "TinyShape", "TrainingData", "TrainingDiverged", "TrainingOptions", "bench", "build_model", "check_output_path",
-    "compile", "describe_machine", "diff", "diff_on_text", "evaluate", "export_causal_lm", "export_checkpoint",
-    "external_data_path", "finetune", "generate", "inspect", "load_gguf_causal_lm", "load_tokenizer", "rewrite",
+    "TinyShape", "TrainiumEstimate", "TrainiumOptions", "TrainingData", "TrainingDiverged", "TrainingOptions", "bench", "build_model", "check_output_path",
+    "compile", "decoder_shape", "decoder_shape_of_config", "describe_machine", "diff", "diff_on_text",
+    "estimate_trainium", "evaluate", "export_causal_lm", "export_checkpoint", "external_data_path", "factorized", "finetune", "generate", "inspect", "load_gguf_causal_lm", "load_tokenizer", "rewrite",
     "run_model",
 ]

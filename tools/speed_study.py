@@ -66,11 +66,8 @@ def main() -> int:
 
 def make_models(commands: CommandLog, work: Path, key: str, checkpoint: Path) -> dict[str, Path]:
     """Row label → model: the dense export, its rewrites, and (SmolLM2) the int4 forms."""
-    dense = work / f"{key}-kv.onnx"
-    commands.produce([dense], "export", checkpoint, "-o", dense, "--external-data", "yes")
-    models = {"dense": dense}
-    for keep in KEEPS:
-        models[f"MLPs at keep {keep}"] = rewritten(commands, dense, keep)
+    models = dense_and_rewrites(commands, work, key, checkpoint)
+    dense = models["dense"]
     if key == "smollm2":
         int4 = assets.int4_quantized(dense, work / f"{key}-kv-int4.onnx")
         commands.lines.append(f"# {int4}: {dense} through onnxruntime's MatMulNBitsQuantizer (4 bits, block 32, "
@@ -78,6 +75,13 @@ def make_models(commands: CommandLog, work: Path, key: str, checkpoint: Path) ->
         models["int4"] = int4
         models["int4, MLPs at keep 0.8"] = rewritten(commands, int4, 0.8)
     return models
+
+
+def dense_and_rewrites(commands: CommandLog, work: Path, key: str, checkpoint: Path) -> dict[str, Path]:
+    """Row label → model: the dense export with a KV cache, and its MLPs factorized at each of KEEPS."""
+    dense = work / f"{key}-kv.onnx"
+    commands.produce([dense], "export", checkpoint, "-o", dense, "--external-data", "yes")
+    return {"dense": dense, **{f"MLPs at keep {keep}": rewritten(commands, dense, keep) for keep in KEEPS}}
 
 
 def rewritten(commands: CommandLog, source: Path, keep: float) -> Path:

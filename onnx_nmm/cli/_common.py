@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -71,6 +72,23 @@ def common_module_prefix(paths: list[str]) -> str:
         common.append(parts[0])
     common = common[: min(len(parts) for parts in split) - 1]
     return ".".join(common) + "." if common else ""
+
+
+def short_names(labels: list[str]) -> dict[str, str]:
+    """Each model by the fewest trailing path parts that tell it from the others ("optimum-past/model.onnx")."""
+    parts = [Path(label).parts for label in labels]
+    for keep in range(1, max(map(len, parts)) + 1):
+        names = [str(Path(*label[-keep:])) for label in parts]
+        if len(set(names)) == len(names):
+            return dict(zip(labels, names))
+    return {label: label for label in labels}
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
 
 
 def millions(number: int | float) -> str:

@@ -1,28 +1,31 @@
-"""`onnx-nmm bench MODEL [MODEL ...]`: prefill and decode speed on onnxruntime CPU, side by side (onnx_nmm.bench)."""
+"""`onnx-nmm bench MODEL [MODEL ...]`: prefill and decode speed on onnxruntime CPU, side by side (onnx_nmm.bench),
+or with `--target trn1|trn2` the same modelled on one NeuronCore (onnx_nmm.estimate_trainium, bench_trainium.py)."""
 
 from __future__ import annotations
-
-import argparse
-from pathlib import Path
 
 from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.bench_plot import plot_benchmark
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, bench_trainium
 
 
 def register(subparsers) -> None:
     defaults = onnx_nmm.BenchOptions()
     parser = subparsers.add_parser(
-        "bench", help="time to first token, prefill and decode tokens/s of causal LMs on onnxruntime CPU",
+        "bench", help="time to first token, prefill and decode tokens/s of causal LMs on onnxruntime CPU "
+        "(measured) or on Trainium (--target, modelled)",
         description="Measure the models side by side in one process, taking turns every round, so the ratios "
-        "against the first model hold on a noisy machine. The first round warms up and is not counted.")
-    parser.add_argument("models", nargs="+", metavar="MODEL", help=".onnx causal LMs; ratios are against the first")
-    parser.add_argument("--prompt-lengths", type=_lengths, default=defaults.prompt_lengths, metavar="N,N",
+        "against the first model hold on a noisy machine. The first round warms up and is not counted. With "
+        "--target, price them on one NeuronCore instead: linear layers by the kernels' cost model, the rest by "
+        "a roofline (modelled, nothing is run).")
+    parser.add_argument("models", nargs="+", metavar="MODEL",
+                        help=".onnx causal LMs (with --target also a Hugging Face config.json); ratios are against "
+                             "the first")
+    parser.add_argument("--prompt-lengths", type=_common.token_counts, default=defaults.prompt_lengths, metavar="N,N",
                         help="prompt lengths for the time to first token (default "
                              f"{','.join(map(str, defaults.prompt_lengths))})")
-    parser.add_argument("--contexts", type=_lengths, default=defaults.contexts, metavar="N,N",
+    parser.add_argument("--contexts", type=_common.token_counts, default=defaults.contexts, metavar="N,N",
                         help="tokens in the KV cache before the timed decode steps (default "
                              f"{','.join(map(str, defaults.contexts))})")
     parser.add_argument("--steps", type=int, default=defaults.steps,
@@ -32,17 +35,14 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids fed (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="write decode tokens/s against context length")
+    bench_trainium.add_options(parser)
     parser.set_defaults(handler=run)
 
 
-def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
-
-
 def run(args) -> int:
+    if args.target:
+        return bench_trainium.run(args)
+    bench_trainium.refuse_modelled_options(args)
     options = onnx_nmm.BenchOptions(prompt_lengths=args.prompt_lengths, contexts=args.contexts, steps=args.steps,
                                     rounds=args.rounds, threads=args.threads, seed=args.seed)
     with _common.progress(quiet=args.json) as progress:
@@ -52,23 +52,13 @@ def run(args) -> int:
     if args.json:
         _common.print_json(result.to_dict())
         return 0
-    names = _short_names([model.label for model in result.models])
+    names = _common.short_names([model.label for model in result.models])
     _print_models(result, names)
     _print_prefill(result, names)
     _print_decode(result, names)
     _common.stdout.print(f"measured on {result.machine}; {options.threads or 'default'} threads, median of "
                          f"{_common.count(options.rounds, 'round')}" + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
     return 0
-
-
-def _short_names(labels: list[str]) -> dict[str, str]:
-    """Each model by the fewest trailing path parts that tell it from the others ("optimum-past/model.onnx")."""
-    parts = [Path(label).parts for label in labels]
-    for keep in range(1, max(map(len, parts)) + 1):
-        names = [str(Path(*label[-keep:])) for label in parts]
-        if len(set(names)) == len(names):
-            return dict(zip(labels, names))
-    return {label: label for label in labels}
 
 
 def _print_models(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:

@@ -1,0 +1,129 @@
+"""`onnx-nmm bench MODEL ... --target trn1|trn2`: the models priced on one NeuronCore (modelled, nothing run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+import onnx_nmm
+from onnx_nmm.bench_plot import plot_trainium
+from onnx_nmm.cli import _common
+from onnx_nmm.options import DEFAULT_ALIGN
+
+
+def add_options(parser) -> None:
+    group = parser.add_argument_group("Trainium, modelled")
+    group.add_argument("--target", choices=onnx_nmm.TrainiumOptions.targets,
+                       help="price the models on one NeuronCore of this Trainium (modelled) instead of measuring them")
+    group.add_argument("--keep", type=float, action="append", metavar="K",
+                       help="after each MODEL, the same model with its --targets layers factorized at keep K: shapes "
+                            "only, no weights read (what a rewrite at --keep K would run); may be repeated")
+    group.add_argument("--targets", choices=("mlp", "attention", "all"), default="mlp",
+                       help="the layers --keep factorizes (default %(default)s)")
+    group.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="--keep's rank alignment (default %(default)s)")
+    group.add_argument("--no-fuse-mlp", action="store_true",
+                       help="price factorized gated MLPs as three fused_xuv launches, not one fused_svd_mlp "
+                            "(what compile --no-fuse-mlp runs)")
+    group.add_argument("--generation", type=_common.token_counts, default=onnx_nmm.TrainiumOptions().generation,
+                       metavar="PROMPT,NEW", help="the end-to-end generation priced: prompt tokens, new tokens "
+                       "(default 32,32: NeuronMM's benchmark, a context of 32 and a sequence of 64)")
+
+
+def refuse_modelled_options(args) -> None:
+    """--keep, --no-fuse-mlp and config.json models only mean something when pricing (--target)."""
+    if args.keep is not None or args.no_fuse_mlp or any(_is_config(model) for model in args.models):
+        raise onnx_nmm.OptionError("--keep, --no-fuse-mlp and config.json models are priced, not measured: add "
+                                   "--target trn1 or trn2")
+
+
+def run(args) -> int:
+    options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation))
+    with _common.progress(quiet=args.json) as progress:
+        shapes = []
+        for model in args.models:
+            fuse = not args.no_fuse_mlp
+            shape = onnx_nmm.decoder_shape_of_config(model) if _is_config(model) else onnx_nmm.decoder_shape(model, fuse)
+            shapes.append(shape)
+            shapes += [onnx_nmm.factorized(shape, keep, args.targets, args.align, fuse) for keep in args.keep or ()]
+        result = onnx_nmm.estimate_trainium(shapes, options, progress)
+    if args.plot:
+        plot_trainium(result, args.plot)
+    if args.json:
+        _common.print_json(result.to_dict())
+        return 0
+    names = _common.short_names([model.label for model in result.models])
+    _print_models(result, names)
+    _print_phases(result, names)
+    _print_parts(result, names, options.contexts[len(options.contexts) // 2])
+    _print_generation(result, names)
+    _common.stdout.print(f"modelled on {options.target}: one NeuronCore, bfloat16, batch 1; linear layers by the "
+                         "kernels' cost model, the rest by a roofline (a lower bound); nothing was run"
+                         + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
+    return 0
+
+
+def _is_config(model: str) -> bool:
+    path = Path(model)
+    return path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()
+                                      and not any(path.glob("*.onnx")))
+
+
+def _print_models(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
+    table = Table(title="Models", title_justify="left")
+    for column in ("model", "layers", "linear weights (bf16)", "dense", "factorized", "fused MLP"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for model in result.models:
+        counts = model.shape.counts()
+        table.add_row(names[model.label], str(model.shape.layers), _common.megabytes(model.weight_bytes),
+                      *(str(counts[kind]) for kind in ("dense", "factorized", "fused MLP")))
+    _common.stdout.print(table)
+    for model in result.models:
+        for note in model.shape.notes:
+            _common.stdout.print(f"{names[model.label]}: {note}", style="dim")
+
+
+def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
+    table = Table(title=f"Prefill and decode on {result.options.target} (modelled)", title_justify="left")
+    for column in ("model", "phase", "time", "tokens/s", "vs first", "ideal", "kernel-priced share"):
+        table.add_column(column, justify="left" if column in ("model", "phase") else "right")
+    for model in result.models:
+        for length, phase in model.prefill.items():
+            table.add_row(names[model.label], f"prefill of {length}", f"{phase.seconds * 1e3:.2f} ms",
+                          f"{length / phase.seconds:,.0f}", f"{result.prefill_speedup(model, length):.2f}×", "",
+                          f"{phase.kernel_share:.0%}")
+        for context, phase in model.decode.items():
+            table.add_row(names[model.label], f"decode at {context}", f"{phase.seconds * 1e3:.3f} ms",
+                          f"{1 / phase.seconds:,.1f}", f"{result.decode_speedup(model, context):.2f}×",
+                          f"{result.ideal_decode_speedup(model, context):.2f}×", f"{phase.kernel_share:.0%}")
+    _common.stdout.print(table)
+    _common.stdout.print("ideal: the first model's bytes read per decode step (linear weights, KV cache) over this "
+                         "model's", style="dim")
+
+
+def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str], context: int) -> None:
+    table = Table(title=f"Where a decode step at context {context} goes (µs, modelled)", title_justify="left")
+    table.add_column("part")
+    table.add_column("priced by")
+    for model in result.models:
+        table.add_column(names[model.label], justify="right")
+    for name in result.decode_parts(context):
+        priced = next(m.decode[context].parts[name].how for m in result.models if name in m.decode[context].parts)
+        table.add_row(name, priced, *(f"{m.decode[context].parts[name].seconds * 1e6:,.1f}"
+                                      if name in m.decode[context].parts else "—" for m in result.models))
+    _common.stdout.print(table)
+
+
+def _print_generation(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
+    prompt, new = result.options.generation
+    table = Table(title=f"End to end: a prompt of {prompt}, {new} new tokens (modelled)", title_justify="left")
+    for column in ("model", "time", "prefill vs first", "decode vs first", "end to end vs first"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for model in result.models:
+        speedups = result.generation_speedups(model)
+        table.add_row(names[model.label], f"{model.generation_s * 1e3:.1f} ms",
+                      *(f"{speedups[phase]:.2f}×" for phase in ("prefill", "decode", "end to end")))
+    _common.stdout.print(table)
+    _common.stdout.print("NeuronMM end to end on trn1, measured by its authors: "
+                         + "; ".join(f"{value:.2f}× ({source})" for source, value in result.paper_figures.items()),
+                         style="dim", soft_wrap=True)
