@@ -63,6 +63,17 @@ def load_tokenizer(spec: str | os.PathLike):
         raise DataError(f"cannot load a tokenizer from {spec}: {str(error).splitlines()[0]}") from None
 
 
+def bos_id(tokenizer) -> int | None:
+    """The BOS token id `tokenizer` puts before every text, or None when it puts none (SmolLM2's, GPT-2's)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos else None
+
+
 def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
     """All token ids of a text file, as one sequence."""
     path = Path(path)
@@ -73,25 +84,32 @@ def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
         raise DataError(f"text file {path} is empty")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sequence longer than the model's maximum": we cut it ourselves
-        return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        return np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
 
 
 def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, seq_len: int,
-                      spread: bool = False) -> TokenWindows:
+                      spread: bool = False, bos: bool = True) -> TokenWindows:
     """Non-overlapping windows of `seq_len` tokens: consecutive from the start of the text, or with `spread`,
-    evenly spaced over the whole of it (a long text's opening need not look like the rest)."""
+    evenly spaced over the whole of it (a long text's opening need not look like the rest). When the
+    tokenizer starts a text with BOS (and `bos`), each window is BOS and seq_len − 1 tokens of text."""
     ids = text_tokens(path, tokenizer)
-    available = len(ids) // seq_len
+    first = bos_id(tokenizer) if bos else None
+    text_len = seq_len - (first is not None)
+    available = len(ids) // text_len
     if available == 0:
         raise DataError(f"{path} holds {len(ids)} tokens, fewer than one window of {seq_len}; use a longer text "
                         "or shorter windows")
     count = available if samples is None else min(samples, available)
     if samples is not None and samples > available:
         warnings.warn(f"{path} has only {available} windows of {seq_len} tokens; using {available}, not {samples}")
-    windows = ids[: available * seq_len].reshape(available, seq_len)
+    windows = ids[: available * text_len].reshape(available, text_len)
     picks = np.linspace(0, available - 1, count).round().astype(int) if spread else np.arange(count)
     where = f"spread over all {available}" if spread and count < available else "from the start"
-    return TokenWindows(windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}")
+    if first is None:
+        return TokenWindows(windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}")
+    starts = np.full((count, 1), first, dtype=np.int64)
+    return TokenWindows(np.concatenate([starts, windows[picks]], axis=1),
+                        f"{path}: {count} windows of {seq_len} tokens, {where}, each starting with BOS (id {first})")
 
 
 def windows_from_array(ids, samples: int | None, description: str) -> TokenWindows:
@@ -126,9 +144,10 @@ def random_windows(vocabulary: int, samples: int, seq_len: int, seed: int = 0) -
 
 def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | None, seq_len: int,
                   spread: bool = False, vocabulary: Callable[[], int] | None = None,
-                  tokenizer_option: str = "tokenizer") -> TokenWindows:
+                  tokenizer_option: str = "tokenizer", bos: bool = True) -> TokenWindows:
     """Windows of any token source: a text file (with `tokenizer`), an .npz of input_ids, an array of token
-    ids, or "random" (ids below `vocabulary()`). `spread` applies to text only."""
+    ids, or "random" (ids below `vocabulary()`). `spread` and `bos` (start each window with the BOS token
+    the tokenizer adds, if it adds one) apply to text only: token ids are taken as they are."""
     if spread and (not _is_text(source)):
         raise OptionError("{spread} chooses windows of a text: give a text file as the source",
                           spread="calibration.spread")
@@ -143,17 +162,20 @@ def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | No
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
                           tokenizer=tokenizer_option)
-    return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len, spread)
+    return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len, spread, bos)
 
 
-def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: str = "tokenizer") -> np.ndarray:
-    """All token ids of a text file, or of an .npz's input_ids read as one sequence."""
+def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: str = "tokenizer"
+                ) -> tuple[np.ndarray, int | None]:
+    """All token ids of a text file, or of an .npz's input_ids read as one sequence; and the BOS token id the
+    tokenizer starts a text with (None for an .npz, whose ids are taken as they are)."""
     if str(source).endswith(".npz"):
-        return windows_from_npz(source, None).tokens.reshape(-1)
+        return windows_from_npz(source, None).tokens.reshape(-1), None
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
                           tokenizer=tokenizer_option)
-    return text_tokens(source, load_tokenizer(tokenizer))
+    loaded = load_tokenizer(tokenizer)
+    return text_tokens(source, loaded), bos_id(loaded)
 
 
 def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, model: str) -> None:
@@ -227,7 +249,7 @@ class CalibrationData:
                               source="calibration.source", statistics="calibration.statistics")
         o = self.options
         windows = token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
-                                self._vocabulary, tokenizer_option="calibration.tokenizer")
+                                self._vocabulary, tokenizer_option="calibration.tokenizer", bos=o.bos)
         check_token_ids(windows.tokens, vocabulary_size(self.graph), windows.description.split(":")[0], "the model")
         return windows
 

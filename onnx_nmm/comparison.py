@@ -136,10 +136,9 @@ def diff_on_text(reference: Model, candidate: Model, text: TextOptions, backend:
     check_backend(backend, target)
     expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, backend, target)
     _check_same_interface(expected_runner, actual_runner)
-    tokens = text.tokens()
+    tokens, windows = text.read(DEFAULT_WINDOW)
     for runner in (expected_runner, actual_runner):
         check_token_ids(tokens, runner.vocabulary, text.label, runner.label)
-    windows = text.windows(DEFAULT_WINDOW)
     with progress.phase("scoring windows", total=window_count(len(tokens), windows)) as phase:
         comparison = compare_on_text(expected_runner.logits, actual_runner.logits, tokens, windows,
                                      on_window=phase.advance)

@@ -19,29 +19,31 @@ class TextOptions:
     """A text to score and how it is cut: `text` a UTF-8 file (with `tokenizer`), an .npz whose input_ids are
     read as one sequence, or token ids [n] as an array; windows of `window` tokens (default: DEFAULT_WINDOW,
     or in fine-tuning the training windows' length) every `stride` (default: the window, disjoint), the
-    first `max_windows` of them (default: the whole text)."""
+    first `max_windows` of them (default: the whole text). When the tokenizer starts a text with a BOS
+    token, every window starts with it (window − 1 tokens of text after it), unless not `bos`; token ids
+    given as such are taken as they are."""
 
     text: str | os.PathLike | np.ndarray
     tokenizer: str | os.PathLike | None = None
     window: int | None = None
     stride: int | None = None
     max_windows: int | None = None
+    bos: bool = True
 
     def __post_init__(self):
-        self.windows(DEFAULT_WINDOW)  # Windows refuses an impossible window, stride or count
+        Windows(self.window or DEFAULT_WINDOW, self.stride, self.max_windows)  # refuses an impossible window or count
 
-    def windows(self, default_window: int) -> Windows:
-        window = self.window or default_window
-        return Windows(window=window, stride=self.stride or window, max_windows=self.max_windows)
+    def read(self, default_window: int) -> tuple[np.ndarray, Windows]:
+        """The text's token ids, and the windows to score them in (a window of `default_window` unless set)."""
+        if isinstance(self.text, np.ndarray):
+            tokens, bos = np.asarray(self.text, dtype=np.int64).reshape(-1), None
+        else:
+            tokens, bos = read_tokens(self.text, self.tokenizer)
+        return tokens, Windows(self.window or default_window, self.stride, self.max_windows, bos if self.bos else None)
 
     @property
     def label(self) -> str:
         return "token ids" if isinstance(self.text, np.ndarray) else str(self.text)
-
-    def tokens(self) -> np.ndarray:
-        if isinstance(self.text, np.ndarray):
-            return np.asarray(self.text, dtype=np.int64).reshape(-1)
-        return read_tokens(self.text, self.tokenizer)
 
 
 @dataclass
@@ -62,9 +64,8 @@ def evaluate(model: Model, text: TextOptions, backend: str = "ort", target: str 
     """Token-level perplexity of `model` (a causal LM, logits first) on the windows of `text`."""
     progress = progress or Progress()
     runner = ModelRunner(model, backend, target)
-    tokens = text.tokens()
+    tokens, windows = text.read(DEFAULT_WINDOW)
     check_token_ids(tokens, runner.vocabulary, text.label, runner.label)
-    windows = text.windows(DEFAULT_WINDOW)
     with progress.phase("scoring windows", total=window_count(len(tokens), windows)) as phase:
         result = perplexity(runner.logits, tokens, windows, on_window=phase.advance)
     return Evaluation(runner.label, backend, text.label, int(len(tokens)), result)

@@ -88,12 +88,14 @@ class TrainingOptions:
 @dataclass(frozen=True)
 class TrainingData:
     """text: a UTF-8 file (with `tokenizer`), an .npz with input_ids [samples, seq_len], or token ids as such
-    an array; cut into windows of `seq_len` tokens (an .npz or array sets its own), the first `samples`."""
+    an array; cut into windows of `seq_len` tokens (an .npz or array sets its own), the first `samples`;
+    each window of a text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`."""
 
     text: str | os.PathLike | np.ndarray
     tokenizer: str | os.PathLike | None = None
     seq_len: int = 256
     samples: int | None = None
+    bos: bool = True
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -102,7 +104,8 @@ class TrainingData:
             raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
 
     def windows(self) -> TokenWindows:
-        return token_windows(self.text, self.tokenizer, self.samples, self.seq_len, tokenizer_option="data.tokenizer")
+        return token_windows(self.text, self.tokenizer, self.samples, self.seq_len, tokenizer_option="data.tokenizer",
+                             bos=self.bos)
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,8 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         check_token_ids(windows.tokens, vocabulary, windows.description, source.label)
         evaluation = options.evaluation
         if evaluation is not None:
-            eval_tokens = evaluation.tokens()
+            eval_tokens, eval_windows = evaluation.read(windows.tokens.shape[1])
             check_token_ids(eval_tokens, vocabulary, evaluation.label, source.label)
-            eval_windows = evaluation.windows(windows.tokens.shape[1])
     if options.threads:
         import torch
 

@@ -218,6 +218,7 @@ class CalibrationOptions:
                      [samples, seq_len] as an array
     samples, seq_len: windows taken from a text, and their length in tokens
     spread:          take the windows evenly spaced over the whole text rather than from its start
+    bos:             start each window of a text with the BOS token its tokenizer adds (when it adds one)
     batch:           windows per onnxruntime run
     mode:            independent: every layer fitted to the dense model's activations; sequential: each layer
                      fitted, in graph order, to the dense outputs from the inputs the already-compressed model
@@ -232,6 +233,7 @@ class CalibrationOptions:
     samples: int = 128
     seq_len: int = 512
     spread: bool = False
+    bos: bool = True
     batch: int = 1
     mode: str = "independent"
     statistics: str | os.PathLike | None = None

@@ -5,6 +5,10 @@ first window in which it has context (the sliding-window protocol of Hugging Fac
 guide: with stride < window, later windows score only their new tokens, with the earlier ones as
 context). With stride = window the windows are disjoint and each scores its last window−1 tokens.
 
+When the tokenizer starts every text with a BOS token, so does every window: the model sees BOS and
+window−1 tokens of the text, and scores all of them (the first from BOS alone). A model trained with
+BOS is lost without it: scoring windows that lack it measures mostly that confusion.
+
     perplexity = exp( mean over scored tokens of −log p(token | its window's previous tokens) )
 """
 
@@ -27,25 +31,38 @@ LogitsFn = Callable[[np.ndarray], np.ndarray]
 class Windows:
     """Where the windows lie in a token sequence."""
 
-    window: int
-    stride: int
+    window: int  # tokens the model sees, BOS included
+    stride: int | None = None  # None: disjoint windows of text
     max_windows: int | None = None
+    bos: int | None = None  # the BOS token id every window starts with, or None
 
     def __post_init__(self):
-        if self.window < 2 or self.stride < 1 or self.stride > self.window:
-            raise OptionError(f"need {{window}} ≥ 2 and 1 ≤ {{stride}} ≤ {{window}}, got window {self.window}, stride "
-                              f"{self.stride}", window="window", stride="stride")
+        if self.stride is None:
+            self.stride = self.text_window
+        if self.window < 2 or self.stride < 1 or self.stride > self.text_window:
+            raise OptionError(f"need {{window}} ≥ 2 and 1 ≤ {{stride}} ≤ {{window}}{' − 1 (BOS)' if self.bos is not None else ''}"
+                              f", got window {self.window}, stride {self.stride}", window="window", stride="stride")
         if self.max_windows is not None and self.max_windows < 1:
             raise OptionError("{max_windows} must be a positive integer", max_windows="max_windows")
 
+    @property
+    def text_window(self) -> int:
+        """Tokens of the text in a window."""
+        return self.window - (self.bos is not None)
+
+    @property
+    def unscored(self) -> int:
+        """Text tokens at a window's start that nothing predicts: the first one, unless BOS does."""
+        return 0 if self.bos is not None else 1
+
     def spans(self, length: int) -> Iterator[tuple[int, int, int]]:
-        """(begin, end, first scored position) of every window over `length` tokens."""
-        scored_up_to, count = 1, 0
-        for begin in range(0, max(length - 1, 0), self.stride):
-            end = min(begin + self.window, length)
-            if end - begin < 2 or end <= scored_up_to:
+        """(begin, end, first scored position) of every window over `length` tokens of text."""
+        scored_up_to, count = self.unscored, 0
+        for begin in range(0, max(length - self.unscored, 0), self.stride):
+            end = min(begin + self.text_window, length)
+            if end - begin < 1 + self.unscored or end <= scored_up_to:
                 break
-            yield begin, end, max(scored_up_to, begin + 1)
+            yield begin, end, max(scored_up_to, begin + self.unscored)
             scored_up_to, count = end, count + 1
             if end == length or (self.max_windows is not None and count >= self.max_windows):
                 break
@@ -59,6 +76,7 @@ class PerplexityResult:
     windows: int
     window: int
     stride: int
+    bos: int | None = None  # the BOS token id every window started with
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,8 +98,8 @@ def perplexity(model: LogitsFn, tokens: np.ndarray, windows: Windows,
                on_window: Callable[[], None] | None = None) -> PerplexityResult:
     nll = _NllSum()
     for begin, end, first in windows.spans(len(tokens)):
-        log_probabilities = _next_token_log_probabilities(model, tokens, begin, end)
-        nll.add(log_probabilities, tokens, begin, end, first)
+        log_probabilities = _next_token_log_probabilities(model, tokens, begin, end, windows.bos)
+        nll.add(log_probabilities[first - begin - windows.unscored:], tokens[first:end])
         if on_window is not None:
             on_window()
     return nll.result(windows)
@@ -93,12 +111,11 @@ def compare_on_text(reference: LogitsFn, candidate: LogitsFn, tokens: np.ndarray
     nll_reference, nll_candidate = _NllSum(), _NllSum()
     agree, kl, positions = 0.0, 0.0, 0
     for begin, end, first in windows.spans(len(tokens)):
-        log_p = _next_token_log_probabilities(reference, tokens, begin, end)
-        log_q = _next_token_log_probabilities(candidate, tokens, begin, end)
-        nll_reference.add(log_p, tokens, begin, end, first)
-        nll_candidate.add(log_q, tokens, begin, end, first)
-        scored = slice(first - begin - 1, end - begin - 1)  # rows predicting the scored tokens
-        p, q = log_p[scored], log_q[scored]
+        scored = slice(first - begin - windows.unscored, None)  # the rows predicting the scored tokens
+        p = _next_token_log_probabilities(reference, tokens, begin, end, windows.bos)[scored]
+        q = _next_token_log_probabilities(candidate, tokens, begin, end, windows.bos)[scored]
+        nll_reference.add(p, tokens[first:end])
+        nll_candidate.add(q, tokens[first:end])
         agree += float(np.sum(p.argmax(-1) == q.argmax(-1)))
         kl += float(np.sum(np.exp(p) * (p - q)))
         positions += len(p)
@@ -116,9 +133,8 @@ class _NllSum:
     def __init__(self):
         self.total, self.count, self.windows = 0.0, 0, 0
 
-    def add(self, log_probabilities: np.ndarray, tokens: np.ndarray, begin: int, end: int, first: int) -> None:
-        targets = tokens[first:end]
-        rows = log_probabilities[first - begin - 1: end - begin - 1]  # row i predicts token begin+i+1
+    def add(self, rows: np.ndarray, targets: np.ndarray) -> None:
+        """`rows[i]`: the log-probabilities that predicted `targets[i]`."""
         self.total -= float(np.sum(rows[np.arange(len(targets)), targets]))
         self.count += len(targets)
         self.windows += 1
@@ -128,8 +144,12 @@ class _NllSum:
             raise DataError("the text is too short to score a single token; give a longer text")
         mean = self.total / self.count
         return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, tokens_scored=self.count,
-                                windows=self.windows, window=windows.window, stride=windows.stride)
+                                windows=self.windows, window=windows.window, stride=windows.stride, bos=windows.bos)
 
 
-def _next_token_log_probabilities(model: LogitsFn, tokens: np.ndarray, begin: int, end: int) -> np.ndarray:
-    return metrics.log_softmax(model(tokens[None, begin:end])[0].astype(np.float64))
+def _next_token_log_probabilities(model: LogitsFn, tokens: np.ndarray, begin: int, end: int,
+                                  bos: int | None) -> np.ndarray:
+    """The model's next-token log-probabilities over the window tokens[begin:end] (after `bos` if given):
+    row i predicts token begin + i + 1, or begin + i after a BOS."""
+    ids = tokens[begin:end] if bos is None else np.concatenate([[bos], tokens[begin:end]])
+    return metrics.log_softmax(model(ids[None].astype(np.int64))[0, :-1].astype(np.float64))

@@ -45,3 +45,29 @@ def test_comparing_a_model_with_itself():
     assert comparison.top1_agreement == 1.0 and comparison.mean_kl == pytest.approx(0.0, abs=1e-12)
     other = compare_on_text(model, bigram(_table(5, 9)), tokens, Windows(10, 10))
     assert other.mean_kl > 0 and other.reference.perplexity == pytest.approx(comparison.reference.perplexity)
+
+
+def test_windows_after_a_bos_hold_one_token_less_of_text_and_score_their_first():
+    assert list(Windows(4, bos=7).spans(10)) == [(0, 3, 0), (3, 6, 3), (6, 9, 6), (9, 10, 9)]
+    assert list(Windows(4, 2, bos=7).spans(7)) == [(0, 3, 0), (2, 5, 3), (4, 7, 5)]
+    with pytest.raises(Exception, match="window"):
+        Windows(4, 4, bos=7)  # a stride past the text of a window would skip tokens
+
+
+def test_every_window_starts_with_bos_and_every_token_is_scored_once():
+    table, seen = _table(8, 3), []
+    model = bigram(table)
+
+    def recording(tokens):
+        seen.append(tokens[0].tolist())
+        return model(tokens)
+
+    tokens = np.random.default_rng(1).integers(0, 7, size=20)
+    result = perplexity(recording, tokens, Windows(window=6, bos=7))
+    assert all(window[0] == 7 for window in seen) and [w[1:] for w in seen] == [tokens[i:i + 5].tolist()
+                                                                              for i in range(0, 20, 5)]
+    previous = np.concatenate([[7], tokens[:-1]])
+    previous[5::5] = 7  # each window's first token is predicted from BOS
+    expected = -np.mean(np.log(table[previous, tokens]))
+    assert result.tokens_scored == 20 and result.bos == 7
+    assert result.mean_nll == pytest.approx(expected)

@@ -195,7 +195,21 @@ def add_text_options(parser, required: bool) -> None:
                        help=f"tokens per window (default {onnx_nmm.options.DEFAULT_WINDOW})")
     group.add_argument("--stride", type=int, help="tokens between window starts (default: the window, disjoint)")
     group.add_argument("--max-windows", type=int, help="score only the first N windows (default: the whole text)")
+    add_bos_option(group)
+
+
+def add_bos_option(group) -> None:
+    group.add_argument("--no-bos", action="store_true",
+                       help="do not start each window with the BOS token the tokenizer puts before a text (by "
+                            "default every window does, when the tokenizer adds one)")
 
 
 def text_from(args) -> onnx_nmm.TextOptions:
-    return onnx_nmm.TextOptions(args.text, args.tokenizer, args.window, args.stride, args.max_windows)
+    return onnx_nmm.TextOptions(args.text, args.tokenizer, args.window, args.stride, args.max_windows,
+                                bos=not args.no_bos)
+
+
+def windows_line(result) -> str:
+    """How a perplexity result's windows were cut, as eval and diff print it."""
+    bos = f", each starting with BOS (id {result.bos})" if result.bos is not None else ""
+    return f"{result.tokens_scored} tokens in {result.windows} windows of {result.window} (stride {result.stride}{bos})"

@@ -59,11 +59,11 @@ def _diff_on_text(args, options: onnx_nmm.DiffOptions) -> int:
     a, b = result.comparison.reference, result.comparison.candidate
     reference, candidate = _labels(args, options)
     _common.stdout.print(
-        f"on {result.text}: {a.tokens_scored} tokens in {a.windows} windows of {a.window} (stride {a.stride})\n"
+        f"on {result.text}: {_common.windows_line(a)}\n"
         f"  perplexity  {reference}: {a.perplexity:.4f}   {candidate}: {b.perplexity:.4f} "
         f"({b.perplexity / a.perplexity - 1:+.1%})\n"
         f"  next-token top-1 agreement {result.comparison.top1_agreement:.2%}, mean KL "
-        f"{result.comparison.mean_kl:.4f} nats")
+        f"{result.comparison.mean_kl:.4f} nats", soft_wrap=True)
     return 0
 
 

@@ -27,6 +27,5 @@ def run(args) -> int:
     result = evaluation.result
     _common.stdout.print(
         f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f} nats) on {evaluation.text}: "
-        f"{result.tokens_scored} tokens scored in {result.windows} windows of {result.window} "
-        f"(stride {result.stride}; the text has {evaluation.text_tokens} tokens)")
+        f"{_common.windows_line(result)}; the text has {evaluation.text_tokens} tokens", soft_wrap=True)
     return 0

@@ -25,6 +25,7 @@ def register(subparsers) -> None:
     data.add_argument("--seq-len", type=int, help="tokens per training window, cut from the text (default "
                                                   f"{default(D, 'seq_len')}; an .npz sets its own)")
     data.add_argument("--samples", type=int, help="use only the first N windows (default: all of them)")
+    _common.add_bos_option(data)
     training = parser.add_argument_group("training")
     training.add_argument("--loss", choices=LOSSES,
                           help="next-token: cross-entropy on the text; distill: KL(teacher ‖ student) of the "
@@ -66,7 +67,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     data = onnx_nmm.TrainingData(**_common.given(text=args.text, tokenizer=args.tokenizer, seq_len=args.seq_len,
-                                                 samples=args.samples))
+                                                 samples=args.samples, bos=False if args.no_bos else None))
     options = finetune_options(args)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
@@ -102,7 +103,7 @@ def finetune_options(args) -> onnx_nmm.FinetuneOptions:
     evaluation = None
     if args.eval_text:
         evaluation = onnx_nmm.TextOptions(args.eval_text, args.tokenizer, window=args.eval_window,
-                                          max_windows=args.eval_windows)
+                                          max_windows=args.eval_windows, bos=not args.no_bos)
     return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads)
 
 

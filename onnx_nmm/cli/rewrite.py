@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     calibration.add_argument("--calib-spread", action="store_true",
                              help="take the --calib-samples windows evenly spaced over the whole text, not from its "
                                   "start (better when the text's opening is not like the rest)")
+    _common.add_bos_option(calibration)
     calibration.add_argument("--calib-batch", type=int,
                              help=f"sequences per onnxruntime run (default {default(C, 'batch')})")
     calibration.add_argument("--calib-mode", choices=CALIBRATION_MODES,
@@ -123,7 +124,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     if args.calib is not None or args.calib_stats is not None:
         calibration = onnx_nmm.CalibrationOptions(**given(
             source=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples, seq_len=args.seq_len,
-            spread=args.calib_spread or None, batch=args.calib_batch, mode=args.calib_mode,
+            spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch, mode=args.calib_mode,
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
         method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
