@@ -60,6 +60,19 @@ def print_json(data: dict) -> None:
     print(json.dumps(data, indent=2))
 
 
+def show_models(result, args, plot, *tables) -> None:
+    """A result over several models (bench's, measured or modelled): its plot if --plot, then the JSON if
+    --json, else each table, the models named by their shortest telling paths."""
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print_json(result.to_dict())
+        return
+    names = short_names([model.label for model in result.models])
+    for table in tables:
+        table(result, names)
+
+
 def common_module_prefix(paths: list[str]) -> str:
     """The dotted prefix all module paths share ("inner.model."), to print them shorter."""
     split = [path.split(".") for path in paths if path]

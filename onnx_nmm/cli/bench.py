@@ -47,15 +47,9 @@ def run(args) -> int:
                                     rounds=args.rounds, threads=args.threads, seed=args.seed)
     with _common.progress(quiet=args.json) as progress:
         result = onnx_nmm.bench(args.models, options, progress)
-    if args.plot:
-        plot_benchmark(result, args.plot)
+    _common.show_models(result, args, plot_benchmark, _print_models, _print_prefill, _print_decode)
     if args.json:
-        _common.print_json(result.to_dict())
         return 0
-    names = _common.short_names([model.label for model in result.models])
-    _print_models(result, names)
-    _print_prefill(result, names)
-    _print_decode(result, names)
     _common.stdout.print(f"measured on {result.machine}; {options.threads or 'default'} threads, median of "
                          f"{_common.count(options.rounds, 'round')}" + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
     return 0

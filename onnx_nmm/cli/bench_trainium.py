@@ -47,16 +47,9 @@ def run(args) -> int:
             shapes.append(shape)
             shapes += [onnx_nmm.factorized(shape, keep, args.targets, args.align, fuse) for keep in args.keep or ()]
         result = onnx_nmm.estimate_trainium(shapes, options, progress)
-    if args.plot:
-        plot_trainium(result, args.plot)
+    _common.show_models(result, args, plot_trainium, _print_models, _print_phases, _print_parts, _print_generation)
     if args.json:
-        _common.print_json(result.to_dict())
         return 0
-    names = _common.short_names([model.label for model in result.models])
-    _print_models(result, names)
-    _print_phases(result, names)
-    _print_parts(result, names, options.contexts[len(options.contexts) // 2])
-    _print_generation(result, names)
     _common.stdout.print(f"modelled on {options.target}: one NeuronCore, bfloat16, batch 1; linear layers by the "
                          "kernels' cost model, the rest by a roofline (a lower bound); nothing was run"
                          + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
@@ -101,7 +94,8 @@ def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> N
                          "model's", style="dim")
 
 
-def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str], context: int) -> None:
+def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
+    context = result.options.contexts[len(result.options.contexts) // 2]
     table = Table(title=f"Where a decode step at context {context} goes (µs, modelled)", title_justify="left")
     table.add_column("part")
     table.add_column("priced by")
