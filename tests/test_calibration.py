@@ -122,7 +122,7 @@ def test_whiten_without_calibration_is_an_error(capsys, export, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _characters(text, add_special_tokens=False):
+def _characters(text, add_special_tokens=False, verbose=True):
     """A tokenizer with one token per character, so that window i starts at character i * seq_len."""
     return {"input_ids": [ord(c) for c in text]}
 
