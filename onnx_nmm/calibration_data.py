@@ -105,11 +105,11 @@ def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, s
     windows = ids[: available * text_len].reshape(available, text_len)
     picks = np.linspace(0, available - 1, count).round().astype(int) if spread else np.arange(count)
     where = f"spread over all {available}" if spread and count < available else "from the start"
-    if first is None:
-        return TokenWindows(windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}")
-    starts = np.full((count, 1), first, dtype=np.int64)
-    return TokenWindows(np.concatenate([starts, windows[picks]], axis=1),
-                        f"{path}: {count} windows of {seq_len} tokens, {where}, each starting with BOS (id {first})")
+    chosen, description = windows[picks], f"{path}: {count} windows of {seq_len} tokens, {where}"
+    if first is not None:
+        chosen = np.concatenate([np.full((count, 1), first, dtype=np.int64), chosen], axis=1)
+        description += f", each starting with BOS (id {first})"
+    return TokenWindows(chosen, description)
 
 
 def windows_from_array(ids, samples: int | None, description: str) -> TokenWindows:

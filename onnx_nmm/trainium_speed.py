@@ -70,10 +70,11 @@ class Part:
     flops: float = 0.0
     how: str = ROOFLINE
 
-    def add(self, seconds: float, bytes_: float, flops: float) -> None:
-        self.seconds += seconds
-        self.bytes += bytes_
-        self.flops += flops
+    def add(self, seconds: float, bytes_: float, flops: float, times: int = 1) -> None:
+        """Count an op `times` over (once per layer, say)."""
+        self.seconds += times * seconds
+        self.bytes += times * bytes_
+        self.flops += times * flops
 
 
 @dataclass
@@ -197,8 +198,7 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseC
     keys = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs under the causal mask
     attention = roofline(bytes_=ELEMENT_BYTES * (2 * kv * (context + tokens) + 2 * kv * tokens + 2 * q * tokens),
                          tensor_flops=4 * q * keys, elementwise=3 * shape.heads * keys)
-    for _ in range(layers):
-        parts["attention core"].add(*attention)
+    parts["attention core"].add(*attention, times=layers)
     for width, gated in shape.activations:
         parts["MLP activation"].add(*roofline(bytes_=ELEMENT_BYTES * (3 if gated else 2) * tokens * width,
                                               elementwise=3 * tokens * width))
@@ -206,9 +206,8 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseC
     residual = roofline(bytes_=ELEMENT_BYTES * 3 * tokens * h, elementwise=tokens * h)
     rotary = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * (q + kv), elementwise=3 * tokens * (q + kv))
     rest = parts["norms, residuals, rotary, embedding"]
-    for op, count in ((norm, 2 * layers + 1), (residual, 2 * layers), (rotary, layers)):
-        for _ in range(count):
-            rest.add(*op)
+    for op, times in ((norm, 2 * layers + 1), (residual, 2 * layers), (rotary, layers)):
+        rest.add(*op, times=times)
     rest.add(*roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h))  # the embedding gather: a row in, a row out
     return PhaseCost(tokens, context, {name: part for name, part in parts.items() if part.seconds})
 
