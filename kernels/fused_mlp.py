@@ -1,9 +1,10 @@
-"""Fused SVD MLP: y = (silu(x·Ug·Vg) * (x·Uu·Vu)) · Ud · Vd in one kernel (NeuronMM's fused MLP).
+"""Fused SVD MLP: y = (act(x·Ug·Vg) * (x·Uu·Vu)) · Ud · Vd in one kernel (NeuronMM's fused MLP), act
+SiLU (Llama, Qwen) or GELU, exact or tanh-approximated (Gemma): one ScalarE activation either way.
 
 For each block of tokens:
   1. gate and up strips (x·Ug)ᵀ and (x·Uu)ᵀ — stage 1 of the XUV kernel, sharing one x^T;
   2. for each block of the intermediate dimension I: Vg and Vu are the stationary operands, so the
-     gate and up products come out as [I, tokens] — already transposed; SiLU is applied as the gate
+     gate and up products come out as [I, tokens] — already transposed; act is applied as the gate
      leaves PSUM and the product with up as up leaves PSUM, giving actᵀ with I on partitions;
   3. actᵀ is exactly the moving operand the down projection's stage 1 needs: (act · Ud)ᵀ accumulates over
      the I blocks in fp32 with no transpose and no trip through HBM;
@@ -16,10 +17,13 @@ from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, project_tokens
 from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks, load_row_tiles
 
+# The gate activations by the names SvdGatedMLP's `activation` attribute uses.
+ACTIVATIONS = {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}
+
 
 @nki.jit
-def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None):
-    """y = (silu(x · ug · vg) * (x · uu · vu)) · ud · vd.
+def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None, activation="silu"):
+    """y = (act(x · ug · vg) * (x · uu · vu)) · ud · vd.
 
     Args:
         x: [M, H] activations, row-major.
@@ -27,6 +31,7 @@ def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None):
         uu: [H, ru], vu: [ru, I]  up projection factors;
         ud: [I, rd], vd: [rd, H]  down projection factors (ranks may differ).
         plan: a blocking.MlpPlan; None asks blocking.plan_mlp for this shape and target.
+        activation: act, a key of ACTIVATIONS.
     Returns:
         y: [M, H] in x's dtype, in shared HBM.
     """
@@ -37,20 +42,21 @@ def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None):
     assert vu.shape[1] == intermediate and ud.shape[0] == intermediate, "Vg, Vu columns and Ud rows must be I"
     for factor in (ug, vg, uu, vu, ud, vd):
         assert factor.dtype == x.dtype, f"factors must have x's dtype {x.dtype}, not {factor.dtype}"
+    assert activation in ACTIVATIONS, f"activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}"
     if plan is None:
         plan = plan_mlp(M, H, intermediate, ug.shape[1], uu.shape[1], ud.shape[1], x.dtype)
     y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
     for row0 in range(0, M, plan.token_block):
-        token_block(x, ug, vg, uu, vu, ud, vd, y, row0, min(plan.token_block, M - row0), plan)
+        token_block(x, ug, vg, uu, vu, ud, vd, y, row0, min(plan.token_block, M - row0), plan, ACTIVATIONS[activation])
     return y
 
 
-def token_block(x, ug, vg, uu, vu, ud, vd, y, row0, tokens, plan):
-    down_strip = act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan)  # steps 1-3
+def token_block(x, ug, vg, uu, vu, ud, vd, y, row0, tokens, plan, act):
+    down_strip = act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act)  # steps 1-3
     expand_strip(down_strip, vd, y, row0, tokens, plan.n_block)  # step 4
 
 
-def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan):
+def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act):
     """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions."""
     gate_strip, up_strip = project_tokens(x, (ug, uu), row0, tokens, plan.k_tiles)
     intermediate, rank_d = ud.shape
@@ -65,7 +71,7 @@ def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan):
 
     step = 0
     for i0, P, t in blocks:
-        actT = gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens)
+        actT = gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act)
         # Stage 1 of the down projection, actᵀ as the moving operand, Ud rows in sub-blocks of down_tiles.
         ud_rows = ud[i0 : i0 + P * t, 0:rank_d].reshape((P, t, rank_d))
         for j0 in range(0, t, plan.down_tiles):
@@ -78,10 +84,10 @@ def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan):
     return down_strip
 
 
-def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens):
-    """actᵀ[p, j, :] = silu(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
+def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act):
+    """actᵀ[p, j, :] = act(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
 
-    Vg (then Vu) is stationary, so each PSUM tile is [I rows, tokens]. SiLU is applied as the gate leaves
+    Vg (then Vu) is stationary, so each PSUM tile is [I rows, tokens]. act is applied as the gate leaves
     PSUM (ScalarE, kept in fp32) and the product as up leaves PSUM (VectorE), written in x's dtype.
     """
     columns = P * t
@@ -94,7 +100,7 @@ def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens):
         for c0 in range(0, tokens, TILE_N):
             cw = min(TILE_N, tokens - c0)
             acc = project_columns(vg_block, gate_strip, vg.shape[0], j, t, P, c0, cw)
-            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=nl.silu, data=acc[0:P, 0:cw])
+            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw])
 
     vu_block = nl.ndarray((PMAX, up_strip.shape[1], columns), dtype=vu.dtype, buffer=nl.sbuf)
     load_row_tiles(vu_block, vu, 0, vu.shape[0], i0, i0 + columns)

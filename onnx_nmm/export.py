@@ -28,7 +28,8 @@ from pathlib import Path
 
 from onnx_nmm.errors import DataError, MissingDependencyError, OptionError, OutputError
 
-ARCHITECTURES = ("llama", "qwen3", "mistral", "gpt2", "llama-tied", "qwen2")
+ARCHITECTURES = ("llama", "qwen3", "mistral", "gpt2", "llama-tied", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "phi",
+                 "olmo", "olmo2", "granite")
 EXPORTERS = ("dynamo", "dynamo-noopt", "torchscript")
 
 
@@ -61,13 +62,26 @@ def build_config(architecture: str, shape: TinyShape = TinyShape()):
     )
     if architecture in ("llama", "llama-tied"):
         return transformers.LlamaConfig(tie_word_embeddings=architecture == "llama-tied", **decoder)
-    if architecture == "qwen3":
-        return transformers.Qwen3Config(head_dim=shape.hidden // shape.heads, tie_word_embeddings=False, **decoder)
-    if architecture == "qwen2":
-        return transformers.Qwen2Config(tie_word_embeddings=False, **decoder)
-    if architecture == "mistral":
-        return transformers.MistralConfig(sliding_window=None, tie_word_embeddings=False, **decoder)
-    raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    head_dim = shape.hidden // shape.heads
+    untied = dict(tie_word_embeddings=False, **decoder)
+    # Families whose default token ids lie outside a tiny vocabulary get ids inside it.
+    tokens = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    configs = {
+        "qwen3": lambda: transformers.Qwen3Config(head_dim=head_dim, **untied),
+        "qwen2": lambda: transformers.Qwen2Config(**untied),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **untied),
+        "gemma": lambda: transformers.GemmaConfig(head_dim=head_dim, **decoder, **tokens),
+        "gemma2": lambda: transformers.Gemma2Config(head_dim=head_dim, **decoder, **tokens),
+        "gemma3": lambda: transformers.Gemma3TextConfig(head_dim=head_dim, **decoder, **tokens),
+        "phi3": lambda: transformers.Phi3Config(**untied, **tokens),
+        "phi": lambda: transformers.PhiConfig(**untied, **tokens),
+        "olmo": lambda: transformers.OlmoConfig(**untied, **tokens),
+        "olmo2": lambda: transformers.Olmo2Config(**untied, **tokens),
+        "granite": lambda: transformers.GraniteConfig(**decoder, **tokens),
+    }
+    if architecture not in configs:
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    return configs[architecture]()
 
 
 def build_model(architecture: str, shape: TinyShape = TinyShape(), seed: int = 0):
@@ -111,10 +125,16 @@ def _logits_forward(model):
 
     The instance's forward is swapped rather than the model wrapped in another module, which would put the
     wrapper's attribute in front of every module path the exporter records."""
+    import torch
+
     original = model.forward
 
     def forward(input_ids, attention_mask):
-        return original(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        # Positions per batch row: from their default [1, S] the dynamo exporter (opset 23+) writes a
+        # RotaryEmbedding whose cos/sin caches do not have the input's batch, which onnxruntime refuses.
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+        return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                        use_cache=False).logits
 
     model.forward = forward
     try:
@@ -205,12 +225,14 @@ class _ExportInputs:
 
 
 def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", external_data: bool = False,
-                     batch: int = 2, seq_len: int = 8, cache: bool = False) -> Path:
+                     batch: int = 2, seq_len: int = 8, cache: bool = False, opset: int | None = None) -> Path:
     """Export `model` to `path` with dynamic batch and sequence axes, with a KV cache if `cache`; returns the
     path.
 
     exporter: "dynamo" (torch.onnx.export(dynamo=True), optimized), "dynamo-noopt" (optimize=False,
-    which leaves `MatMul(X, Transpose(W))`), or "torchscript" (dynamo=False, opset 17).
+    which leaves `MatMul(X, Transpose(W))`), or "torchscript" (dynamo=False). `opset`: the ONNX opset to
+    write (None: the exporter's default for dynamo, 17 for TorchScript); from 23 the dynamo exporter writes
+    ONNX's fused Attention, RMSNormalization and RotaryEmbedding.
     """
     import torch
 
@@ -226,12 +248,12 @@ def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", e
     with warnings.catch_warnings(), torch.no_grad(), forward(model.eval()) as exported:
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
-            torch.onnx.export(exported, inputs.args, str(path), dynamo=False, opset_version=17,
+            torch.onnx.export(exported, inputs.args, str(path), dynamo=False, opset_version=opset or 17,
                               dynamic_axes=inputs.axes, **names)
             if external_data:
                 _move_weights_to_external_data(path)
         else:
-            program = torch.onnx.export(exported, inputs.args, dynamo=True, verbose=False,
+            program = torch.onnx.export(exported, inputs.args, dynamo=True, verbose=False, opset_version=opset,
                                         optimize=exporter == "dynamo", dynamic_shapes=inputs.dynamic_shapes(),
                                         **names)
             program.save(str(path), external_data=external_data)

@@ -219,7 +219,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                                             total=options.training.steps) as phase:
         from onnx_nmm.factor_training import finetune as train_factors
 
-        result.training = train_factors(module, windows.tokens, CausalLmInputs(source.model.graph), options.training,
+        result.training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
                                         teacher.logits if teacher is not None else None,
                                         on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"))
     del teacher  # its onnxruntime session

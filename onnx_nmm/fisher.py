@@ -65,7 +65,7 @@ def collect_fisher_statistics(source: "ModelSource", layers: list[LinearLayer], 
 
     module = lower(first_step(source.full_proto()))
     producers = modules_by_output(module)
-    inputs = CausalLmInputs(source.model.graph)
+    inputs = CausalLmInputs(source)
     input_grams = {layer.x.name: _Sum(torch.float64) for layer in layers}
     output_grams = {layer.name: _Sum(torch.float32) for layer in layers}
     observed: set[str] = set()  # inputs already counted in this batch (gate and up share one)

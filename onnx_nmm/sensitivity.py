@@ -187,10 +187,11 @@ class DamageProbe:
     `model` holds every candidate factorized at full rank (so it computes what the dense model does), its
     factor initializers named by `factor_names`; `decompositions` give each candidate's factors at any rank.
     The damage is the increase of the mean log-loss ("ppl") or the mean KL to the dense model ("kl").
+    `source` (a model_source.ModelSource) is the model `model` was made from: it has the same inputs.
     """
 
     def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
-                 tokens: np.ndarray, metric: str):
+                 tokens: np.ndarray, metric: str, source):
         from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower
 
         if metric not in METRICS:
@@ -203,7 +204,7 @@ class DamageProbe:
             raise RuntimeError(f"the lowered model has no factor parameters {missing[:3]}")
         self.factor_names, self.decompositions, self.metric = factor_names, decompositions, metric
         self.tokens = tokens
-        self.inputs = CausalLmInputs(model.graph)(tokens)
+        self.inputs = CausalLmInputs(source)(tokens)
         self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64))
         self.base_nll, _ = mean_log_loss_and_kl(self._logits(), tokens, self.reference)
 

@@ -2,14 +2,17 @@
 
     g  = SvdMatMul(X, Ug, Vg)                  gate
     u  = SvdMatMul(X, Uu, Vu)                  up (reads the same X)
-    a  = Mul(Mul(g, Sigmoid(g)), u)            SiLU(gate) · up, as the exporters write SiLU
+    a  = Mul(act(g), u)                        act(gate) · up, act SiLU or GELU (erf or tanh) however
+                                               the exporter spelled it (activation_match)
     Y  = SvdMatMul(a, Ud, Vd)                  down
   →
-    Y  = SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)     activation = "silu", ranks = [rg, ru, rd]
+    Y  = SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)     activation = "silu" | "gelu" | "gelu_tanh",
+                                                    ranks = [rg, ru, rd]
 
 The fused op carries the same computation as its function body, so onnxruntime still runs it; the
 Neuron lowering calls the fused kernel, which keeps actᵀ on chip. Only bias-free projections whose
-intermediate values have no other reader are fused; non-gated MLPs (GPT-2) stay as SvdMatMul nodes.
+intermediate values have no other reader are fused; non-gated MLPs (GPT-2) and a gate and up computed by
+one projection (Phi-3's gate_up) stay as SvdMatMul nodes.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnx_nmm.passes import svd_ops
-from onnx_nmm.passes import roles
+from onnx_nmm.passes import activation_match, roles, svd_ops
 
 
 @dataclass
@@ -27,11 +29,12 @@ class _GatedMlp:
     gate: ir.Node
     up: ir.Node
     down: ir.Node
+    activation: str
     nodes: list[ir.Node]  # everything the fused op replaces
 
 
 class FuseGatedMlpPass(ir.passes.InPlacePass):
-    """Replace each SiLU-gated triple of SvdMatMul nodes by one SvdGatedMLP. `fused` lists their names;
+    """Replace each gated triple of SvdMatMul nodes by one SvdGatedMLP. `fused` lists their names;
     `unfused` says, for every MLP output projection left alone, why."""
 
     def __init__(self):
@@ -73,19 +76,23 @@ def _why_not_fused(down: ir.Node, graph: ir.Graph) -> str:
     if product is None or product.op_type != "Mul":
         found = product.op_type if product is not None else "a graph input"
         return f"not gated: {found} feeds the down projection (fusion needs act(gate) · up)"
-    if len(_projections_upstream(product)) == 1:
+    upstream = _projections_upstream(product)
+    if len(upstream) == 1:
+        if any(use.node.op_type in ("Split", "Slice") for use in upstream[0].outputs[0].uses()):
+            return "gate and up come from one projection split in two (a fused gate_up, as Phi-3 exports)"
         return "not gated: one projection feeds the down projection, through an activation"
-    branches = [value.producer() for value in product.inputs]
-    activated = [branch for branch in branches if branch is not None and branch.op_type not in _PROJECTIONS]
-    if len(activated) != 1:
-        return "the down projection's input is not act(gate) · up"
-    activation = activated[0]
-    if _silu_gate(activation) is None:
-        return f"gated by {activation.op_type}; only SiLU (x · Sigmoid(x)) is fused"
-    up = next(branch for branch in branches if branch is not activation)
-    if not all(_is_plain_svd_matmul(node) for node in (_silu_gate(activation), up, down)):
-        return "its gate, up or down projection is not factorized (or has a bias)"
-    return "an intermediate value has another reader"
+    for activated, up_value in (product.inputs, product.inputs[::-1]):
+        gate = _gate_of(activated, up_value.producer())
+        if gate is None:
+            continue
+        region = activation_match.activation_region(gate.outputs[0], activated, graph)
+        if region is None or activation_match.identify(region, gate.outputs[0], activated) is None:
+            return (f"gated by {activated.producer().op_type}, an activation onnx-nmm does not fuse (it fuses SiLU "
+                    "and GELU, erf or tanh)")
+        if not all(_is_plain_svd_matmul(node) for node in (gate, up_value.producer(), down)):
+            return "its gate, up or down projection is not factorized (or has a bias)"
+        return "an intermediate value has another reader"
+    return "the down projection's input is not act(gate) · up"
 
 
 def _projections_upstream(node: ir.Node, hops: int = 8) -> list[ir.Node]:
@@ -112,15 +119,12 @@ def _through_shape_ops(node: ir.Node | None) -> ir.Node | None:
 _PROJECTIONS = ("MatMul", "Gemm", svd_ops.SVD_MATMUL)
 
 
-def _silu_gate(silu: ir.Node) -> ir.Node | None:
-    """The node g feeding silu = Mul(g, Sigmoid(g)), whatever it is, or None when `silu` is no SiLU."""
-    if silu.op_type != "Mul":
+def _gate_of(activated: ir.Value, up: ir.Node | None) -> ir.Node | None:
+    """The projection upstream of `activated` (through element-wise nodes) that reads up's input."""
+    if up is None or up.op_type not in _PROJECTIONS or activated.producer() is None:
         return None
-    for g, s in (silu.inputs, silu.inputs[::-1]):
-        sigmoid = s.producer() if s is not None else None
-        if sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.inputs[0] is g:
-            return g.producer()
-    return None
+    return next((node for node in _projections_upstream(activated.producer(), hops=12)
+                 if node.inputs[0] is up.inputs[0] and node is not up), None)
 
 
 def _only_reader(value: ir.Value, graph: ir.Graph) -> ir.Node | None:
@@ -135,34 +139,26 @@ def _match(down: ir.Node, graph: ir.Graph) -> _GatedMlp | None:
     product = down.inputs[0].producer()
     if product is None or product.op_type != "Mul" or product.domain != "" or _only_reader(product.outputs[0], graph) is not down:
         return None
-    for silu_value, up_value in (product.inputs, product.inputs[::-1]):
-        silu, up = silu_value.producer(), up_value.producer()
-        gate = _silu_input(silu, graph)
-        if gate is None or not _is_plain_svd_matmul(up) or _only_reader(up.outputs[0], graph) is not product:
+    for activated, up_value in (product.inputs, product.inputs[::-1]):
+        up = up_value.producer()
+        if not _is_plain_svd_matmul(up) or _only_reader(up.outputs[0], graph) is not product:
             continue
-        if _only_reader(silu.outputs[0], graph) is not product or gate.inputs[0] is not up.inputs[0]:
+        gate = _gate_of(activated, up)
+        if not _is_plain_svd_matmul(gate) or _only_reader(activated, graph) is not product:
             continue
-        sigmoid = next(use.node for use in gate.outputs[0].uses() if use.node.op_type == "Sigmoid")
-        return _GatedMlp(gate=gate, up=up, down=down, nodes=[gate, sigmoid, silu, up, product, down])
-    return None
-
-
-def _silu_input(silu: ir.Node | None, graph: ir.Graph) -> ir.Node | None:
-    """The gate SvdMatMul g of silu = Mul(g, Sigmoid(g)), if that is what `silu` computes."""
-    if silu is None or silu.op_type != "Mul" or silu.domain != "":
-        return None
-    for g, s in (silu.inputs, silu.inputs[::-1]):
-        sigmoid = s.producer()
-        gate = g.producer()
-        if (sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.inputs[0] is g
-                and _is_plain_svd_matmul(gate) and _only_reader(s, graph) is silu
-                and {use.node for use in g.uses()} == {sigmoid, silu} and g not in graph.outputs):
-            return gate
+        g = gate.outputs[0]
+        region = activation_match.activation_region(g, activated, graph)
+        if region is None or g in graph.outputs:
+            continue
+        activation = activation_match.identify(region, g, activated)
+        if activation is not None:
+            return _GatedMlp(gate=gate, up=up, down=down, activation=activation,
+                             nodes=[gate, *region, up, product, down])
     return None
 
 
 def _replace(model: ir.Model, mlp: _GatedMlp) -> str:
-    svd_ops.register_svd_gated_mlp(model)
+    overload = svd_ops.register_svd_gated_mlp(model, mlp.activation)
     ranks = [node.attributes["rank"].as_int() for node in (mlp.gate, mlp.up, mlp.down)]
     name = _mlp_name(mlp)
     metadata = dict(mlp.down.metadata_props)
@@ -170,8 +166,8 @@ def _replace(model: ir.Model, mlp: _GatedMlp) -> str:
         node.metadata_props.get(svd_ops.ORIGINAL_NODE_KEY, node.name or node.op_type) for node in mlp.nodes)
     fused = ir.Node(svd_ops.DOMAIN, svd_ops.SVD_GATED_MLP,
                     [mlp.gate.inputs[0], *mlp.gate.inputs[1:], *mlp.up.inputs[1:], *mlp.down.inputs[1:]],
-                    [ir.AttrString("activation", "silu"), ir.AttrInt64s("ranks", ranks)],
-                    num_outputs=1, name=name, metadata_props=metadata)
+                    [ir.AttrString("activation", mlp.activation), ir.AttrInt64s("ranks", ranks)],
+                    overload=overload, num_outputs=1, name=name, metadata_props=metadata)
     ir.convenience.replace_nodes_and_values(mlp.down.graph, mlp.down, old_nodes=mlp.nodes, new_nodes=[fused],
                                             old_values=[mlp.down.outputs[0]], new_values=fused.outputs)
     return name

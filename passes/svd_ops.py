@@ -7,15 +7,20 @@ kernel instead. Functions cannot hold weights: U and V are graph initializers pa
     SvdMatMul(X, U, V)            = MatMul(MatMul(X, U), V)
     SvdMatMul:bias(X, U, V, b)    = MatMul(MatMul(X, U), V) + b
     SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)
-                                  = MatMul(MatMul(silu(X·Ug·Vg) * (X·Uu·Vu), Ud), Vd)
-                                    with silu(g) = g · Sigmoid(g)
+                                  = MatMul(MatMul(act(X·Ug·Vg) * (X·Uu·Vu), Ud), Vd)
+                                    with act the `activation` attribute:
+                                    silu(g)      = g · Sigmoid(g)                                (Llama, Qwen)
+                                    gelu(g)      = g/2 · (1 + Erf(g/√2))
+                                    gelu_tanh(g) = g/2 · (1 + Tanh(√(2/π) · (g + 0.044715·g³)))  (Gemma)
 
 The optional bias is a function *overload* (IR version 10): one body cannot test whether an input was
-given, and a zero bias would cost an Add on every call.
+given, and a zero bias would cost an Add on every call. SvdGatedMLP has one overload per activation
+(SiLU's is the default, ""), for the same reason.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 DOMAIN = "ai.onnx_nmm"
@@ -31,7 +36,7 @@ SVD_GATED_MLP = "SvdGatedMLP"
 SVD_MATMUL_ATTRIBUTES = ("rank", "align", "method", "original_weight")
 # SvdGatedMLP: the activation, and the rank of each projection (gate, up, down).
 SVD_GATED_MLP_ATTRIBUTES = ("activation", "ranks")
-GATED_ACTIVATIONS = ("silu",)
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Node metadata key holding the name of the node the op replaced.
 ORIGINAL_NODE_KEY = "onnx_nmm.original_node"
 
@@ -67,35 +72,58 @@ def register_svd_matmul(model: ir.Model, with_bias: bool) -> str:
     return overload
 
 
-def svd_gated_mlp_function(opset: int) -> ir.Function:
-    """The function body of SvdGatedMLP (SiLU gating, as in Llama, Qwen and Mistral)."""
+def gated_mlp_overload(activation: str) -> str:
+    return "" if activation == "silu" else activation
+
+
+def svd_gated_mlp_function(opset: int, activation: str = "silu") -> ir.Function:
+    """The function body of SvdGatedMLP gated by `activation` (one of GATED_ACTIVATIONS)."""
     x = ir.Value(name="X")
     factors = [ir.Value(name=name) for name in ("Ug", "Vg", "Uu", "Vu", "Ud", "Vd")]
     nodes: list[ir.Node] = []
 
-    def op(op_type, *inputs, name):
-        node = ir.Node("", op_type, list(inputs), num_outputs=1, name=name)
+    def op(op_type, *inputs, name, **attributes):
+        node = ir.Node("", op_type, list(inputs), [ir.Attr(key, ir.AttributeType.TENSOR, value)
+                                                   for key, value in attributes.items()],
+                       num_outputs=1, name=name)
         nodes.append(node)
         return node.outputs[0]
 
+    def constant(value: float, name: str):
+        return op("Constant", name=name, value=ir.tensor(np.array(value, np.float32), name=name))
+
     ug, vg, uu, vu, ud, vd = factors
     gate = op("MatMul", op("MatMul", x, ug, name="x_ug"), vg, name="gate")
-    silu = op("Mul", gate, op("Sigmoid", gate, name="sigmoid"), name="silu")
+    if activation == "silu":
+        activated = op("Mul", gate, op("Sigmoid", gate, name="sigmoid"), name="silu")
+    else:
+        if activation == "gelu":
+            inner = op("Erf", op("Mul", gate, constant(2 ** -0.5, "one_over_sqrt2"), name="scaled"), name="erf")
+        else:
+            cubed = op("Mul", op("Mul", gate, gate, name="squared"), gate, name="cubed")
+            widened = op("Add", gate, op("Mul", cubed, constant(0.044715, "cubic"), name="cubic_term"), name="widened")
+            inner = op("Tanh", op("Mul", widened, constant((2 / np.pi) ** 0.5, "sqrt_2_over_pi"), name="scaled"),
+                       name="tanh")
+        half = op("Mul", gate, constant(0.5, "half"), name="half_gate")
+        activated = op("Mul", half, op("Add", inner, constant(1.0, "one"), name="one_plus"), name=activation)
     up = op("MatMul", op("MatMul", x, uu, name="x_uu"), vu, name="up")
-    act = op("Mul", silu, up, name="act")
+    act = op("Mul", activated, up, name="act")
     output = op("MatMul", op("MatMul", act, ud, name="act_ud"), vd, name="down")
     output.name = "Y"
     graph = ir.Graph([x, *factors], [output], nodes=nodes, opset_imports={"": opset}, name=SVD_GATED_MLP)
     declared = [ir.Attr(name, ir.AttributeType.UNDEFINED, None) for name in SVD_GATED_MLP_ATTRIBUTES]
-    return ir.Function(DOMAIN, SVD_GATED_MLP, "", graph=graph, attributes=declared)
+    return ir.Function(DOMAIN, SVD_GATED_MLP, gated_mlp_overload(activation), graph=graph, attributes=declared)
 
 
-def register_svd_gated_mlp(model: ir.Model) -> None:
+def register_svd_gated_mlp(model: ir.Model, activation: str = "silu") -> str:
+    """Make sure `model` declares the domain and holds the function for `activation`; return its overload."""
     model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
     model.ir_version = max(model.ir_version, MIN_IR_VERSION)
-    key = (DOMAIN, SVD_GATED_MLP, "")
+    overload = gated_mlp_overload(activation)
+    key = (DOMAIN, SVD_GATED_MLP, overload)
     if key not in model.functions:
-        model.functions[key] = svd_gated_mlp_function(model.opset_imports[""])
+        model.functions[key] = svd_gated_mlp_function(model.opset_imports[""], activation)
+    return overload
 
 
 def svd_matmul_node(x: ir.Value, u: ir.Value, v: ir.Value, bias: ir.Value | None, *, rank: int, align: int,

@@ -13,21 +13,22 @@ from pathlib import Path
 from filelock import FileLock
 
 # Bump when onnx_nmm.export changes what it writes (2: module paths without the old wrapper's "inner.";
-# 3: sequence axes declared from length 1).
-EXPORT_FORMAT = 3
+# 3: sequence axes declared from length 1; 4: positions per batch row).
+EXPORT_FORMAT = 4
 CACHE = Path(os.environ.get("ONNX_NMM_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
 
 
 def exported_model(architecture: str, exporter: str, external_data: bool = False, seed: int = 0,
-                   cache: bool = False) -> Path:
+                   cache: bool = False, opset: int | None = None) -> Path:
     """The path of `architecture` exported with `exporter` (see onnx_nmm.export), with a KV cache if `cache`,
-    exporting on first use."""
+    at `opset` (None: the exporter's default), exporting on first use."""
     import torch
     import transformers
 
     from onnx_nmm import build_model, export_causal_lm
 
-    key = (f"{architecture}-{exporter}{'-kv' if cache else ''}{'-external' if external_data else ''}-s{seed}"
+    key = (f"{architecture}-{exporter}{f'-opset{opset}' if opset else ''}{'-kv' if cache else ''}"
+           f"{'-external' if external_data else ''}-s{seed}"
            f"-e{EXPORT_FORMAT}"
            f"-torch{torch.__version__}-tf{transformers.__version__}")
     folder = CACHE / key
@@ -39,6 +40,6 @@ def exported_model(architecture: str, exporter: str, external_data: bool = False
                 for leftover in staging.iterdir():
                     leftover.unlink()
             export_causal_lm(build_model(architecture, seed=seed), staging / "model.onnx", exporter,
-                             external_data=external_data, cache=cache)
+                             external_data=external_data, cache=cache, opset=opset)
             staging.rename(folder)
     return path

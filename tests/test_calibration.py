@@ -159,9 +159,9 @@ def test_sensitivity_windows_are_spread_like_the_calibration(capsys, export, tmp
     measured_on = []
 
     class RecordingProbe(sensitivity.DamageProbe):
-        def __init__(self, model, factor_names, decompositions, tokens, metric):
+        def __init__(self, model, factor_names, decompositions, tokens, metric, source):
             measured_on.extend("".join(map(chr, window)) for window in tokens)
-            super().__init__(model, factor_names, decompositions, tokens, metric)
+            super().__init__(model, factor_names, decompositions, tokens, metric, source)
 
     monkeypatch.setattr(sensitivity, "DamageProbe", RecordingProbe)
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,

@@ -63,7 +63,7 @@ def _factor_arrays(path):
 
 def test_finetuning_lowers_the_loss_and_changes_only_the_factors(rewritten_llama):
     module = lower(rewritten_llama)
-    inputs = CausalLmInputs(load_model(rewritten_llama).graph)
+    inputs = CausalLmInputs(rewritten_llama)
     windows = _token_ids(4, 32)
     frozen = {name: buffer.clone() for name, buffer in module.named_buffers()}
     factors = {name: factor.clone() for name, factor in factor_parameters(module).items()}
@@ -89,7 +89,7 @@ def test_written_model_runs_in_onnxruntime_with_the_tuned_factors(tmp_path):
     rewritten = _rewrite(exported_model("gpt2", "dynamo"), tmp_path / "rewritten.onnx", fuse=False)
     model = load_model(rewritten)
     module = lower(rewritten)
-    inputs = CausalLmInputs(model.graph)
+    inputs = CausalLmInputs(model)
     finetune(module, _token_ids(4, 16), inputs, TrainingOptions(steps=5, learning_rate=1e-3, loss="next-token"))
     replace_factors(model, factor_parameters(module))
     tuned = save_model(model, tmp_path / "tuned.onnx", external_data=False, validate=check_model_file)
@@ -149,7 +149,7 @@ def test_a_rising_loss_is_warned_about(capsys, rewritten_llama, tmp_path):
 
 def test_time_budget_ends_training(rewritten_llama):
     module = lower(rewritten_llama)
-    inputs = CausalLmInputs(load_model(rewritten_llama).graph)
+    inputs = CausalLmInputs(rewritten_llama)
     result = finetune(module, _token_ids(2, 16), inputs, TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
     last = result.records[-1]
     assert result.stopped_by == "time" and 1 < last.step < 100_000

@@ -4,6 +4,8 @@ nki/api/nki/language/__init__.py)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from onnx_nmm.kernels.emulator import session
@@ -136,8 +138,21 @@ def _silu(x):
     return x / (np.float32(1) + np.exp(-x))
 
 
+def _gelu(x):
+    return np.float32(0.5) * x * (np.float32(1) + _erf(x / np.float32(np.sqrt(2.0))))
+
+
+def _gelu_tanh(x):
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float32])
+
 copy = _Operator("copy", lambda x: x)
 silu = _Operator("silu", _silu)
+gelu = _Operator("gelu", _gelu)
+gelu_apprx_tanh = _Operator("gelu_apprx_tanh", _gelu_tanh)
 relu = _Operator("relu", lambda x: np.maximum(x, np.float32(0)))
 sigmoid = _Operator("sigmoid", lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)))
 tanh = _Operator("tanh", np.tanh)

@@ -23,9 +23,12 @@ if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("t
 
 from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
                                                 backend_named)
-from onnx_nmm.lowering.onnx2torch_compat import convert, lowering_domain, modules_by_output
-from onnx_nmm.lowering import quantized_converters  # noqa: F401 (registers the quantized forms' converters)
+from onnx_nmm.lowering.onnx2torch_compat import convert, extend_to_newer_versions, lowering_domain, modules_by_output
+# Each registers its converters on import.
+from onnx_nmm.lowering import microsoft_ops, quantized_converters, standard_ops  # noqa: F401
 from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_parameters, set_backend, svd_ops_of
+
+extend_to_newer_versions()
 
 
 def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
@@ -50,13 +53,16 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
 
 class CausalLmInputs:
     """The lowered module's inputs for token ids [B, S], in the graph's input order: the causal LM's feeds
-    after an empty cache (causal_lm.CausalLm)."""
+    after an empty cache. `model` is anything model_source.ModelSource takes; from a file, an onnxruntime-genai
+    folder's config gives the head size its graph leaves free."""
 
-    def __init__(self, graph):
+    def __init__(self, model):
         from onnx_nmm.causal_lm import CausalLm
+        from onnx_nmm.model_source import ModelSource
 
-        self.order = [value.name for value in graph.inputs if not value.is_initializer()]
-        self.model = CausalLm.of_graph(graph)
+        source = ModelSource.of(model)
+        self.order = [value.name for value in source.model.graph.inputs if not value.is_initializer()]
+        self.model = CausalLm.of_source(source)
         self.model.feeds(np.zeros((1, 2), np.int64))  # refuse a graph that is no causal LM before any work
 
     def __call__(self, tokens: np.ndarray) -> tuple:
@@ -101,14 +107,68 @@ def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _with_lowering_domains(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A shallow copy whose custom domains carry no dots (the names onnx2torch can use)."""
+    """A copy in the form onnx2torch converts: custom domains without dots (it puts them in module names),
+    nodes in topological order, every output named (it reads an empty input name as the value of the last
+    node that left an output out), each graph output written by a one-output node (it returns a
+    multi-output node's whole tuple for any of its outputs)."""
     renamed = onnx.ModelProto()
     renamed.CopyFrom(proto)
+    sorted_nodes = _topologically_sorted(renamed.graph)
+    del renamed.graph.node[:]
+    renamed.graph.node.extend(sorted_nodes)
+    _give_graph_outputs_a_node_of_their_own(renamed.graph)
+    unused = 0
     for node in renamed.graph.node:
         node.domain = lowering_domain(node.domain)
+        for index, name in enumerate(node.output):
+            if not name:  # an output left out: onnx2torch would take the empty name for a value
+                node.output[index], unused = f"onnx_nmm_unused_{unused}", unused + 1
     for entry in renamed.opset_import:
         entry.domain = lowering_domain(entry.domain)
     return renamed
+
+
+def _give_graph_outputs_a_node_of_their_own(graph: onnx.GraphProto) -> None:
+    """Each graph output that a node with several outputs writes is renamed there and copied out by an
+    Identity node."""
+    from onnx import helper
+
+    outputs = {value.name for value in graph.output}
+    copies = []
+    for node in graph.node:
+        if len(node.output) > 1:
+            for index, name in enumerate(node.output):
+                if name in outputs:
+                    node.output[index] = f"{name}_onnx_nmm_before_output"
+                    copies.append(helper.make_node("Identity", [node.output[index]], [name]))
+    graph.node.extend(copies)
+
+
+def _topologically_sorted(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes, each after the nodes whose outputs it reads, otherwise in their order."""
+    import heapq
+
+    producer = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
+    consumers: dict[int, list[int]] = {}
+    waiting = []
+    for index, node in enumerate(graph.node):
+        needed = {producer[name] for name in node.input if name in producer}
+        waiting.append(len(needed))
+        for dependency in needed:
+            consumers.setdefault(dependency, []).append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    ordered = []
+    while ready:
+        index = heapq.heappop(ready)
+        ordered.append(graph.node[index])
+        for consumer in consumers.get(index, []):
+            waiting[consumer] -= 1
+            if waiting[consumer] == 0:
+                heapq.heappush(ready, consumer)
+    if len(ordered) < len(graph.node):
+        raise ModelError("the graph has a cycle: its nodes cannot be put in an order where each reads only "
+                         "values computed before it")
+    return ordered
 
 
 def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:

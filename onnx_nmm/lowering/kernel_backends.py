@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 BACKENDS = ("torch", "emulator", "neuron")
+# SvdGatedMLP's activations (svd_ops.GATED_ACTIVATIONS) in PyTorch.
+GATE_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"),
+}
 
 
 @dataclass
@@ -33,10 +39,10 @@ class TorchMath:
         y = torch.matmul(torch.matmul(x, u), v)
         return y + bias if bias is not None else y
 
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
         gate = torch.matmul(torch.matmul(x, ug), vg)
         up = torch.matmul(torch.matmul(x, uu), vu)
-        return torch.matmul(torch.matmul(torch.nn.functional.silu(gate) * up, ud), vd)
+        return torch.matmul(torch.matmul(GATE_ACTIVATIONS[activation](gate) * up, ud), vd)
 
 
 @dataclass
@@ -53,12 +59,12 @@ class EmulatorKernels:
         y = self._launch(node, "fused_xuv", fused_xuv, x, u, v)
         return y + bias if bias is not None else y
 
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
         from onnx_nmm.kernels import fused_svd_mlp
 
-        return self._launch(node, "fused_svd_mlp", fused_svd_mlp, x, ug, vg, uu, vu, ud, vd)
+        return self._launch(node, "fused_svd_mlp", fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, activation=activation)
 
-    def _launch(self, node, name, kernel, x, *factors):
+    def _launch(self, node, name, kernel, x, *factors, **options):
         import ml_dtypes
 
         from onnx_nmm.kernels import run
@@ -66,7 +72,7 @@ class EmulatorKernels:
         rows = x.reshape(-1, x.shape[-1])
         arrays = [t.detach().to(torch.float32).cpu().numpy().astype(ml_dtypes.bfloat16) for t in (rows, *factors)]
         self.calls.append(KernelCall(node, name, tuple(a.shape for a in arrays)))
-        y = run(kernel, *arrays, target=self.target)
+        y = run(kernel, *arrays, target=self.target, **options)
         return torch.from_numpy(y.astype("float32")).to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -90,7 +96,7 @@ class NeuronKernels:
         y = y.to(x.dtype).reshape(*x.shape[:-1], v.shape[1])
         return y + bias if bias is not None else y
 
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd):
+    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
         from onnx_nmm.kernels import fused_svd_mlp
         from onnx_nmm.kernels.blocking import plan_mlp
 
@@ -98,7 +104,7 @@ class NeuronKernels:
         plan = plan_mlp(rows.shape[0], ug.shape[0], vg.shape[1], ug.shape[1], uu.shape[1], ud.shape[1], "bfloat16",
                         target=self.target)
         factors = [t.to(torch.bfloat16) for t in (ug, vg, uu, vu, ud, vd)]
-        return fused_svd_mlp(rows, *factors, plan=plan).to(x.dtype).reshape(x.shape)
+        return fused_svd_mlp(rows, *factors, plan=plan, activation=activation).to(x.dtype).reshape(x.shape)
 
 
 def backend_named(name: str, target: str = "trn2"):

@@ -8,10 +8,13 @@ fails on GPT-2's Gemm. onnx2torch 1.5.15 (its latest release, 2024) is stale in 
 1. It imports torchvision at start-up for two converters (NMS, RoIAlign) no LLM uses, and there is
    no CPU build of torchvision for the pinned torch (pip's one fails to load its operators). When
    torchvision cannot be imported, a placeholder stands in; those two converters then fail if used.
-2. It knows ONNX ops only up to the versions of 2024: dynamo exports use Shape-19, ReduceMean-18,
-   CastLike; TorchScript exports LessOrEqual-16. Where a newer version only added element types
-   (ONNX's Changelog.md), the previous converter is registered for it unchanged; the versions that
-   changed semantics get converters of their own below.
+2. It knows ONNX ops only up to the versions of 2024, while exporters write any opset from 17 to the
+   newest. Coverage is by construction (`extend_to_newer_versions`, run once every converter is
+   registered): a version whose inputs, outputs and attributes are those of the version before it — a
+   change of element types only, as ONNX's Changelog.md records — gets the previous converter; a version
+   that changed its signature does not, unless it is listed in COMPATIBLE_VERSIONS with the reason the
+   old converter still computes it. The versions that changed semantics get converters of their own
+   below, and the ops onnx2torch lacks (Gelu, RMSNormalization, Attention, ...) are in standard_ops.py.
 3. Two of its converters are wrong for what exporters write, and are replaced: Reshape refuses
    `allowzero=1` (the dynamo exporter's default), and Flatten fails on a 1-D input.
 4. It names modules `domain/node`, and torch refuses dots in module names: custom-domain ops are
@@ -63,30 +66,61 @@ from onnx2torch.onnx_node import OnnxNode  # noqa: E402
 from onnx2torch.utils.common import (OnnxMapping, OnnxToTorchModule, OperationConverterResult,  # noqa: E402
                                      get_const_value, onnx_mapping_from_node)
 
-# Op versions that only widened the element types (float8, int4, bfloat16, strings) over the one
-# before them, per ONNX's Changelog.md.
-TYPE_ONLY_VERSIONS = {
-    "Cast": (19, 21), "Constant": (19, 21), "ConstantOfShape": (20, 21), "Equal": (19,), "Flatten": (21,),
-    "Identity": (19, 21), "IsInf": (20,), "IsNaN": (20,), "LessOrEqual": (16,), "GreaterOrEqual": (16,),
-    "Pad": (19, 21), "Reshape": (19, 21), "Shape": (19, 21), "Size": (19, 21), "Squeeze": (21,),
-    "Transpose": (21,), "Unsqueeze": (21,), "Where": (16,),
-    # Split-18 added `num_outputs`, the number of outputs; the Split-13 converter splits evenly by them.
-    "Split": (18,),
+# Versions whose signature changed in a way the previous converter still computes, with the reason.
+COMPATIBLE_VERSIONS = {
+    ("Cast", 19): "saturate only clips float8 results, types no converter produces",
+    ("CastLike", 19): "saturate only clips float8 results, types no converter produces",
+    ("Cast", 24): "round_mode only rounds float8 and float4 results, types no converter produces",
+    ("CastLike", 24): "round_mode only rounds float8 and float4 results, types no converter produces",
+    ("Range", 27): "stash_type sets the precision of float ranges; exporters' ranges are integers",
+    ("Split", 18): "num_outputs splits evenly into the declared outputs, as the Split-13 converter does",
 }
 # Reductions whose `axes` moved from an attribute to an input in opset 18 (ReduceSum did in 13).
 AXES_INPUT_REDUCTIONS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
 
 
-def _register_type_only_versions() -> None:
-    for op, versions in TYPE_ONLY_VERSIONS.items():
-        for version in versions:
-            known = sorted(d.version for d in _CONVERTER_REGISTRY if d.domain == "" and d.operation_type == op)
-            older = [v for v in known if v < version]
-            if older and version not in known:
-                previous = next(d for d in _CONVERTER_REGISTRY
-                                if d.domain == "" and d.operation_type == op and d.version == older[-1])
-                add_converter(op, version)(_CONVERTER_REGISTRY[previous])
+def _signature(schema) -> tuple:
+    return ([(p.name, p.option) for p in schema.inputs], [(p.name, p.option) for p in schema.outputs],
+            sorted(schema.attributes))
+
+
+def extend_to_newer_versions() -> None:
+    """Register each ONNX-domain converter for the op's later versions that kept its signature (or are
+    COMPATIBLE_VERSIONS), up to the first that did not."""
+    from onnx import defs
+
+    history: dict[str, list] = {}
+    for schema in defs.get_all_schemas_with_history():
+        if schema.domain == "":
+            history.setdefault(schema.name, []).append(schema)
+    registered: dict[str, list[int]] = {}
+    for description in _CONVERTER_REGISTRY:
+        if description.domain == "":
+            registered.setdefault(description.operation_type, []).append(description.version)
+    for op, versions in registered.items():
+        schemas = sorted(history.get(op, []), key=lambda schema: schema.since_version)
+        latest = max(versions)
+        previous = next((schema for schema in schemas if schema.since_version == latest), None)
+        if previous is None:  # not an ONNX op (onnxruntime's, registered under every opset)
+            continue
+        for schema in (schema for schema in schemas if schema.since_version > latest):
+            if _signature(schema) != _signature(previous) and (op, schema.since_version) not in COMPATIBLE_VERSIONS:
+                break
+            converter = _CONVERTER_REGISTRY[OperationDescription("", op, latest)]
+            _CONVERTER_REGISTRY[OperationDescription("", op, schema.since_version)] = converter
+            previous = schema
+
+
+def register(domain: str, op: str, versions, converter) -> None:
+    """`converter` for `op` of `domain` at each of `versions`, replacing onnx2torch's if it has one."""
+    for version in versions:
+        _CONVERTER_REGISTRY[OperationDescription(lowering_domain(domain), op, version)] = converter
+
+
+def converted(node: OnnxNode, module: nn.Module) -> OperationConverterResult:
+    """The conversion of `node` to `module`, called with the node's inputs in order."""
+    return OperationConverterResult(torch_module=module, onnx_mapping=onnx_mapping_from_node(node))
 
 
 def lowering_domain(domain: str) -> str:
@@ -102,8 +136,7 @@ def _reduce_with_axes_input(node: OnnxNode, graph: OnnxGraph) -> OperationConver
         try:
             axes = [int(axis) for axis in get_const_value(node.input_values[1], graph).tolist()]
         except KeyError:
-            return OperationConverterResult(torch_module=_ReduceWithAxesInput(node.operation_type, keepdims),
-                                            onnx_mapping=onnx_mapping_from_node(node))
+            return converted(node, _ReduceWithAxesInput(node.operation_type, keepdims))
     else:
         axes = None
     if not axes and node.attributes.get("noop_with_empty_axes", 0):
@@ -176,11 +209,6 @@ class _SequenceAt(nn.Module, OnnxToTorchModule):
         return sequence[int(position)]
 
 
-def _replace_converter(op: str, versions: tuple[int, ...], converter) -> None:
-    for version in versions:
-        _CONVERTER_REGISTRY[OperationDescription(domain="", operation_type=op, version=version)] = converter
-
-
 def _register_new_converters() -> None:
     for op in AXES_INPUT_REDUCTIONS:
         add_converter(op, 18)(_reduce_with_axes_input)
@@ -188,33 +216,28 @@ def _register_new_converters() -> None:
         add_converter(op, 20)(_reduce_with_axes_input)
 
     def reshape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-        module = _Reshape(bool(node.attributes.get("allowzero", 0)))
-        return OperationConverterResult(torch_module=module, onnx_mapping=onnx_mapping_from_node(node))
+        return converted(node, _Reshape(bool(node.attributes.get("allowzero", 0))))
 
     def flatten(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-        return OperationConverterResult(torch_module=_Flatten(node.attributes.get("axis", 1)),
-                                        onnx_mapping=onnx_mapping_from_node(node))
+        return converted(node, _Flatten(node.attributes.get("axis", 1)))
 
-    _replace_converter("Reshape", (5, 13, 14, 19, 21), reshape)
-    _replace_converter("Flatten", (1, 9, 11, 13, 21), flatten)
+    register("", "Reshape", (5, 13, 14), reshape)
+    register("", "Flatten", (1, 9, 11, 13), flatten)
 
     @add_converter("CastLike", 15)
-    @add_converter("CastLike", 19)
-    @add_converter("CastLike", 21)
     def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-        return OperationConverterResult(torch_module=_CastLike(), onnx_mapping=onnx_mapping_from_node(node))
+        return converted(node, _CastLike())
 
     @add_converter("SplitToSequence", 11)
     def _split_to_sequence(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         module = _SplitToSequence(node.attributes.get("axis", 0), bool(node.attributes.get("keepdims", 1)))
-        return OperationConverterResult(torch_module=module, onnx_mapping=onnx_mapping_from_node(node))
+        return converted(node, module)
 
     @add_converter("SequenceAt", 11)
     def _sequence_at(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-        return OperationConverterResult(torch_module=_SequenceAt(), onnx_mapping=onnx_mapping_from_node(node))
+        return converted(node, _SequenceAt())
 
 
-_register_type_only_versions()
 _register_new_converters()
 
 def convert(proto):

@@ -47,8 +47,12 @@ class SvdMatMulModule(_SvdOp):
 
 
 class SvdGatedMlpModule(_SvdOp):
+    def __init__(self, node: str, factors: dict[str, nn.Parameter], activation: str):
+        super().__init__(node, factors)
+        self.activation = activation
+
     def forward(self, x):
-        return self.backend.gated_mlp(self.node, x, *self.factors)
+        return self.backend.gated_mlp(self.node, x, *self.factors, activation=self.activation)
 
 
 def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> dict[str, nn.Parameter]:
@@ -76,7 +80,7 @@ def _svd_gated_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult
     if activation not in svd_ops.GATED_ACTIVATIONS:
         raise NotImplementedError(f"SvdGatedMLP with activation {activation!r}")
     x, *factors = node.input_values
-    module = SvdGatedMlpModule(node.name, _factors(node, graph, tuple(factors)))
+    module = SvdGatedMlpModule(node.name, _factors(node, graph, tuple(factors)), activation)
     return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(inputs=(x,),
                                                                                    outputs=node.output_values))
 

@@ -98,7 +98,8 @@ class PlanRanks(RewritePass):
         surgery = SvdFactorizationPass(full_rank)
         surgery(probe_model)
         tokens = context.calibration_windows(ranks.sensitivity_windows).tokens  # chosen like calibration's
-        probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, tokens, metric)
+        probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, tokens, metric,
+                                         context.source)
         fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)

@@ -92,6 +92,22 @@ def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
     check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, target=target, plan=plan), reference, dtype)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_fused_svd_mlp_with_gelu_gating(activation):
+    from math import erf, pi, sqrt
+
+    x, ug, vg, uu, vu, ud, vd = arrays(5, "float32", (130, 256), (256, 40), (40, 300), (256, 40), (40, 300),
+                                       (300, 64), (64, 256))
+    X, UG, VG, UU, VU, UD, VD = f64(x, ug, vg, uu, vu, ud, vd)
+    gate = X @ UG @ VG
+    if activation == "gelu":
+        activated = 0.5 * gate * (1 + np.vectorize(erf)(gate / sqrt(2)))
+    else:
+        activated = 0.5 * gate * (1 + np.tanh(sqrt(2 / pi) * (gate + 0.044715 * gate**3)))
+    reference = (activated * (X @ UU @ VU)) @ UD @ VD
+    check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, plan=SMALL_MLP, activation=activation), reference, "float32")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "I"), [(1, 5000), (130, 700)])
 def test_silu_mul(M, I, dtype):
