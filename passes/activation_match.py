@@ -40,9 +40,9 @@ _ELEMENTWISE = {
 }
 
 
-def activation_region(g: ir.Value, output: ir.Value, graph: ir.Graph) -> list[ir.Node] | None:
-    """The element-wise nodes computing `output` from `g` alone (and constants), in order, each read only
-    inside the region (`output` by anyone); None if `output` is not such a function of g."""
+def activation_region(g: ir.Value, output: ir.Value) -> list[ir.Node] | None:
+    """The element-wise nodes computing `output` from `g` alone (and constants), in order; None if `output`
+    is not such a function of g."""
     region: list[ir.Node] = []
     pending = [output]
     while pending:
@@ -55,15 +55,16 @@ def activation_region(g: ir.Value, output: ir.Value, graph: ir.Graph) -> list[ir
         if node not in region:
             region.append(node)
             pending.extend(node.inputs)
+    return _ordered(region) if any(g in node.inputs for node in region) else None
+
+
+def read_only_inside(region: list[ir.Node], g: ir.Value, output: ir.Value, graph: ir.Graph) -> bool:
+    """Whether g and every value `region` computes but `output` are read by region nodes only, so that
+    replacing the region loses nothing."""
     inside = set(map(id, region))
-    for node in region:
-        for value in node.outputs:
-            if value is output:
-                continue
-            if value in graph.outputs or any(id(use.node) not in inside for use in value.uses()):
-                return None
-    uses_of_g = [use.node for use in g.uses() if id(use.node) in inside]
-    return _ordered(region) if uses_of_g else None
+    internal = [g] + [value for node in region for value in node.outputs if value is not output]
+    return not any(value in graph.outputs or any(id(use.node) not in inside for use in value.uses())
+                   for value in internal)
 
 
 def identify(region: list[ir.Node], g: ir.Value, output: ir.Value) -> str | None:

@@ -85,7 +85,7 @@ def _why_not_fused(down: ir.Node, graph: ir.Graph) -> str:
         gate = _gate_of(activated, up_value.producer())
         if gate is None:
             continue
-        region = activation_match.activation_region(gate.outputs[0], activated, graph)
+        region = activation_match.activation_region(gate.outputs[0], activated)
         if region is None or activation_match.identify(region, gate.outputs[0], activated) is None:
             return (f"gated by {activated.producer().op_type}, an activation onnx-nmm does not fuse (it fuses SiLU "
                     "and GELU, erf or tanh)")
@@ -147,8 +147,8 @@ def _match(down: ir.Node, graph: ir.Graph) -> _GatedMlp | None:
         if not _is_plain_svd_matmul(gate) or _only_reader(activated, graph) is not product:
             continue
         g = gate.outputs[0]
-        region = activation_match.activation_region(g, activated, graph)
-        if region is None or g in graph.outputs:
+        region = activation_match.activation_region(g, activated)
+        if region is None or not activation_match.read_only_inside(region, g, activated, graph):
             continue
         activation = activation_match.identify(region, g, activated)
         if activation is not None:

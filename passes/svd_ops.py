@@ -82,15 +82,13 @@ def svd_gated_mlp_function(opset: int, activation: str = "silu") -> ir.Function:
     factors = [ir.Value(name=name) for name in ("Ug", "Vg", "Uu", "Vu", "Ud", "Vd")]
     nodes: list[ir.Node] = []
 
-    def op(op_type, *inputs, name, **attributes):
-        node = ir.Node("", op_type, list(inputs), [ir.Attr(key, ir.AttributeType.TENSOR, value)
-                                                   for key, value in attributes.items()],
-                       num_outputs=1, name=name)
+    def op(op_type, *inputs, name, attributes=()):
+        node = ir.Node("", op_type, list(inputs), list(attributes), num_outputs=1, name=name)
         nodes.append(node)
         return node.outputs[0]
 
     def constant(value: float, name: str):
-        return op("Constant", name=name, value=ir.tensor(np.array(value, np.float32), name=name))
+        return op("Constant", name=name, attributes=[ir.AttrTensor("value", ir.tensor(np.array(value, np.float32)))])
 
     ug, vg, uu, vu, ud, vd = factors
     gate = op("MatMul", op("MatMul", x, ug, name="x_ug"), vg, name="gate")

@@ -103,6 +103,12 @@ def test_attention_24_nonpad_lengths_and_25_windows():
                             opset=25, is_causal=1, left_window_size=2)
 
 
+def test_pad_from_18_without_axes_is_pad_13():
+    inputs = {"x": _random(2, 5), "pads": np.array([0, 1, 0, 2], np.int64), "value": np.array(0.5, np.float32)}
+    for opset in (18, 19, 21, 23):
+        _assert_lowered_matches("Pad", inputs, opset=opset)
+
+
 def test_trilu_swish_and_swiglu():
     _assert_lowered_matches("Trilu", {"x": _random(2, 5, 5), "k": np.array(1, np.int64)}, opset=14, upper=0)
     _assert_lowered_matches("Swish", {"x": _random(2, 5, 8)}, opset=24, alpha=1.5)

@@ -95,6 +95,18 @@ def test_a_gelu_gated_mlp_is_fused(capsys, tmp_path):
                           if attribute.name == "activation"] == [b"gelu"], err
 
 
+def test_a_gate_read_outside_its_activation_is_not_fused(capsys, tmp_path):
+    """Fusing would drop the gate's value that another node reads."""
+    model = _gated_by("Gelu")
+    model.graph.node.append(helper.make_node("Identity", ["g"], ["gate_copy"], name="reader"))
+    model.graph.output.append(helper.make_tensor_value_info("gate_copy", onnx.TensorProto.FLOAT, ["b", "s", 32]))
+    onnx.save(model, tmp_path / "mlp.onnx")
+    with pytest.warns(UserWarning, match=r"^no MLP could be fused: 1 an intermediate value has another reader"):
+        code, _, err = _cli(capsys, "rewrite", tmp_path / "mlp.onnx", "-o", tmp_path / "o.onnx", "--rank", "8",
+                            "--fuse-mlp", "--quiet")
+    assert code == 0, err
+
+
 def test_a_non_gated_mlp_is_named_as_such(capsys, export, tmp_path):
     report = tmp_path / "r.json"
     with pytest.warns(UserWarning, match="no MLP could be fused: 2 not gated: one projection feeds the down projection, through an activation"):

@@ -15,7 +15,7 @@ from torch import nn
 from onnx_nmm.lowering.onnx2torch_compat import OnnxGraph, OnnxNode, converted, register
 from onnx_nmm.lowering.onnx2torch_compat import OnnxToTorchModule as _Onnx
 from onnx_nmm.lowering.standard_ops import Gelu, Swish
-from onnx_nmm.lowering.transformer_math import attended, band_bias, normalized, rotated
+from onnx_nmm.lowering.transformer_math import attended, band_bias, length_bias, normalized, rotated, rotated_heads
 
 MICROSOFT = "com.microsoft"
 
@@ -69,12 +69,8 @@ class RotaryEmbedding(nn.Module, _Onnx):
         if position_ids.numel() == 1:
             position_ids = position_ids.reshape(1, 1) + torch.arange(sequence).unsqueeze(0)
         cos, sin = cos_cache[position_ids.long()], sin_cache[position_ids.long()]
-        if x.dim() == 4:
-            return rotated(x.transpose(1, 2), cos, sin, self.interleaved, self.rotary_dim).transpose(1, 2)
-        batch, _, hidden = x.shape
-        heads = self.num_heads or hidden // (2 * cos.shape[-1])
-        x4 = x.reshape(batch, sequence, heads, hidden // heads)
-        return rotated(x4, cos, sin, self.interleaved, self.rotary_dim).reshape(x.shape)
+        heads = self.num_heads or x.shape[-1] // (2 * cos.shape[-1])  # unset: the head size is the caches' 2·width
+        return rotated_heads(x, cos, sin, self.interleaved, self.rotary_dim, heads)
 
 
 class GroupQueryAttention(nn.Module, _Onnx):
@@ -116,8 +112,7 @@ class GroupQueryAttention(nn.Module, _Onnx):
         keys = k.shape[2]
         bias = band_bias(sequence, keys, cached, left=self.window - 1 if self.window > 0 else -1)
         if not cached:  # a padded first prompt: keys past each sequence's length
-            padding = torch.arange(keys).reshape(1, 1, 1, -1) >= lengths.reshape(-1, 1, 1, 1)
-            bias = bias + torch.zeros(padding.shape).masked_fill(padding, float("-inf"))
+            bias = bias + length_bias(keys, lengths)
         if attention_bias is not None:
             bias = bias + attention_bias
         scale = self.scale or 1.0 / math.sqrt(q.shape[-1])

@@ -224,6 +224,16 @@ def _register_new_converters() -> None:
     register("", "Reshape", (5, 13, 14), reshape)
     register("", "Flatten", (1, 9, 11, 13), flatten)
 
+    pad_13 = _CONVERTER_REGISTRY[OperationDescription("", "Pad", 13)]
+
+    def pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        """Pad-18 added an optional `axes` input (pads for some axes only); without it, it is Pad-13."""
+        if len(node.input_values) > 3 and node.input_values[3]:
+            raise NotImplementedError(f"Pad '{node.name}' pads only some axes (its axes input)")
+        return pad_13(node, graph)
+
+    register("", "Pad", (18,), pad)
+
     @add_converter("CastLike", 15)
     def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         return converted(node, _CastLike())

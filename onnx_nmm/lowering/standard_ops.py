@@ -14,7 +14,7 @@ from torch import nn
 
 from onnx_nmm.lowering.onnx2torch_compat import OnnxGraph, OnnxNode, converted, register
 from onnx_nmm.lowering.onnx2torch_compat import OnnxToTorchModule as _Onnx
-from onnx_nmm.lowering.transformer_math import additive, attended, band_bias, normalized, rotated
+from onnx_nmm.lowering.transformer_math import additive, attended, band_bias, length_bias, normalized, rotated_heads
 
 NEWEST_OPSET = defs.onnx_opset_version()
 
@@ -66,12 +66,7 @@ class RotaryEmbedding(nn.Module, _Onnx):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is not None:
             cos_cache, sin_cache = cos_cache[position_ids.long()], sin_cache[position_ids.long()]
-        if x.dim() == 4:
-            return rotated(x.transpose(1, 2), cos_cache, sin_cache, self.interleaved,
-                           self.rotary_dim).transpose(1, 2)
-        batch, sequence, hidden = x.shape
-        heads = x.reshape(batch, sequence, self.num_heads, hidden // self.num_heads)
-        return rotated(heads, cos_cache, sin_cache, self.interleaved, self.rotary_dim).reshape(x.shape)
+        return rotated_heads(x, cos_cache, sin_cache, self.interleaved, self.rotary_dim, self.num_heads)
 
 
 class Attention(nn.Module, _Onnx):
@@ -100,9 +95,8 @@ class Attention(nn.Module, _Onnx):
             band = band_bias(queries, keys, offset, *self.band)
             bias = band if bias is None else bias + band
         if nonpad_kv_seqlen is not None:
-            padding = torch.arange(keys).reshape(1, 1, 1, -1) >= nonpad_kv_seqlen.reshape(-1, 1, 1, 1)
-            padding_bias = torch.zeros(padding.shape).masked_fill(padding, float("-inf"))
-            bias = padding_bias if bias is None else bias + padding_bias
+            padding = length_bias(keys, nonpad_kv_seqlen)
+            bias = padding if bias is None else bias + padding
         y = attended(q, k, v, bias, self.scale or q.shape[-1] ** -0.5, self.softcap)
         if flat:
             y = y.transpose(1, 2).flatten(2)

@@ -43,6 +43,27 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((turned, passing), dim=-1)
 
 
+def rotated_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, rotary_dim: int,
+                  heads: int) -> torch.Tensor:
+    """`rotated` for x in either layout the rotary ops take: [B, heads, S, D], or [B, S, heads·D] split
+    into `heads`; the result in x's layout."""
+    if x.dim() == 4:
+        return rotated(x.transpose(1, 2), cos, sin, interleaved, rotary_dim).transpose(1, 2)
+    batch, sequence, hidden = x.shape
+    split = x.reshape(batch, sequence, heads, hidden // heads)
+    return rotated(split, cos, sin, interleaved, rotary_dim).reshape(x.shape)
+
+
+def bias_of(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean mask (True = attend) as a bias to add to the scores: 0 where allowed, −inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def length_bias(keys: int, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, 1, 1, keys]: −inf for the keys at or past each batch row's length."""
+    return bias_of(torch.arange(keys).reshape(1, 1, 1, -1) < lengths.reshape(-1, 1, 1, 1))
+
+
 def band_bias(queries: int, keys: int, offset, left: int = -1, right: int = 0) -> torch.Tensor:
     """0 where query i may see key j, −inf elsewhere: with p = i + offset (offset the keys before the first
     query, an int or a [B] tensor — then the bias is [B, 1, queries, keys]), p − left ≤ j ≤ p + right, a
@@ -58,7 +79,7 @@ def band_bias(queries: int, keys: int, offset, left: int = -1, right: int = 0) -
         allowed = allowed & (j >= position - left)
     if right >= 0:
         allowed = allowed & (j <= position + right)
-    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    return bias_of(allowed)
 
 
 def additive(mask: torch.Tensor | None, keys: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -67,7 +88,7 @@ def additive(mask: torch.Tensor | None, keys: int, dtype: torch.dtype) -> torch.
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+        mask = bias_of(mask, dtype)
     missing = keys - mask.shape[-1]
     if missing > 0:
         mask = torch.nn.functional.pad(mask, (0, missing), value=float("-inf"))
