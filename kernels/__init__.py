@@ -5,6 +5,7 @@ Kernels (`@nki.jit`, HBM tensors in and out; x is row-major [tokens, features], 
     dense_matmul_lhsT(lhsT [K,M], w [K,N]) -> y [M,N]           (the AWS tutorial's calling convention)
     fused_xuv(x [M,K], u [K,r], v [r,N]) -> y [M,N]
     fused_svd_mlp(x [M,H], ug, vg, uu, vu, ud, vd) -> y [M,H]
+    fused_svd_ungated_mlp(x [M,H], u1, v1, b1, u2, v2) -> y [M,H]
     silu_mul(gate [M,I], up [M,I]) -> act [M,I]
 and lowrank_unfused(x, u, v), which launches dense_matmul twice.
 
@@ -14,7 +15,7 @@ dtype=..., target=...)` returns a modelled KernelCost without doing the arithmet
 
 from onnx_nmm.kernels.cost_model import KernelCost
 from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
 from onnx_nmm.kernels.gated_activation import silu_mul
 from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
@@ -28,6 +29,7 @@ __all__ = [
     "dense_matmul_lhsT",
     "estimate",
     "fused_svd_mlp",
+    "fused_svd_ungated_mlp",
     "fused_xuv",
     "lowrank_unfused",
     "run",

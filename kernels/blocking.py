@@ -14,7 +14,7 @@ estimate, since cost_model plays the instructions as an event-driven schedule th
 reproduces: DMA runs ahead of compute through the loop nests, each nest pipelines its own loads and compute
 (_Work.pipelined), and the kernel takes the longest path through the two streams (_overlapped_seconds).
 
-plan_dense, plan_xuv and plan_mlp price every candidate blocking of the shape on the target. A candidate
+plan_dense, plan_xuv, plan_mlp and plan_ungated_mlp price every candidate blocking of the shape on the target. A candidate
 that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, then the one
 with the fewest HBM bytes, then the least SBUF. Bigger blocks raise arithmetic intensity (fewer re-reads of
 x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
@@ -44,7 +44,8 @@ COLUMN_BLOCKS = (512, 1024, 2048, 4096, 8192)  # output columns per weight block
 ROW_BLOCKS = (128, 256, 512, 1024, 2048)  # rows of x per lhsT block (dense)
 TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached strip / output stripe
 
-KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp")
+KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp")
+MLP_KERNELS = ("fused_svd_mlp", "fused_svd_ungated_mlp")
 ENGINES = ("pe", "act", "dve", "dma")  # the engines the kernels use
 
 
@@ -111,15 +112,20 @@ def plan_mlp(M, H, intermediate, rank_gate, rank_up, rank_down, dtype, target=No
     return _fastest("fused_svd_mlp", (M, H, intermediate, rank_gate, rank_up, rank_down), dtype, target)
 
 
+def plan_ungated_mlp(M, H, intermediate, rank_1, rank_2, dtype, target=None):
+    """The blocking of fused_svd_ungated_mlp: the same steps as fused_svd_mlp's, without the up."""
+    return _fastest("fused_svd_ungated_mlp", (M, H, intermediate, rank_1, rank_2), dtype, target)
+
+
 def candidate_plans(kernel, shape):
     """Every blocking the planner considers for `kernel` (one of KERNELS) on `shape`, the dimensions plan_*
     takes: (M, K, N) for the dense kernels, (M, K, rank, N) for fused_xuv, (M, H, I, rg, ru, rd) for
-    fused_svd_mlp."""
+    fused_svd_mlp, (M, H, I, r1, r2) for fused_svd_ungated_mlp."""
     if kernel == "fused_xuv":
         M, K, _, N = shape
         return [XuvPlan(tokens, k, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(K)
                 for n in _clipped(COLUMN_BLOCKS, N)]
-    if kernel == "fused_svd_mlp":
+    if kernel in MLP_KERNELS:
         M, H, intermediate = shape[:3]
         return [MlpPlan(tokens, k, i, d, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
                 for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX)) for d in _clipped(BLOCK_TILES, i)
@@ -144,13 +150,12 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
                      _expand_work(tokens, rank, N, s, core, plan.n_block)])
             for tokens, count in _spans(M, plan.token_block)
         ], core)
-    if kernel == "fused_svd_mlp":
-        M, H, intermediate, rank_gate, rank_up, rank_down = shape
-        ranks = (rank_gate, rank_up, rank_down)
+    if kernel in MLP_KERNELS:
+        M, H, intermediate, *ranks = shape  # (gate, up, down) or (fc1, fc2)
         return _estimate([
-            (count, [_project_work(tokens, H, (rank_gate, rank_up), s, core, plan.k_tiles),
-                     _gated_down_work(tokens, intermediate, ranks, s, core, plan.i_tiles, plan.down_tiles),
-                     _expand_work(tokens, rank_down, H, s, core, plan.n_block)])
+            (count, [_project_work(tokens, H, tuple(ranks[:-1]), s, core, plan.k_tiles),
+                     _act_down_work(tokens, intermediate, tuple(ranks), s, core, plan.i_tiles, plan.down_tiles),
+                     _expand_work(tokens, ranks[-1], H, s, core, plan.n_block)])
             for tokens, count in _spans(M, plan.token_block)
         ], core)
     return _estimate([(1, [_dense_work(*shape, s, core, plan, kernel == "dense_matmul_lhsT")])], core)
@@ -328,26 +333,31 @@ def _project_work(tokens, K, ranks, s, core, k_tiles):
 
 
 @lru_cache(maxsize=4096)
-def _gated_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
-    """fused_mlp.act_down_strip after the gate and up strips: per block of I its actᵀ, then the down
-    projection's stage 1 over the block's Ud sub-blocks, in fp32 partial sums across all of them."""
-    rank_gate, rank_up, rank_down = ranks
+def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
+    """fused_mlp.act_down_strip after the strips: per block of I its actᵀ (gated when `ranks` are the gate's,
+    up's and down's; with fc1's bias when they are fc1's and fc2's), then the down projection's stage 1 over
+    the block's Ud sub-blocks, in fp32 partial sums across all of them."""
+    *inner, rank_down = ranks
+    gated = len(inner) == 2
     work = _Work(core, s)
     blocks = k_blocks(intermediate, i_tiles)
     for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
-        _gated_act_T(work, count, P, t, tokens, rank_gate, rank_up)
+        _act_T(work, count, P, t, tokens, inner[0], bias=not gated)
+        if gated:
+            _gated_up(work, count, P, t, tokens, inner[1])
     sub_blocks = [(P, min(down_tiles, t - j0)) for _, P, t in blocks for j0 in range(0, t, down_tiles)]
     for (P, tc, first, _), count in _kinds(sub_blocks).items():
         work.load(count, P * tc * rank_down * s, tc * rank_down * s)  # tc whole rows of Ud per partition
         _accumulate_strip(work, count, rank_down, tc, tokens, first)
-    work.steps = 2 * len(blocks) + len(sub_blocks)
+    work.steps = len(inner) * len(blocks) + len(sub_blocks)
 
     t_max = max(t for _, _, t in blocks)
     columns = t_max * PMAX
-    strips = (_tiles(rank_gate) + _tiles(rank_up) + _tiles(rank_down)) * tokens * s
+    strips = sum(_tiles(rank) for rank in ranks) * tokens * s
     down_partial = _tiles(rank_down) * tokens * 4 if len(sub_blocks) > 1 else 0
-    act = 2 * t_max * tokens * s + t_max * tokens * 4  # actᵀ (double-buffered) and the fp32 SiLU(gate)
-    weights = (_tiles(rank_gate) + _tiles(rank_up)) * columns * s + 2 * min(t_max, down_tiles) * rank_down * s
+    # actᵀ (double-buffered), and the fp32 act(gate) of a gated MLP or fc1's bias of an ungated one
+    act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 2 * t_max * s)
+    weights = sum(_tiles(rank) for rank in inner) * columns * s + 2 * min(t_max, down_tiles) * rank_down * s
     work.sbuf = strips + down_partial + act + weights
     return work
 
@@ -370,12 +380,18 @@ def _expand_work(tokens, rank, N, s, core, n_block):
     return work
 
 
-def _gated_act_T(work, times, P, t, tokens, rank_gate, rank_up):
-    """fused_mlp.gated_act_T: the Vg block, then per I tile and 512-token piece the gate's matmuls with SiLU
-    on ScalarE as they leave PSUM; the Vu block, then the up's matmuls times SiLU(gate) on VectorE."""
-    _load_row_tiles(work, times, rank_gate, P * t)
+def _act_T(work, times, P, t, tokens, rank, bias):
+    """fused_mlp.act_T: the V block (and the bias block), then per I tile and 512-token piece the matmuls
+    with the activation on ScalarE as they leave PSUM."""
+    _load_row_tiles(work, times, rank, P * t)
+    if bias:
+        work.load(times, P * t * work.s, t * work.s)
     for cw, pieces in _spans(tokens, TILE_N):
-        work.group(times * t * pieces, work.matmuls(_tiles(rank_gate), cw), act=work.scalar(cw))
+        work.group(times * t * pieces, work.matmuls(_tiles(rank), cw), act=work.scalar(cw))
+
+
+def _gated_up(work, times, P, t, tokens, rank_up):
+    """fused_mlp.gated_act_T after the gate: the Vu block, then the up's matmuls times act(gate) on VectorE."""
     _load_row_tiles(work, times, rank_up, P * t)
     for cw, pieces in _spans(tokens, TILE_N):
         work.group(times * t * pieces, work.matmuls(_tiles(rank_up), cw), dve=work.vector(cw))

@@ -1,18 +1,23 @@
-"""Fused SVD MLP: y = (act(x·Ug·Vg) * (x·Uu·Vu)) · Ud · Vd in one kernel (NeuronMM's fused MLP), act
-SiLU (Llama, Qwen) or GELU, exact or tanh-approximated (Gemma): one ScalarE activation either way.
+"""Fused SVD MLPs in one kernel each (NeuronMM's fused MLP), act SiLU (Llama, Qwen) or GELU, exact or
+tanh-approximated (Gemma, GPT-2): one ScalarE activation either way.
+
+    fused_svd_mlp          y = (act(x·Ug·Vg) * (x·Uu·Vu)) · Ud · Vd      gated
+    fused_svd_ungated_mlp  y = act(x·U1·V1 + b1) · U2 · V2               not gated (fc2's bias: the caller's)
 
 For each block of tokens:
-  1. gate and up strips (x·Ug)ᵀ and (x·Uu)ᵀ — stage 1 of the XUV kernel, sharing one x^T;
+  1. gate and up strips (x·Ug)ᵀ and (x·Uu)ᵀ — stage 1 of the XUV kernel, sharing one x^T (ungated: one
+     strip);
   2. for each block of the intermediate dimension I: Vg and Vu are the stationary operands, so the
      gate and up products come out as [I, tokens] — already transposed; act is applied as the gate
-     leaves PSUM and the product with up as up leaves PSUM, giving actᵀ with I on partitions;
+     leaves PSUM (b1, one value per I row, is the activation's per-partition bias) and the product with up
+     as up leaves PSUM, giving actᵀ with I on partitions;
   3. actᵀ is exactly the moving operand the down projection's stage 1 needs: (act · Ud)ᵀ accumulates over
      the I blocks in fp32 with no transpose and no trip through HBM;
   4. y = (act · Ud) · Vd, stage 2 of the XUV kernel, stored in natural [tokens, H] layout.
-Block sizes come from blocking.plan_mlp.
+Block sizes come from blocking.plan_mlp and blocking.plan_ungated_mlp.
 """
 
-from onnx_nmm.kernels.blocking import plan_mlp
+from onnx_nmm.kernels.blocking import plan_mlp, plan_ungated_mlp
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, project_tokens
 from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks, load_row_tiles
@@ -40,25 +45,60 @@ def fused_svd_mlp(x, ug, vg, uu, vu, ud, vd, plan=None, activation="silu"):
     assert ug.shape[0] == H and uu.shape[0] == H and vd.shape[1] == H, "Ug, Uu rows and Vd columns must be H"
     assert ug.shape[1] == vg.shape[0] and uu.shape[1] == vu.shape[0] and ud.shape[1] == vd.shape[0], "ranks"
     assert vu.shape[1] == intermediate and ud.shape[0] == intermediate, "Vg, Vu columns and Ud rows must be I"
-    for factor in (ug, vg, uu, vu, ud, vd):
-        assert factor.dtype == x.dtype, f"factors must have x's dtype {x.dtype}, not {factor.dtype}"
-    assert activation in ACTIVATIONS, f"activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}"
+    check_operands(x, (ug, vg, uu, vu, ud, vd), activation)
     if plan is None:
         plan = plan_mlp(M, H, intermediate, ug.shape[1], uu.shape[1], ud.shape[1], x.dtype)
+    return mlp_token_blocks(x, (ug, vg, None), (uu, vu), ud, vd, plan, activation)
+
+
+@nki.jit
+def fused_svd_ungated_mlp(x, u1, v1, b1, u2, v2, plan=None, activation="gelu_tanh"):
+    """y = act(x · u1 · v1 + b1) · u2 · v2.
+
+    Args:
+        x: [M, H] activations, row-major.
+        u1: [H, r1], v1: [r1, I], b1: [I]  the first projection (fc1) and its bias;
+        u2: [I, r2], v2: [r2, H]           the second (fc2); its bias is added by the caller.
+        plan: a blocking.MlpPlan; None asks blocking.plan_ungated_mlp for this shape and target.
+        activation: act, a key of ACTIVATIONS.
+    Returns:
+        y: [M, H] in x's dtype, in shared HBM.
+    """
+    M, H = x.shape
+    intermediate = v1.shape[1]
+    assert u1.shape[0] == H and v2.shape[1] == H, "U1 rows and V2 columns must be H"
+    assert u1.shape[1] == v1.shape[0] and u2.shape[1] == v2.shape[0], "ranks"
+    assert u2.shape[0] == intermediate and b1.shape == (intermediate,), "V1 columns, U2 rows and b1 must be I"
+    check_operands(x, (u1, v1, b1, u2, v2), activation)
+    if plan is None:
+        plan = plan_ungated_mlp(M, H, intermediate, u1.shape[1], u2.shape[1], x.dtype)
+    return mlp_token_blocks(x, (u1, v1, b1), None, u2, v2, plan, activation)
+
+
+def check_operands(x, operands, activation):
+    for operand in operands:
+        assert operand.dtype == x.dtype, f"factors and biases must have x's dtype {x.dtype}, not {operand.dtype}"
+    assert activation in ACTIVATIONS, f"activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}"
+
+
+def mlp_token_blocks(x, gate, up, ud, vd, plan, activation):
+    """y for every block of tokens: steps 1-3 give (act · Ud)ᵀ, step 4 expands it by Vd."""
+    M, H = x.shape
     y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
     for row0 in range(0, M, plan.token_block):
-        token_block(x, ug, vg, uu, vu, ud, vd, y, row0, min(plan.token_block, M - row0), plan, ACTIVATIONS[activation])
+        tokens = min(plan.token_block, M - row0)
+        down_strip = act_down_strip(x, gate, up, ud, row0, tokens, plan, ACTIVATIONS[activation])
+        expand_strip(down_strip, vd, y, row0, tokens, plan.n_block)
     return y
 
 
-def token_block(x, ug, vg, uu, vu, ud, vd, y, row0, tokens, plan, act):
-    down_strip = act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act)  # steps 1-3
-    expand_strip(down_strip, vd, y, row0, tokens, plan.n_block)  # step 4
+def act_down_strip(x, gate, up, ud, row0, tokens, plan, act):
+    """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions.
 
-
-def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act):
-    """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions."""
-    gate_strip, up_strip = project_tokens(x, (ug, uu), row0, tokens, plan.k_tiles)
+    gate is (U, V, bias or None); up is (U, V), or None for an ungated MLP.
+    """
+    us = (gate[0],) if up is None else (gate[0], up[0])
+    strips = project_tokens(x, us, row0, tokens, plan.k_tiles)
     intermediate, rank_d = ud.shape
     down_strip = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf)
     blocks = k_blocks(intermediate, plan.i_tiles)
@@ -71,7 +111,10 @@ def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act):
 
     step = 0
     for i0, P, t in blocks:
-        actT = gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act)
+        if up is None:
+            actT = act_T(strips[0], gate[1], gate[2], i0, P, t, tokens, act, x.dtype)
+        else:
+            actT = gated_act_T(strips[0], strips[1], gate[1], up[1], i0, P, t, tokens, act)
         # Stage 1 of the down projection, actᵀ as the moving operand, Ud rows in sub-blocks of down_tiles.
         ud_rows = ud[i0 : i0 + P * t, 0:rank_d].reshape((P, t, rank_d))
         for j0 in range(0, t, plan.down_tiles):
@@ -84,24 +127,38 @@ def act_down_strip(x, ug, vg, uu, vu, ud, row0, tokens, plan, act):
     return down_strip
 
 
-def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act):
-    """actᵀ[p, j, :] = act(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
+def act_T(strip, v, bias, i0, P, t, tokens, act, dtype):
+    """act(strip · V + bias)ᵀ for intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`.
 
-    Vg (then Vu) is stationary, so each PSUM tile is [I rows, tokens]. act is applied as the gate leaves
-    PSUM (ScalarE, kept in fp32) and the product as up leaves PSUM (VectorE), written in x's dtype.
+    V is stationary, so each PSUM tile is [I rows, tokens]; act is applied as it leaves PSUM (ScalarE), with
+    the bias of each I row (if any) as the activation's per-partition bias.
     """
     columns = P * t
-    gate = nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
-    actT = nl.ndarray((PMAX, t, tokens), dtype=gate_strip.dtype, buffer=nl.sbuf)
-
-    vg_block = nl.ndarray((PMAX, gate_strip.shape[1], columns), dtype=vg.dtype, buffer=nl.sbuf)
-    load_row_tiles(vg_block, vg, 0, vg.shape[0], i0, i0 + columns)
+    result = nl.ndarray((PMAX, t, tokens), dtype=dtype, buffer=nl.sbuf)
+    v_block = nl.ndarray((PMAX, strip.shape[1], columns), dtype=v.dtype, buffer=nl.sbuf)
+    load_row_tiles(v_block, v, 0, v.shape[0], i0, i0 + columns)
+    bias_block = None
+    if bias is not None:
+        bias_block = nl.ndarray((PMAX, t), dtype=bias.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bias_block[0:P, 0:t], src=bias[i0 : i0 + columns].reshape((P, t)))
     for j in range(t):
         for c0 in range(0, tokens, TILE_N):
             cw = min(TILE_N, tokens - c0)
-            acc = project_columns(vg_block, gate_strip, vg.shape[0], j, t, P, c0, cw)
-            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw])
+            acc = project_columns(v_block, strip, v.shape[0], j, t, P, c0, cw)
+            row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
+            nisa.activation(dst=result[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
+    return result
 
+
+def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act):
+    """actᵀ[p, j, :] = act(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
+
+    The gate is act_T's, kept in fp32; Vu is stationary for the up, and the product is taken as up leaves
+    PSUM (VectorE), written in x's dtype.
+    """
+    columns = P * t
+    gate = act_T(gate_strip, vg, None, i0, P, t, tokens, act, nl.float32)
+    actT = nl.ndarray((PMAX, t, tokens), dtype=gate_strip.dtype, buffer=nl.sbuf)
     vu_block = nl.ndarray((PMAX, up_strip.shape[1], columns), dtype=vu.dtype, buffer=nl.sbuf)
     load_row_tiles(vu_block, vu, 0, vu.shape[0], i0, i0 + columns)
     for j in range(t):

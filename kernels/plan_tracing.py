@@ -4,16 +4,24 @@ tests/kernels/test_planner_agrees_with_trace.py and tools/planner_check.py compa
 
 from __future__ import annotations
 
-from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, candidate_plans, estimate_plan, plan_dense, plan_mlp, plan_xuv
+from onnx_nmm.kernels.blocking import (
+    SBUF_RESERVE_BYTES,
+    candidate_plans,
+    estimate_plan,
+    plan_dense,
+    plan_mlp,
+    plan_ungated_mlp,
+    plan_xuv,
+)
 from onnx_nmm.kernels.cost_model import KernelCost
 from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate
 
 KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
-                    "fused_svd_mlp": fused_svd_mlp}
+                    "fused_svd_mlp": fused_svd_mlp, "fused_svd_ungated_mlp": fused_svd_ungated_mlp}
 
 
 def planned(kernel, shape, dtype, target):
@@ -22,6 +30,8 @@ def planned(kernel, shape, dtype, target):
         return plan_xuv(*shape, dtype, target=target)
     if kernel == "fused_svd_mlp":
         return plan_mlp(*shape, dtype, target=target)
+    if kernel == "fused_svd_ungated_mlp":
+        return plan_ungated_mlp(*shape, dtype, target=target)
     return plan_dense(*shape, dtype, transposed_input=kernel == "dense_matmul_lhsT", target=target)
 
 
@@ -41,6 +51,9 @@ def argument_shapes(kernel, shape):
         M, H, intermediate, rank_gate, rank_up, rank_down = shape
         return ((M, H), (H, rank_gate), (rank_gate, intermediate), (H, rank_up), (rank_up, intermediate),
                 (intermediate, rank_down), (rank_down, H))
+    if kernel == "fused_svd_ungated_mlp":
+        M, H, intermediate, rank_1, rank_2 = shape
+        return (M, H), (H, rank_1), (rank_1, intermediate), (intermediate,), (intermediate, rank_2), (rank_2, H)
     M, K, N = shape
     return ((K, M) if kernel == "dense_matmul_lhsT" else (M, K)), (K, N)
 

@@ -1,8 +1,8 @@
 """Run a model on any backend: onnxruntime, or the PyTorch lowering with its custom ops on a kernel backend.
 
     ort        onnxruntime on CPU (the reference);
-    torch      the lowered module, SvdMatMul/SvdGatedMLP as plain torch math (fp32);
-    emulator   the lowered module, SvdMatMul/SvdGatedMLP on the NKI kernels on the emulator (bf16).
+    torch      the lowered module, the ai.onnx_nmm ops as plain torch math (fp32);
+    emulator   the lowered module, the ai.onnx_nmm ops on the NKI kernels on the emulator (bf16).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lower a rewritten model for Trainium (`compile`).
 
-    fuse gated MLPs ─ lower to PyTorch ─ check against onnxruntime ─ plan a kernel per custom op
+    fuse MLPs ─ lower to PyTorch ─ check against onnxruntime ─ plan a kernel per custom op
                     ─ torch_neuronx.trace (custom ops as @nki.jit kernels) ─ folder: NEFF, TorchScript, manifest
 
 Shapes are static on Neuron, so the batch and sequence length are fixed here. Without the Neuron SDK every
@@ -28,7 +28,7 @@ from onnx_nmm.graph_probe import first_step
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes import FuseGatedMlpPass
+from onnx_nmm.passes import FuseMlpPass
 
 # A lowering error shows as a logits difference far above fp32 rounding (a 30-layer graph: ~1e-4).
 LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
@@ -36,8 +36,8 @@ LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """target: the Trainium generation; batch, seq_len: the static shape; fuse_mlp: gated MLPs as one
-    SvdGatedMLP kernel each; dry_run: stop before the trace, writing the manifest only."""
+    """target: the Trainium generation; batch, seq_len: the static shape; fuse_mlp: each MLP as
+    one fused kernel (SvdGatedMLP or SvdMLP); dry_run: stop before the trace, writing the manifest only."""
 
     target: str = "trn2"
     batch: int = 1
@@ -69,7 +69,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
                           "replace it", output="output", overwrite="overwrite")
     source = ModelSource.of(model)
-    fusion = FuseGatedMlpPass()
+    fusion = FuseMlpPass()
     if options.fuse_mlp:
         fusion(source.model)
     proto = ir.to_proto(source.model)

@@ -1,7 +1,7 @@
 """What a decoder's speed on Trainium depends on: its linear products and its attention widths, no weights.
 
 A `DecoderShape` lists every linear product one forward pass runs — dense (X·W), factorized (X·U·V, one
-`fused_xuv` launch) or a fused gated MLP (one `fused_svd_mlp` launch) — each with its role and decoder
+`fused_xuv` launch) or a fused MLP (one `fused_svd_mlp` or `fused_svd_ungated_mlp` launch) — each with its role and decoder
 layer, and the widths the rest of the pass works on (hidden, query and KV widths, head size, vocabulary).
 It comes from an ONNX model (`decoder_shape`: the products as `compile` would run them, gated MLPs fused
 as it fuses them) or from a Hugging Face config (`decoder_shape_of_config`: a model nobody exported, at
@@ -23,7 +23,7 @@ from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import DEFAULT_ALIGN
 from onnx_nmm.passes import find_linear_layers, roles, svd_ops
-from onnx_nmm.passes.gated_mlp_fusion import FuseGatedMlpPass
+from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.rank_plan import Dense, block_aligned_rank, worth_factorizing
 
 ASSUMED_HEAD_DIM = 64  # a cache-free graph does not say; it only sizes the softmax, a sliver of a step
@@ -65,20 +65,27 @@ class Factorized:
 
 @dataclass(frozen=True)
 class FusedMlp:
-    """silu(X·Ug·Vg) * (X·Uu·Vu) · Ud·Vd: one fused_svd_mlp launch, the gating inside it."""
+    """act(X·Ug·Vg) * (X·Uu·Vu) · Ud·Vd, one fused_svd_mlp launch, the gating inside it; or, not gated,
+    act(X·U1·V1 + b1) · U2·V2, one fused_svd_ungated_mlp launch."""
 
     name: str
     block: int | None
     hidden: int
     intermediate: int
-    ranks: tuple[int, int, int]  # gate, up, down
+    ranks: tuple[int, ...]  # gate, up, down; or fc1, fc2
     group: str = roles.MLP
-    role: str = "gated_mlp"
+
+    @property
+    def gated(self) -> bool:
+        return len(self.ranks) == 3
+
+    @property
+    def role(self) -> str:
+        return "gated_mlp" if self.gated else "mlp"
 
     @property
     def parameters(self) -> int:
-        gate, up, down = self.ranks
-        return (gate + up) * (self.hidden + self.intermediate) + down * (self.intermediate + self.hidden)
+        return sum(self.ranks) * (self.hidden + self.intermediate)
 
 
 Product = Linear | Factorized | FusedMlp
@@ -115,13 +122,13 @@ class DecoderShape:
 
 
 def decoder_shape(model, fuse_mlp: bool = True) -> DecoderShape:
-    """The shape of an ONNX causal LM as `compile` would run it: its SiLU-gated factorized MLPs fused into
-    one SvdGatedMLP each when `fuse_mlp` (as `compile` does by default). Layers of a merged decoder's two
+    """The shape of an ONNX causal LM as `compile` would run it: its factorized MLPs fused into one
+    SvdGatedMLP or SvdMLP each when `fuse_mlp` (as `compile` does by default). Layers of a merged decoder's two
     branches count once. Raises ModelError when the graph has no attention output projection to size the
     attention by."""
     source = ModelSource.of(model)
     if fuse_mlp:
-        FuseGatedMlpPass()(source.model)
+        FuseMlpPass()(source.model)
     products: dict[str, Product] = {}
     layers = find_linear_layers(source.model)
     for layer in layers:
@@ -222,6 +229,9 @@ def _custom_product(node: ir.Node) -> Product:
     if node.op_type == svd_ops.SVD_GATED_MLP:
         (hidden, gate), (_, intermediate), (_, up), _, (_, down), _ = shapes[1:7]
         return FusedMlp(_factor_key(node), _block(path), hidden, intermediate, (gate, up, down))
+    if node.op_type == svd_ops.SVD_MLP:
+        (hidden, first), (_, intermediate), _, (_, second), _, _ = shapes[1:7]
+        return FusedMlp(_factor_key(node), _block(path), hidden, intermediate, (first, second))
     (k, rank), (_, n) = shapes[1], shapes[2]
     group, role = roles.classify(path) or (roles.OTHER, roles.OTHER)
     return Factorized(_factor_key(node), group, role, _block(path), k, rank, n)

@@ -75,7 +75,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
 
     Raises ModelError naming the node when no blocking of its shape fits the target's SBUF.
     """
-    from onnx_nmm.kernels.blocking import plan_mlp, plan_xuv
+    from onnx_nmm.kernels.blocking import plan_mlp, plan_ungated_mlp, plan_xuv
 
     shapes = {tensor.name: tuple(tensor.dims) for tensor in proto.graph.initializer}
     summary = KernelSummary(target=target, modelled=model_costs)
@@ -84,7 +84,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
         if node.domain != svd_ops.DOMAIN:
             continue
         factors = [shapes.get(name) for name in node.input[1:]]
-        if any(shape is None or len(shape) != 2 for shape in factors[:6 if node.op_type == svd_ops.SVD_GATED_MLP else 2]):
+        if any(shape is None or len(shape) != 2 for shape in _matrices(node.op_type, factors)):
             raise ModelError(f"node '{node.name}': its factors are not 2-D initializers; the kernels need constant U, V")
         try:
             if node.op_type == svd_ops.SVD_MATMUL:
@@ -92,11 +92,16 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
                 dims = {"K": k, "rank": rank, "N": n}
                 plan = plan_xuv(tokens, k, rank, n, "bfloat16", target=target)
                 entry = KernelEntry(node.name, node.op_type, "fused_xuv", tokens, dims, _plan_dict(plan))
-            else:
+            elif node.op_type == svd_ops.SVD_GATED_MLP:
                 (h, rg), (_, i), (_, ru), _, (_, rd), _ = factors[:6]
                 dims = {"H": h, "I": i, "rank_gate": rg, "rank_up": ru, "rank_down": rd}
                 plan = plan_mlp(tokens, h, i, rg, ru, rd, "bfloat16", target=target)
                 entry = KernelEntry(node.name, node.op_type, "fused_svd_mlp", tokens, dims, _plan_dict(plan))
+            else:
+                (h, r1), (_, i), _, (_, r2), _ = factors[:5]
+                dims = {"H": h, "I": i, "rank_1": r1, "rank_2": r2}
+                plan = plan_ungated_mlp(tokens, h, i, r1, r2, "bfloat16", target=target)
+                entry = KernelEntry(node.name, node.op_type, "fused_svd_ungated_mlp", tokens, dims, _plan_dict(plan))
         except ValueError as error:
             raise ModelError(f"node '{node.name}' cannot run on {target} at {tokens} tokens: {error}") from None
         if model_costs:
@@ -108,18 +113,32 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
     return summary
 
 
+def _matrices(op_type: str, factors: list) -> list:
+    """The shapes of the op's U and V inputs (its biases are vectors)."""
+    if op_type == svd_ops.SVD_MLP:
+        return [factors[i] for i in (0, 1, 3, 4)]
+    return factors[:6] if op_type == svd_ops.SVD_GATED_MLP else factors[:2]
+
+
 def _plan_dict(plan) -> dict[str, int]:
     return {key: int(value) for key, value in vars(plan).items() if not key.startswith("_")}
 
 
 def _modelled(entry: KernelEntry, target: str) -> tuple[float, float, float, float]:
     """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model."""
-    from onnx_nmm.kernels import dense_matmul, estimate, fused_svd_mlp, fused_xuv, silu_mul
+    from onnx_nmm.kernels import dense_matmul, estimate, fused_svd_mlp, fused_svd_ungated_mlp, fused_xuv, silu_mul
 
     m, d = entry.tokens, entry.dims
     if entry.kernel == "fused_xuv":
         fused = estimate(fused_xuv, (m, d["K"]), (d["K"], d["rank"]), (d["rank"], d["N"]), target=target)
         dense = [estimate(dense_matmul, (m, d["K"]), (d["K"], d["N"]), target=target)]
+    elif entry.kernel == "fused_svd_ungated_mlp":
+        h, i = d["H"], d["I"]
+        fused = estimate(fused_svd_ungated_mlp, (m, h), (h, d["rank_1"]), (d["rank_1"], i), (i,), (i, d["rank_2"]),
+                         (d["rank_2"], h), target=target)
+        # the dense pair alone: its activation, a launch of its own, is left out (the dense time is a floor)
+        dense = [estimate(dense_matmul, (m, h), (h, i), target=target),
+                 estimate(dense_matmul, (m, i), (i, h), target=target)]
     else:
         h, i = d["H"], d["I"]
         fused = estimate(fused_svd_mlp, (m, h), (h, d["rank_gate"]), (d["rank_gate"], i), (h, d["rank_up"]),

@@ -5,7 +5,7 @@
       ├─ selection      Selection              which linear layers are targets
       ├─ factorization  FactorizationOptions   plain, whitened or Fisher-weighted SVD, and how it is computed
       ├─ calibration    CalibrationOptions     the data activation-aware methods and budgets learn from
-      └─ fuse_mlp                              gated MLPs into one SvdGatedMLP each
+      └─ fuse_mlp                              MLPs into one SvdGatedMLP or SvdMLP each
 
 Errors name options by their path in RewriteOptions ("ranks.keep"); the CLI spells them as flags.
 """

@@ -2,7 +2,7 @@
 NeuronCore, dense against rewritten, beside NeuronMM's end-to-end figures.
 
 Every linear product is priced by the kernels' cost model (trace-only emulation of the kernel `compile`
-would launch: dense_matmul, fused_xuv or fused_svd_mlp, in bfloat16). Everything else is priced by a
+would launch: dense_matmul, fused_xuv, fused_svd_mlp or fused_svd_ungated_mlp, in bfloat16). Everything else is priced by a
 roofline on the same NeuronCore parameters (kernels/hardware.py), each op on its own:
 
     time = max(bytes / DMA bandwidth, TensorE FLOPs / TensorE peak, elementwise work / VectorE rate)
@@ -241,7 +241,11 @@ def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, flo
         k, r, n = product.k, product.rank, product.n
         return _estimate("fused_xuv", ((tokens, k), (k, r), (r, n)), target)
     assert isinstance(product, FusedMlp)
-    h, i, (rg, ru, rd) = product.hidden, product.intermediate, product.ranks
+    h, i = product.hidden, product.intermediate
+    if not product.gated:
+        r1, r2 = product.ranks
+        return _estimate("fused_svd_ungated_mlp", ((tokens, h), (h, r1), (r1, i), (i,), (i, r2), (r2, h)), target)
+    rg, ru, rd = product.ranks
     return _estimate("fused_svd_mlp", ((tokens, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h)), target)
 
 

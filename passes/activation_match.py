@@ -83,6 +83,13 @@ def identify(region: list[ir.Node], g: ir.Value, output: ir.Value) -> str | None
     return None
 
 
+def recognize(g: ir.Value, output: ir.Value) -> tuple[list[ir.Node], str] | None:
+    """The element-wise region computing `output` from g and the name of the activation it computes, or None."""
+    region = activation_region(g, output)
+    name = identify(region, g, output) if region is not None else None
+    return (region, name) if name is not None else None
+
+
 def _evaluate(node: ir.Node, arguments: list) -> np.ndarray:
     if node.op_type == "Gelu":
         approximate = node.attributes.get("approximate")

@@ -8,14 +8,17 @@ kernel instead. Functions cannot hold weights: U and V are graph initializers pa
     SvdMatMul:bias(X, U, V, b)    = MatMul(MatMul(X, U), V) + b
     SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)
                                   = MatMul(MatMul(act(X·Ug·Vg) * (X·Uu·Vu), Ud), Vd)
+    SvdMLP(X, U1, V1, b1, U2, V2, b2)
+                                  = MatMul(MatMul(act(X·U1·V1 + b1), U2), V2) + b2      (GPT-2, Phi, BERT)
                                     with act the `activation` attribute:
                                     silu(g)      = g · Sigmoid(g)                                (Llama, Qwen)
                                     gelu(g)      = g/2 · (1 + Erf(g/√2))
-                                    gelu_tanh(g) = g/2 · (1 + Tanh(√(2/π) · (g + 0.044715·g³)))  (Gemma)
+                                    gelu_tanh(g) = g/2 · (1 + Tanh(√(2/π) · (g + 0.044715·g³)))  (Gemma, GPT-2)
 
 The optional bias is a function *overload* (IR version 10): one body cannot test whether an input was
-given, and a zero bias would cost an Add on every call. SvdGatedMLP has one overload per activation
-(SiLU's is the default, ""), for the same reason.
+given, and a zero bias would cost an Add on every call. The MLP ops have one overload per activation
+(for SvdGatedMLP, SiLU's is the default, ""), for the same reason. SvdMLP's biases are always given (zeros
+where the layer had none): non-gated MLPs nearly always have them.
 """
 
 from __future__ import annotations
@@ -31,12 +34,18 @@ BIAS_OVERLOAD = "bias"
 MIN_IR_VERSION = 10
 
 SVD_GATED_MLP = "SvdGatedMLP"
+SVD_MLP = "SvdMLP"
+MLP_OPS = (SVD_GATED_MLP, SVD_MLP)
+# The MLP ops' inputs by name, in order.
+MLP_OP_INPUTS = {SVD_GATED_MLP: ("X", "Ug", "Vg", "Uu", "Vu", "Ud", "Vd"), SVD_MLP: ("X", "U1", "V1", "b1", "U2", "V2", "b2")}
 
 # Attributes every SvdMatMul carries: what a reader needs to know about the factorization.
 SVD_MATMUL_ATTRIBUTES = ("rank", "align", "method", "original_weight")
 # SvdGatedMLP: the activation, and the rank of each projection (gate, up, down).
 SVD_GATED_MLP_ATTRIBUTES = ("activation", "ranks")
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# SvdMLP: the same, its ranks (fc1, fc2).
+SVD_MLP_ATTRIBUTES = SVD_GATED_MLP_ATTRIBUTES
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Node metadata key holding the name of the node the op replaced.
 ORIGINAL_NODE_KEY = "onnx_nmm.original_node"
 
@@ -76,51 +85,77 @@ def gated_mlp_overload(activation: str) -> str:
     return "" if activation == "silu" else activation
 
 
-def svd_gated_mlp_function(opset: int, activation: str = "silu") -> ir.Function:
-    """The function body of SvdGatedMLP gated by `activation` (one of GATED_ACTIVATIONS)."""
-    x = ir.Value(name="X")
-    factors = [ir.Value(name=name) for name in ("Ug", "Vg", "Uu", "Vu", "Ud", "Vd")]
-    nodes: list[ir.Node] = []
+class _Body:
+    """The nodes of a function body, built one op at a time."""
 
-    def op(op_type, *inputs, name, attributes=()):
+    def __init__(self):
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type, *inputs, name, attributes=()):
         node = ir.Node("", op_type, list(inputs), list(attributes), num_outputs=1, name=name)
-        nodes.append(node)
+        self.nodes.append(node)
         return node.outputs[0]
 
-    def constant(value: float, name: str):
-        return op("Constant", name=name, attributes=[ir.AttrTensor("value", ir.tensor(np.array(value, np.float32)))])
+    def constant(self, value: float, name: str):
+        return self.op("Constant", name=name,
+                       attributes=[ir.AttrTensor("value", ir.tensor(np.array(value, np.float32)))])
 
-    ug, vg, uu, vu, ud, vd = factors
-    gate = op("MatMul", op("MatMul", x, ug, name="x_ug"), vg, name="gate")
-    if activation == "silu":
-        activated = op("Mul", gate, op("Sigmoid", gate, name="sigmoid"), name="silu")
-    else:
+    def low_rank(self, x, u, v, name):
+        return self.op("MatMul", self.op("MatMul", x, u, name=f"{name}_u"), v, name=name)
+
+    def activated(self, g, activation: str):
+        """act(g) for `activation`, one of ACTIVATIONS."""
+        if activation == "silu":
+            return self.op("Mul", g, self.op("Sigmoid", g, name="sigmoid"), name="silu")
         if activation == "gelu":
-            inner = op("Erf", op("Mul", gate, constant(2 ** -0.5, "one_over_sqrt2"), name="scaled"), name="erf")
+            scaled = self.op("Mul", g, self.constant(2 ** -0.5, "one_over_sqrt2"), name="scaled")
+            inner = self.op("Erf", scaled, name="erf")
         else:
-            cubed = op("Mul", op("Mul", gate, gate, name="squared"), gate, name="cubed")
-            widened = op("Add", gate, op("Mul", cubed, constant(0.044715, "cubic"), name="cubic_term"), name="widened")
-            inner = op("Tanh", op("Mul", widened, constant((2 / np.pi) ** 0.5, "sqrt_2_over_pi"), name="scaled"),
-                       name="tanh")
-        half = op("Mul", gate, constant(0.5, "half"), name="half_gate")
-        activated = op("Mul", half, op("Add", inner, constant(1.0, "one"), name="one_plus"), name=activation)
-    up = op("MatMul", op("MatMul", x, uu, name="x_uu"), vu, name="up")
-    act = op("Mul", activated, up, name="act")
-    output = op("MatMul", op("MatMul", act, ud, name="act_ud"), vd, name="down")
-    output.name = "Y"
-    graph = ir.Graph([x, *factors], [output], nodes=nodes, opset_imports={"": opset}, name=SVD_GATED_MLP)
-    declared = [ir.Attr(name, ir.AttributeType.UNDEFINED, None) for name in SVD_GATED_MLP_ATTRIBUTES]
-    return ir.Function(DOMAIN, SVD_GATED_MLP, gated_mlp_overload(activation), graph=graph, attributes=declared)
+            cubed = self.op("Mul", self.op("Mul", g, g, name="squared"), g, name="cubed")
+            cubic = self.op("Mul", cubed, self.constant(0.044715, "cubic"), name="cubic_term")
+            widened = self.op("Add", g, cubic, name="widened")
+            scaled = self.op("Mul", widened, self.constant((2 / np.pi) ** 0.5, "sqrt_2_over_pi"), name="scaled")
+            inner = self.op("Tanh", scaled, name="tanh")
+        half = self.op("Mul", g, self.constant(0.5, "half"), name="half_g")
+        return self.op("Mul", half, self.op("Add", inner, self.constant(1.0, "one"), name="one_plus"), name=activation)
+
+    def function(self, name: str, overload: str, inputs, output, opset: int, attributes) -> ir.Function:
+        output.name = "Y"
+        graph = ir.Graph(inputs, [output], nodes=self.nodes, opset_imports={"": opset}, name=name)
+        declared = [ir.Attr(attribute, ir.AttributeType.UNDEFINED, None) for attribute in attributes]
+        return ir.Function(DOMAIN, name, overload, graph=graph, attributes=declared)
 
 
-def register_svd_gated_mlp(model: ir.Model, activation: str = "silu") -> str:
-    """Make sure `model` declares the domain and holds the function for `activation`; return its overload."""
+def svd_gated_mlp_function(opset: int, activation: str = "silu") -> ir.Function:
+    """The function body of SvdGatedMLP gated by `activation` (one of ACTIVATIONS)."""
+    x, ug, vg, uu, vu, ud, vd = inputs = [ir.Value(name=name) for name in MLP_OP_INPUTS[SVD_GATED_MLP]]
+    body = _Body()
+    activated = body.activated(body.low_rank(x, ug, vg, "gate"), activation)
+    act = body.op("Mul", activated, body.low_rank(x, uu, vu, "up"), name="act")
+    return body.function(SVD_GATED_MLP, gated_mlp_overload(activation), inputs,
+                         body.low_rank(act, ud, vd, "down"), opset, SVD_GATED_MLP_ATTRIBUTES)
+
+
+def svd_mlp_function(opset: int, activation: str) -> ir.Function:
+    """The function body of SvdMLP with `activation` (one of ACTIVATIONS)."""
+    x, u1, v1, b1, u2, v2, b2 = inputs = [ir.Value(name=name) for name in MLP_OP_INPUTS[SVD_MLP]]
+    body = _Body()
+    hidden = body.op("Add", body.low_rank(x, u1, v1, "fc1"), b1, name="fc1_bias")
+    output = body.op("Add", body.low_rank(body.activated(hidden, activation), u2, v2, "fc2"), b2, name="fc2_bias")
+    return body.function(SVD_MLP, activation, inputs, output, opset, SVD_MLP_ATTRIBUTES)
+
+
+def register_mlp_op(model: ir.Model, op_type: str, activation: str) -> str:
+    """Make sure `model` declares the domain and holds the function of `op_type` (SvdGatedMLP or SvdMLP) for
+    `activation`; return its overload."""
     model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
     model.ir_version = max(model.ir_version, MIN_IR_VERSION)
-    overload = gated_mlp_overload(activation)
-    key = (DOMAIN, SVD_GATED_MLP, overload)
+    gated = op_type == SVD_GATED_MLP
+    overload = gated_mlp_overload(activation) if gated else activation
+    key = (DOMAIN, op_type, overload)
     if key not in model.functions:
-        model.functions[key] = svd_gated_mlp_function(model.opset_imports[""], activation)
+        make = svd_gated_mlp_function if gated else svd_mlp_function
+        model.functions[key] = make(model.opset_imports[""], activation)
     return overload
 
 

@@ -160,26 +160,43 @@ def test_onnxruntime_group_query_attention_as_genai_writes_it(batch, past, seque
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 def test_svd_gated_mlp_body_and_lowering_agree_for_each_activation(activation):
     """onnxruntime runs SvdGatedMLP's function body, the lowering its torch maths: the same numbers."""
-    import onnx_ir as ir
-
     from onnx_nmm.passes import svd_ops
 
     factors = {name: _random(*shape) * 0.5 for name, shape in
                (("ug", (8, 4)), ("vg", (4, 12)), ("uu", (8, 4)), ("vu", (4, 12)), ("ud", (12, 4)), ("vd", (4, 8)))}
     node = helper.make_node(svd_ops.SVD_GATED_MLP, ["x", *factors], ["y0"], domain=svd_ops.DOMAIN,
                             overload=svd_ops.gated_mlp_overload(activation), activation=activation, ranks=[4, 4, 4])
+    _check_body_against_lowering(node, factors, activation)
+
+
+def _check_body_against_lowering(node, initializers: dict, activation: str):
+    import onnx_ir as ir
+    import torch
+
+    from onnx_nmm.passes import svd_ops
+
     graph = helper.make_graph([node], "mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 8])],
                               [helper.make_tensor_value_info("y0", onnx.TensorProto.FLOAT, None)],
-                              [onnx.numpy_helper.from_array(value, name) for name, value in factors.items()])
+                              [onnx.numpy_helper.from_array(value, name) for name, value in initializers.items()])
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    svd_ops.register_svd_gated_mlp(model, activation)
+    svd_ops.register_mlp_op(model, node.op_type, activation)
     proto = ir.serde.serialize_model(model)
     x = _random(2, 3, 8) * 3
     expected = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    import torch
-
     got = call_lowered(lower(proto), torch.from_numpy(x))
     np.testing.assert_allclose(got.numpy(), expected[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_svd_mlp_body_and_lowering_agree_for_each_activation(activation):
+    """The same for SvdMLP, the non-gated MLP with its two biases."""
+    from onnx_nmm.passes import svd_ops
+
+    inputs = {name: _random(*shape) * 0.5 for name, shape in
+              (("u1", (8, 4)), ("v1", (4, 12)), ("b1", (12,)), ("u2", (12, 4)), ("v2", (4, 8)), ("b2", (8,)))}
+    node = helper.make_node(svd_ops.SVD_MLP, ["x", *inputs], ["y0"], domain=svd_ops.DOMAIN, overload=activation,
+                            activation=activation, ranks=[4, 4])
+    _check_body_against_lowering(node, inputs, activation)
 
 
 # The ops the exporters write for the decoder architectures of tests/test_architectures.py (dynamo at

@@ -8,7 +8,7 @@ import pytest
 import graphs
 from onnx_nmm import CalibrationOptions, Dense, RankOptions, RewriteOptions, Selection
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes import FuseGatedMlpPass, find_linear_layers, svd_ops
+from onnx_nmm.passes import FuseMlpPass, find_linear_layers, svd_ops
 from onnx_nmm.pipeline import FactorizeLayers, FuseMlps, GatherStatistics, PlanRanks, RewriteContext
 
 EVERY_LAYER = Selection(targets="all", lm_head=True)
@@ -119,5 +119,5 @@ def test_fusion_leaves_a_partly_dense_mlp_alone():
     gate, up, down = (layer.name for layer in find_linear_layers(context.source.model))
     context.plan = {gate: 8, up: 8, down: Dense("kept for the test")}
     FactorizeLayers(context)(context.source.model)
-    fusion = FuseGatedMlpPass()
+    fusion = FuseMlpPass()
     assert not fusion(context.source.model).modified and fusion.fused == []

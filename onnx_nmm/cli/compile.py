@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     parser.add_argument("--batch", type=int, help=f"static batch size (default {_common.default(C, 'batch')})")
     parser.add_argument("--seq-len", type=int, help=f"static sequence length (default {_common.default(C, 'seq_len')})")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
-    parser.add_argument("--no-fuse-mlp", action="store_true", help="keep gated MLPs as three SvdMatMul kernels")
+    parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
     parser.set_defaults(handler=run)
@@ -66,6 +66,6 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
         _common.stdout.print("a merged decoder: its first-step branch (the prefill over an empty cache) is what was "
                              "lowered")
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {manifest['lowering_check']['max_abs']:.2e}; "
-                         f"{len(manifest['fused_mlps'])} gated MLPs fused. "
+                         f"{len(manifest['fused_mlps'])} MLPs fused. "
                          + ("Dry run: no trace. " if manifest["dry_run"] else f"NEFF: {', '.join(manifest['neff'])}. ")
                          + f"Wrote {compilation.folder}/")

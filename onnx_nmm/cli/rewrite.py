@@ -71,7 +71,7 @@ def register(subparsers) -> None:
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
                              "a quality budget's choice with --calib-mode sequential without measuring it again")
     parser.add_argument("--fuse-mlp", action="store_true",
-                        help="fuse each SiLU-gated gate/up/down triple into one SvdGatedMLP (what `compile` does "
+                        help="fuse each factorized MLP into one SvdGatedMLP or SvdMLP (what `compile` does "
                              "for Trainium; onnxruntime still runs it)")
     parser.add_argument("--svd", choices=SVD_METHODS,
                         help="exact (float64 Gram eigendecomposition) or randomized (faster for low ranks; "
@@ -165,5 +165,5 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         f"targeted parameters {_common.millions(totals['parameters_before'])} → "
         f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept), the model's weights "
         f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"
-        + (f"; {len(report.fused_mlps)} gated MLPs fused into SvdGatedMLP" if report.fused_mlps else "")
+        + (f"; {len(report.fused_mlps)} MLPs fused into one op each" if report.fused_mlps else "")
         + f". Wrote {output}")

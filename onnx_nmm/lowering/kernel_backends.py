@@ -5,7 +5,8 @@
     neuron     the same @nki.jit kernels on XLA tensors, for torch_neuronx.trace (needs the Neuron SDK).
 
 Kernels take x as [tokens, features]: leading dimensions are flattened on the way in and restored
-on the way out; a bias is added after the kernel, in the model's dtype.
+on the way out; an output bias is added after the kernel, in the model's dtype (SvdMLP's first bias comes
+before its activation, so the kernel adds it).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 BACKENDS = ("torch", "emulator", "neuron")
-# SvdGatedMLP's activations (svd_ops.GATED_ACTIVATIONS) in PyTorch.
-GATE_ACTIVATIONS = {
+# The MLP ops' activations (svd_ops.ACTIVATIONS) in PyTorch.
+ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"),
@@ -42,7 +43,11 @@ class TorchMath:
     def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
         gate = torch.matmul(torch.matmul(x, ug), vg)
         up = torch.matmul(torch.matmul(x, uu), vu)
-        return torch.matmul(torch.matmul(GATE_ACTIVATIONS[activation](gate) * up, ud), vd)
+        return torch.matmul(torch.matmul(ACTIVATIONS[activation](gate) * up, ud), vd)
+
+    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
+        hidden = ACTIVATIONS[activation](torch.matmul(torch.matmul(x, u1), v1) + b1)
+        return torch.matmul(torch.matmul(hidden, u2), v2) + b2
 
 
 @dataclass
@@ -63,6 +68,12 @@ class EmulatorKernels:
         from onnx_nmm.kernels import fused_svd_mlp
 
         return self._launch(node, "fused_svd_mlp", fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, activation=activation)
+
+    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
+        from onnx_nmm.kernels import fused_svd_ungated_mlp
+
+        return self._launch(node, "fused_svd_ungated_mlp", fused_svd_ungated_mlp, x, u1, v1, b1, u2, v2,
+                            activation=activation) + b2
 
     def _launch(self, node, name, kernel, x, *factors, **options):
         import ml_dtypes
@@ -105,6 +116,17 @@ class NeuronKernels:
                         target=self.target)
         factors = [t.to(torch.bfloat16) for t in (ug, vg, uu, vu, ud, vd)]
         return fused_svd_mlp(rows, *factors, plan=plan, activation=activation).to(x.dtype).reshape(x.shape)
+
+    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
+        from onnx_nmm.kernels import fused_svd_ungated_mlp
+        from onnx_nmm.kernels.blocking import plan_ungated_mlp
+
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        plan = plan_ungated_mlp(rows.shape[0], u1.shape[0], v1.shape[1], u1.shape[1], u2.shape[1], "bfloat16",
+                                target=self.target)
+        factors = [t.to(torch.bfloat16) for t in (u1, v1, b1, u2, v2)]
+        y = fused_svd_ungated_mlp(rows, *factors, plan=plan, activation=activation)
+        return y.to(x.dtype).reshape(x.shape) + b2
 
 
 def backend_named(name: str, target: str = "trn2"):

@@ -32,11 +32,11 @@ def reset_shared_parameters() -> None:
 
 
 class _SvdOp(nn.Module, OnnxToTorchModule):
-    def __init__(self, node: str, factors: dict[str, nn.Parameter]):
+    def __init__(self, node: str, factors: list[tuple[str, nn.Parameter]]):
         super().__init__()
         self.node = node
-        self.factor_names = list(factors)
-        self.factors = nn.ParameterList(factors.values())
+        self.factor_names = [name for name, _ in factors]  # by input position: a shared U comes twice
+        self.factors = nn.ParameterList([parameter for _, parameter in factors])
         self.backend = TorchMath()
 
 
@@ -47,7 +47,7 @@ class SvdMatMulModule(_SvdOp):
 
 
 class SvdGatedMlpModule(_SvdOp):
-    def __init__(self, node: str, factors: dict[str, nn.Parameter], activation: str):
+    def __init__(self, node: str, factors: list[tuple[str, nn.Parameter]], activation: str):
         super().__init__(node, factors)
         self.activation = activation
 
@@ -55,15 +55,19 @@ class SvdGatedMlpModule(_SvdOp):
         return self.backend.gated_mlp(self.node, x, *self.factors, activation=self.activation)
 
 
-def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> dict[str, nn.Parameter]:
-    factors = {}
+class SvdMlpModule(SvdGatedMlpModule):
+    def forward(self, x, b1, b2):
+        u1, v1, u2, v2 = self.factors
+        return self.backend.mlp(self.node, x, u1, v1, b1, u2, v2, b2, activation=self.activation)
+
+
+def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
     for name in names:
         if name not in graph.initializers:
             raise NotImplementedError(f"{node.operation_type} '{node.name}' with factor '{name}' that is not an initializer")
         if name not in _parameters:
             _parameters[name] = nn.Parameter(graph.initializers[name].to_torch(), requires_grad=False)
-        factors[name] = _parameters[name]
-    return factors
+    return [(name, _parameters[name]) for name in names]
 
 
 @add_converter(svd_ops.SVD_MATMUL, svd_ops.DOMAIN_VERSION, DOMAIN)
@@ -76,13 +80,25 @@ def _svd_matmul(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
 
 @add_converter(svd_ops.SVD_GATED_MLP, svd_ops.DOMAIN_VERSION, DOMAIN)
 def _svd_gated_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    activation = node.attributes.get("activation", "silu")
-    if activation not in svd_ops.GATED_ACTIVATIONS:
-        raise NotImplementedError(f"SvdGatedMLP with activation {activation!r}")
     x, *factors = node.input_values
-    module = SvdGatedMlpModule(node.name, _factors(node, graph, tuple(factors)), activation)
+    module = SvdGatedMlpModule(node.name, _factors(node, graph, tuple(factors)), _activation(node))
     return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(inputs=(x,),
                                                                                    outputs=node.output_values))
+
+
+@add_converter(svd_ops.SVD_MLP, svd_ops.DOMAIN_VERSION, DOMAIN)
+def _svd_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    x, u1, v1, b1, u2, v2, b2 = node.input_values
+    module = SvdMlpModule(node.name, _factors(node, graph, (u1, v1, u2, v2)), _activation(node))
+    return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(inputs=(x, b1, b2),
+                                                                                   outputs=node.output_values))
+
+
+def _activation(node: OnnxNode) -> str:
+    activation = node.attributes.get("activation", "silu")
+    if activation not in svd_ops.ACTIVATIONS:
+        raise NotImplementedError(f"{node.operation_type} with activation {activation!r}")
+    return activation
 
 
 def set_backend(module: nn.Module, backend) -> None:

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import FuseGatedMlpPass
+from onnx_nmm.passes import FuseMlpPass
 from onnx_nmm.pipeline.context import RewriteContext, RewritePass
 from onnx_nmm.pipeline.factorize import FactorizeLayers
 from onnx_nmm.pipeline.plan import PlanRanks
@@ -28,12 +28,12 @@ from onnx_nmm.progress import Progress
 
 
 class FuseMlps(RewritePass):
-    """Pass 4 (with fuse_mlp): each SiLU-gated gate/up/down triple of SvdMatMul ops → one SvdGatedMLP."""
+    """Pass 4 (with fuse_mlp): each factorized MLP → one SvdGatedMLP (gate/up/down) or SvdMLP (fc1/fc2)."""
 
     label = "fusion"
 
     def run(self, model: ir.Model) -> bool:
-        fusion = FuseGatedMlpPass()
+        fusion = FuseMlpPass()
         result = fusion(model)
         self.context.report.fused_mlps, self.context.report.unfused_mlps = fusion.fused, fusion.unfused
         if not fusion.fused:

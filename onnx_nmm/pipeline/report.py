@@ -60,7 +60,7 @@ class RewriteReport:
     calibration: str = ""
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
-    fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP nodes made by fuse_mlp
+    fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP/SvdMLP nodes made by fuse_mlp
     unfused_mlps: dict[str, str] = field(default_factory=dict)  # with fuse_mlp: MLP left alone → why
     quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
     weight_bytes_before: int = 0  # of every initializer of the model, before and after the rewrite

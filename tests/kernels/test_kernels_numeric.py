@@ -12,6 +12,7 @@ from onnx_nmm.kernels import (
     dense_matmul,
     dense_matmul_lhsT,
     fused_svd_mlp,
+    fused_svd_ungated_mlp,
     fused_xuv,
     lowrank_unfused,
     run,
@@ -92,20 +93,37 @@ def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
     check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, target=target, plan=plan), reference, dtype)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
-def test_fused_svd_mlp_with_gelu_gating(activation):
+def activated(z, activation):
     from math import erf, pi, sqrt
 
+    if activation == "silu":
+        return silu(z)
+    if activation == "gelu":
+        return 0.5 * z * (1 + np.vectorize(erf)(z / sqrt(2)))
+    return 0.5 * z * (1 + np.tanh(sqrt(2 / pi) * (z + 0.044715 * z**3)))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_fused_svd_mlp_with_gelu_gating(activation):
     x, ug, vg, uu, vu, ud, vd = arrays(5, "float32", (130, 256), (256, 40), (40, 300), (256, 40), (40, 300),
                                        (300, 64), (64, 256))
     X, UG, VG, UU, VU, UD, VD = f64(x, ug, vg, uu, vu, ud, vd)
-    gate = X @ UG @ VG
-    if activation == "gelu":
-        activated = 0.5 * gate * (1 + np.vectorize(erf)(gate / sqrt(2)))
-    else:
-        activated = 0.5 * gate * (1 + np.tanh(sqrt(2 / pi) * (gate + 0.044715 * gate**3)))
-    reference = (activated * (X @ UU @ VU)) @ UD @ VD
+    reference = (activated(X @ UG @ VG, activation) * (X @ UU @ VU)) @ UD @ VD
     check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, plan=SMALL_MLP, activation=activation), reference, "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(("M", "H", "I", "ranks", "activation"), [
+    (1, 200, 300, (64, 80), "gelu_tanh"), (37, 256, 700, (200, 128), "gelu"), (130, 300, 520, (130, 200), "silu")])
+def test_fused_svd_ungated_mlp(M, H, I, ranks, activation, plan, dtype):
+    r1, r2 = ranks
+    x, u1, v1, b1, u2, v2 = arrays(6, dtype, (M, H), (H, r1), (r1, I), (I,), (I, r2), (r2, H))
+    X, U1, V1, B1, U2, V2 = f64(x, u1, v1, b1, u2, v2)
+    reference = activated(X @ U1 @ V1 + B1, activation) @ U2 @ V2
+    target = "trn1" if M % 2 else "trn2"
+    result = run(fused_svd_ungated_mlp, x, u1, v1, b1, u2, v2, target=target, plan=plan, activation=activation)
+    check(result, reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,6 +18,9 @@ CASES = [
     ("fused_svd_mlp", (300, 640, 1000, 200, 256, 136), "float32", "trn2"),
     ("fused_svd_mlp", (700, 1000, 2100, 300, 300, 300), "bfloat16", "trn2"),
     ("fused_svd_mlp", (129, 2048, 8192, 1280, 1280, 1280), "bfloat16", "trn1"),  # Llama-3.2-1B's MLP
+    ("fused_svd_ungated_mlp", (1, 640, 1000, 200, 136), "bfloat16", "trn2"),
+    ("fused_svd_ungated_mlp", (300, 768, 3072, 384, 256), "float32", "trn1"),
+    ("fused_svd_ungated_mlp", (700, 2560, 10240, 1280, 1280), "bfloat16", "trn2"),  # Phi-2's MLP
     ("dense_matmul", (1, 1000, 700), "float32", "trn2"),
     ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1"),
     ("dense_matmul", (700, 300, 9000), "bfloat16", "trn2"),
