@@ -55,7 +55,7 @@ def activation_region(g: ir.Value, output: ir.Value) -> list[ir.Node] | None:
         if node not in region:
             region.append(node)
             pending.extend(node.inputs)
-    return _ordered(region) if any(g in node.inputs for node in region) else None
+    return in_dependency_order(region) if any(g in node.inputs for node in region) else None
 
 
 def read_only_inside(region: list[ir.Node], g: ir.Value, output: ir.Value, graph: ir.Graph) -> bool:
@@ -113,7 +113,7 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     return None
 
 
-def _ordered(region: list[ir.Node]) -> list[ir.Node]:
+def in_dependency_order(region: list[ir.Node]) -> list[ir.Node]:
     """`region` with every node after the region nodes it reads."""
     produced_by = {id(value): node for node in region for value in node.outputs}
     ordered, placed = [], set()

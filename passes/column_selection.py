@@ -14,6 +14,8 @@ import onnx
 import onnx.reference
 import onnx_ir as ir
 
+from onnx_nmm.passes.activation_match import in_dependency_order
+
 # Nodes that may carry the values themselves from the projection to a half: they select or reshape.
 SELECTIONS = ("Slice", "Split", "Gather", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten")
 MAX_NODES = 40
@@ -21,26 +23,24 @@ PROBE_ROWS = 2
 
 
 def selection_region(source: ir.Value, targets: list[ir.Value]) -> list[ir.Node] | None:
-    """The nodes computing `targets` from `source` (and constants, and `source`'s shape), in graph order;
-    None if a target depends on anything else, or if a value reaches a target other than by selection."""
+    """The nodes computing `targets` from `source` (and constants, and `source`'s shape), each after those it
+    reads; None if a target depends on anything else, or if a value reaches a target other than by selection."""
     region: list[ir.Node] = []
     pending = list(targets)
     while pending:
         value = pending.pop()
-        if value is source or value.const_value is not None or value.is_graph_input():
-            if value.is_graph_input() and value.const_value is None:
-                return None
+        if value is source or value.const_value is not None:
             continue
+        if value.is_graph_input():
+            return None
         node = value.producer()
         if node is None or node.domain != "" or len(region) > MAX_NODES:
             return None
         if node not in region:
             region.append(node)
             pending.extend(input for input in node.inputs if input is not None)
-    if not _carries_only_by_selection(region, source):
-        return None
-    order = {id(node): i for i, node in enumerate(ir.traversal.RecursiveGraphIterator(targets[0].graph))}
-    return sorted(region, key=lambda node: order[id(node)])
+    region = in_dependency_order(region)
+    return region if _carries_only_by_selection(region, source) else None
 
 
 def selected_columns(source: ir.Value, targets: list[ir.Value], region: list[ir.Node], width: int,
@@ -68,10 +68,10 @@ def selected_columns(source: ir.Value, targets: list[ir.Value], region: list[ir.
 
 
 def _carries_only_by_selection(region: list[ir.Node], source: ir.Value) -> bool:
-    """Whether every node of `region` that reads `source`'s values (not just its Shape) is a selection
-    reading them as its data input."""
+    """Whether every node of `region` (in dependency order) that reads `source`'s values (not just its Shape)
+    is a selection reading them as its data input."""
     carried = {id(source)}
-    for node in _in_dependency_order(region):
+    for node in region:
         reads = [i for i, value in enumerate(node.inputs) if value is not None and id(value) in carried]
         if node.op_type == "Shape" or not reads:
             continue
@@ -81,29 +81,12 @@ def _carries_only_by_selection(region: list[ir.Node], source: ir.Value) -> bool:
     return True
 
 
-def _in_dependency_order(region: list[ir.Node]) -> list[ir.Node]:
-    produced = {id(value): node for node in region for value in node.outputs}
-    ordered, placed = [], set()
-
-    def place(node):
-        if id(node) not in placed:
-            placed.add(id(node))
-            for value in node.inputs:
-                if value is not None and id(value) in produced:
-                    place(produced[id(value)])
-            ordered.append(node)
-
-    for node in region:
-        place(node)
-    return ordered
-
-
 def _probe_model(source: ir.Value, targets: list[ir.Value], region: list[ir.Node], opset: int) -> onnx.ModelProto:
     inside = {id(value) for node in region for value in node.outputs}
     constants = {value.name: value for node in region for value in node.inputs
                  if value is not None and value is not source and id(value) not in inside}
     graph = onnx.helper.make_graph(
-        [ir.serde.serialize_node(node) for node in _in_dependency_order(region)], "selection",
+        [ir.serde.serialize_node(node) for node in region], "selection",
         [onnx.helper.make_tensor_value_info(source.name, onnx.TensorProto.FLOAT, None)],
         [onnx.helper.make_tensor_value_info(value.name, onnx.TensorProto.FLOAT, None) for value in targets],
         initializer=[_named(ir.serde.serialize_tensor(value.const_value), name) for name, value in constants.items()])

@@ -297,7 +297,7 @@ def _rank(node: ir.Node) -> int:
 
 
 def _dtype(node: ir.Node) -> np.dtype:
-    return node.inputs[2].const_value.numpy().dtype
+    return node.inputs[2].const_value.dtype.numpy()  # V's element type, without reading V
 
 
 def _mlp_name(mlp: _Mlp) -> str:
