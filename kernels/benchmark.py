@@ -9,6 +9,8 @@ y = (silu(x·Wg) * (x·Wu)) · Wd, each W of K×N replaced by U [K, r] · V [r, 
   fused_mlp  fused_svd_mlp (1 launch)
 
 Every time and byte count is the cost model's (modelled), from trace-only emulation: nothing is computed.
+Each time is also set against its roofline, the physical limit of the launches: per launch the larger of
+its HBM bytes at the NeuronCore's memory bandwidth and its FLOPs at TensorE's peak.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ MODELS = (
     MlpShape("Qwen3-1.7B", 2048, 6144, 1280),
     MlpShape("Qwen3-4B", 2560, 9728, 1664),
 )
-TOKENS = (1, 32, 128, 512, 2048)
+TOKENS = (1, 32, 128, 512, 2048, 8192)
 TARGETS = ("trn1", "trn2")
 VARIANTS = ("dense", "unfused", "fused_xuv", "fused_mlp")
 PROJECTIONS = ("gate", "up", "down")
 XUV_BAR = 1.35  # NeuronMM's kernel-level average speed-up
+ROOFLINE_GOAL = 1.25  # fused XUV and fused MLP within this factor of their roofline at every grid point
+FUSED = ("fused_xuv", "fused_mlp")
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -93,6 +97,18 @@ class BenchmarkRow:
 
     def projection_seconds(self, variant: str, projection: str) -> float:
         return sum(self.launches[variant][i].total_s for i in PROJECTION_LAUNCHES[variant][projection])
+
+    def over_roofline(self, variant: str) -> float:
+        """The variant's modelled time over its roofline (all launches)."""
+        return self.costs[variant].over_roofline
+
+    def xuv_kernels_over_roofline(self) -> list[float]:
+        """Each fused_xuv launch (one per projection) over its own roofline."""
+        return [self.launches["fused_xuv"][i].over_roofline for p in PROJECTIONS for i in PROJECTION_LAUNCHES["fused_xuv"][p]]
+
+    def fused_kernels_over_roofline(self) -> float:
+        """The worst of the fused kernels' launches (fused_xuv and fused_svd_mlp) against the roofline."""
+        return max(self.xuv_kernels_over_roofline() + [self.over_roofline("fused_mlp")])
 
     def xuv_kernel_speedups(self) -> list[float]:
         """fused_xuv over lowrank_unfused for each projection: the kernel-level comparison."""
@@ -149,7 +165,12 @@ def summarize(rows: list[BenchmarkRow]) -> dict:
         for row in rows
         if row.tokens == 1
     ]
+    fused = [row.fused_kernels_over_roofline() for row in rows]
     return {
+        "roofline_goal": ROOFLINE_GOAL,
+        "over_roofline_max": {v: max(row.over_roofline(v) for row in rows) for v in VARIANTS},
+        "fused_kernels_over_roofline_max": max(fused),
+        "roofline_goal_met": max(fused) <= ROOFLINE_GOAL,
         "xuv_vs_unfused_kernel_mean": _mean(kernel),
         "xuv_vs_unfused_kernel_geomean": _geomean(kernel),
         "xuv_vs_unfused_kernel_range": [min(kernel), max(kernel)] if kernel else [],
@@ -177,6 +198,9 @@ def to_json(rows: list[BenchmarkRow], command: str, dtype: str) -> dict:
                 "target": row.target,
                 "parameter_ratio": row.shape.parameter_ratio,
                 "modelled_us": {v: row.seconds(v) * 1e6 for v in VARIANTS},
+                "roofline_us": {v: row.costs[v].roofline_s * 1e6 for v in VARIANTS},
+                "over_roofline": {v: row.over_roofline(v) for v in VARIANTS},
+                "fused_xuv_kernels_over_roofline": dict(zip(PROJECTIONS, row.xuv_kernels_over_roofline())),
                 "hbm_mb": {v: row.costs[v].hbm_bytes / 1e6 for v in VARIANTS},
                 "pe_utilization": {v: row.costs[v].pe_utilization for v in VARIANTS},
                 "xuv_vs_unfused_per_projection": dict(zip(PROJECTIONS, row.xuv_kernel_speedups())),
@@ -203,13 +227,36 @@ def markdown(rows: list[BenchmarkRow], command: str, dtype: str) -> str:
             f"| {row.target} | {row.shape.model} | {row.tokens} | {times} | {row.speedup('unfused', 'fused_xuv'):.2f}× "
             f"| {row.speedup('dense', 'fused_mlp'):.2f}× | {row.shape.parameter_ratio:.2f}× | {megabytes} |"
         )
-    lines += ["", *summary_lines(summarize(rows))]
+    lines += ["", *roofline_table(rows), "", *summary_lines(summarize(rows))]
     return "\n".join(lines) + "\n"
+
+
+def roofline_table(rows: list[BenchmarkRow]) -> list[str]:
+    """Modelled time over roofline per variant, the fused_xuv launches on their own, and what bounds each."""
+    lines = [
+        "Modelled time / roofline (1.00× is the physical limit; the roofline is per launch the larger of HBM "
+        "bytes / memory bandwidth and FLOPs / TensorE peak):",
+        "",
+        "| target | model | tokens | bound | dense | unfused | fused XUV (MLP) | fused_xuv kernels | fused MLP |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for row in rows:
+        cost = row.costs["fused_mlp"]
+        bound = "memory" if cost.roofline_s > cost.pe_ideal_s else "TensorE"
+        xuv = " / ".join(f"{r:.2f}" for r in row.xuv_kernels_over_roofline())
+        ratios = [f"{row.over_roofline(v):.2f}×" for v in VARIANTS]
+        lines.append(f"| {row.target} | {row.shape.model} | {row.tokens} | {bound} | {ratios[0]} | {ratios[1]} "
+                     f"| {ratios[2]} | {xuv} | {ratios[3]} |")
+    return lines
 
 
 def summary_lines(summary: dict) -> list[str]:
     low, high = summary["xuv_vs_unfused_kernel_range"]
+    worst = ", ".join(f"{v.replace('_', ' ')} {r:.2f}×" for v, r in summary["over_roofline_max"].items())
     lines = [
+        f"- fused kernels (each fused_xuv and fused_svd_mlp launch) at worst {summary['fused_kernels_over_roofline_max']:.2f}× "
+        f"their roofline; goal {summary['roofline_goal']}×: {'met' if summary['roofline_goal_met'] else 'NOT met'} (modelled)",
+        f"- worst time / roofline over the grid, whole MLP: {worst} (modelled)",
         f"- fused XUV vs unfused, per projection (kernel level), mean over the grid: "
         f"{summary['xuv_vs_unfused_kernel_mean']:.3f}× (geometric {summary['xuv_vs_unfused_kernel_geomean']:.3f}×, "
         f"range {low:.2f}–{high:.2f}×); bar {summary['xuv_bar']}×: "
@@ -247,6 +294,34 @@ def plot(rows: list[BenchmarkRow], path, dtype: str) -> None:
         ax.set_ylabel("speed-up over dense (modelled)")
         ax.set_title(f"{target}, {dtype}: modelled MLP time, dense / variant")
         ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_roofline(rows: list[BenchmarkRow], path, dtype: str) -> None:
+    """Modelled time over roofline against tokens, one line per variant and model, per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = sorted({row.target for row in rows})
+    figure, axes = plt.subplots(1, len(targets), figsize=(7 * len(targets), 4.5), squeeze=False, sharey=True)
+    styles = {"dense": ":", "unfused": "-.", "fused_xuv": "--", "fused_mlp": "-"}
+    for ax, target in zip(axes[0], targets):
+        for index, shape in enumerate(sorted({row.shape for row in rows}, key=lambda s: s.model)):
+            selected = sorted((row for row in rows if row.target == target and row.shape == shape), key=lambda r: r.tokens)
+            for variant, style in styles.items():
+                ax.plot([row.tokens for row in selected], [row.over_roofline(variant) for row in selected], style,
+                        color=f"C{index}", label=f"{shape.model} {variant.replace('_', ' ')}")
+        ax.axhline(ROOFLINE_GOAL, color="black", linewidth=0.8)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("modelled time / roofline")
+        ax.set_title(f"{target}, {dtype}: MLP time over its roofline (modelled)")
+    axes[0][-1].legend(fontsize=6, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

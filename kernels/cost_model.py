@@ -46,6 +46,7 @@ class KernelCost:
     hbm_write_bytes: int
     flops: int
     pe_ideal_s: float  # time TensorE would need for the same FLOPs at its peak rate
+    roofline_s: float  # per launch max(HBM bytes at core.memory_bytes_per_s, pe_ideal_s), summed
     sbuf_peak_bytes: int
     psum_peak_bytes: int
     instructions: int
@@ -59,6 +60,11 @@ class KernelCost:
     def hbm_bytes(self) -> int:
         return self.hbm_read_bytes + self.hbm_write_bytes
 
+    @property
+    def over_roofline(self) -> float:
+        """Modelled time over the physical limit: 1.0 is as fast as the hardware allows."""
+        return self.total_s / self.roofline_s
+
     def then(self, other: KernelCost) -> KernelCost:
         """The cost of launching `other` after this."""
         return KernelCost(
@@ -70,6 +76,7 @@ class KernelCost:
             hbm_write_bytes=self.hbm_write_bytes + other.hbm_write_bytes,
             flops=self.flops + other.flops,
             pe_ideal_s=self.pe_ideal_s + other.pe_ideal_s,
+            roofline_s=self.roofline_s + other.roofline_s,
             sbuf_peak_bytes=max(self.sbuf_peak_bytes, other.sbuf_peak_bytes),
             psum_peak_bytes=max(self.psum_peak_bytes, other.psum_peak_bytes),
             instructions=self.instructions + other.instructions,
@@ -99,6 +106,7 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
     ready = [0.0] * len(instructions)
     times = [None] * len(instructions)
     queue_free = [0.0] * core.dma_engines
+    next_issue: dict[int, float] = {}  # per HBM tensor: when its DMA queue can start another transfer
     psum_port_free = 0.0
     busy = dict.fromkeys(ENGINES, 0.0)
 
@@ -107,7 +115,10 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
         at, i = heapq.heappop(heap)
         ins = instructions[i]
         if ins.engine == "dma":
-            start, end = _transfer(ins, core, at, queue_free, busy)
+            queue = _hbm_tensor(ins)
+            issue = max(at + core.dma_fixed_latency_s, next_issue.get(queue, 0.0))
+            start, end = _transfer(ins, core, issue, queue_free, busy)
+            next_issue[queue] = issue + core.dma_issue_interval_s
         else:
             start = at
             waits_for_psum = takes_psum_port(core, ins.engine, ins.psum)
@@ -130,6 +141,7 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
     pe_ideal = sum(
         ins.flops / (core.pe_bf16_flops / (core.pe_fp32_factor if ins.fp32 else 1)) for ins in instructions if ins.flops
     )
+    hbm_bytes = sum(ins.hbm_read + ins.hbm_write for ins in instructions)
     return KernelCost(
         target=core.name,
         kernels=[trace.kernel],
@@ -139,6 +151,7 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
         hbm_write_bytes=sum(ins.hbm_write for ins in instructions),
         flops=sum(ins.flops for ins in instructions),
         pe_ideal_s=pe_ideal,
+        roofline_s=max(hbm_bytes / core.memory_bytes_per_s, pe_ideal),
         sbuf_peak_bytes=trace.sbuf_peak_bytes,
         psum_peak_bytes=trace.psum_peak_bytes,
         instructions=len(instructions),
@@ -152,13 +165,17 @@ def _compute_seconds(ins: Instruction, core: NeuronCore) -> float:
     return elementwise_seconds(core, ins.engine, ins.size, ins.inputs, ins.vector_gain)
 
 
-def _transfer(ins: Instruction, core: NeuronCore, ready: float, queue_free: list[float], busy: dict):
-    """Split a DMA over the queues that free up first; returns (first start, last end)."""
+def _hbm_tensor(ins: Instruction) -> int:
+    """The HBM tensor a transfer reads or writes: its transfers share one DMA queue."""
+    return next(key for space, key, _, _ in ins.reads + ins.writes if space == "hbm")
+
+
+def _transfer(ins: Instruction, core: NeuronCore, earliest: float, queue_free: list[float], busy: dict):
+    """Split a DMA over the engines that free up first, from `earliest`; returns (first start, last end)."""
     partitions_per_engine = core.partitions // core.dma_engines
     pieces = min(core.dma_engines, max(1, -(-ins.partitions // partitions_per_engine)))
-    busy_s = dma_seconds(core, ins.size, ins.run_bytes)  # the queues' work over all of them
+    busy_s = dma_seconds(core, ins.size, ins.run_bytes)  # the engines' work over all of them
     duration = busy_s * core.dma_engines / pieces
-    earliest = ready + core.dma_fixed_latency_s
     first, last = float("inf"), 0.0
     for queue in heapq.nsmallest(pieces, range(core.dma_engines), key=queue_free.__getitem__):
         start = max(queue_free[queue], earliest)

@@ -74,9 +74,25 @@ class NeuronCore:
     dma_engine_bytes_per_s: float
     dma_fixed_latency_s: float
 
+    # HBM: the chip's bandwidth shared by its NeuronCores.
+    hbm_core_bytes_per_s: float
+
+    # A candidate DMA model that AWS's measured tutorial matmuls support better, off by default until the
+    # block planner prices it too (docs/kernels.md, "The DMA model"; tools/tutorial_matmuls.py): the
+    # ~1300 ns per transfer (DMA_GUIDE) as the interval between transfer starts in one DMA queue (one queue
+    # per HBM tensor; "DMA transfers within a queue ... are executed in order", DMA_OVERVIEW), and a fixed
+    # overhead per descriptor in place of the figure's efficiency curve.
+    dma_issue_interval_s: float = 0.0
+    dma_descriptor_overhead_s: float | None = None
+
     @property
     def dma_bytes_per_s(self) -> float:
         return self.dma_engines * self.dma_engine_bytes_per_s
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """The fastest one NeuronCore can move data from HBM: its DMA engines' peak or its share of HBM."""
+        return min(self.dma_bytes_per_s, self.hbm_core_bytes_per_s)
 
     @property
     def pe_bf16_flops(self) -> float:
@@ -109,6 +125,7 @@ TRN1 = NeuronCore(
     dma_engines=16,  # "16 parallel DMA engines" per NeuronCore-v2 (ARCH_TRN1)
     dma_engine_bytes_per_s=17e9,  # TRN1 "17 B/ns" per engine, 272 GB/s aggregate (DMA_GUIDE table)
     dma_fixed_latency_s=1.3e-6,  # "semaphore-to-start latency (~1300 ns cross-engine)" (DMA_GUIDE)
+    hbm_core_bytes_per_s=820e9 / 2,  # 820 GB/s per Trainium1 chip of 2 NeuronCores (ARCH_TRN1)
 )
 
 TRN2 = NeuronCore(
@@ -131,6 +148,7 @@ TRN2 = NeuronCore(
     dma_engines=16,  # "each NeuronCore-v3 is typically paired with 16x DMA engines" (ARCH_TRN2)
     dma_engine_bytes_per_s=23e9,  # TRN2 "23 B/ns" per engine, 368 GB/s aggregate (DMA_GUIDE table)
     dma_fixed_latency_s=1.3e-6,  # DMA_GUIDE (not given per generation)
+    hbm_core_bytes_per_s=2.9e12 / 8,  # 2.9 TB/s per Trainium2 chip of 8 NeuronCores (ARCH_TRN2: "3TB/s")
 )
 
 TARGETS = {"trn1": TRN1, "trn2": TRN2}
@@ -146,12 +164,16 @@ def neuron_core(target: str | NeuronCore) -> NeuronCore:
         raise ValueError(f"unknown Trainium target {target!r}; use one of {sorted(TARGETS)}") from None
 
 
-def dma_efficiency(contiguous_bytes: float) -> float:
+def dma_efficiency(contiguous_bytes: float, core: NeuronCore | None = None) -> float:
     """Fraction of peak DMA bandwidth reached when each descriptor moves `contiguous_bytes` bytes.
 
-    Interpolated in log2(bytes) between the readings of DMA_EFFICIENCY_CURVE; proportional to the size
+    With a core whose dma_descriptor_overhead_s is set: the bytes' time at the engine's rate over that time
+    plus the overhead. Otherwise interpolated in log2(bytes) between the readings of DMA_EFFICIENCY_CURVE; proportional to the size
     below the first reading (the overhead-bound regime) and 1 above the plateau.
     """
+    if core is not None and core.dma_descriptor_overhead_s is not None:
+        moving = contiguous_bytes / core.dma_engine_bytes_per_s
+        return moving / (moving + core.dma_descriptor_overhead_s)
     points = DMA_EFFICIENCY_CURVE
     if contiguous_bytes <= points[0][0]:
         return points[0][1] * contiguous_bytes / points[0][0]

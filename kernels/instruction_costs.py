@@ -41,4 +41,4 @@ def takes_psum_port(core: NeuronCore, engine: str, touches_psum: bool) -> bool:
 def dma_seconds(core: NeuronCore, nbytes: int, run_bytes: int) -> float:
     """Busy time of the DMA queues (their work divided by their number) to move `nbytes` in contiguous
     runs of `run_bytes` per descriptor."""
-    return nbytes / (core.dma_bytes_per_s * dma_efficiency(run_bytes))
+    return nbytes / (core.dma_bytes_per_s * dma_efficiency(run_bytes, core))

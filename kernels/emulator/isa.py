@@ -85,10 +85,10 @@ def _same_layout(first: NkiTensor, second: NkiTensor, what: str) -> None:
 
 
 def _access(tensor: NkiTensor) -> tuple:
-    low, high = tensor._byte_range()
+    """The bytes the instruction about to be recorded touches; an on-chip storage is live until then."""
     if tensor._on_chip:
-        return (tensor.buffer.value, 0, low, high)
-    return ("hbm", tensor._storage.id, low, high)
+        _run().touch(tensor._storage)
+    return (tensor.buffer.value if tensor._on_chip else "hbm", tensor._storage.id, *tensor._byte_range())
 
 
 def _run() -> session.KernelRun:
@@ -191,8 +191,9 @@ def nc_matmul(
     fp32 = (stationary.dtype == dtypes.float32, moving.dtype == dtypes.float32)
     require(fp32[0] == fp32[1], "matmul-dtype", lambda: f"stationary {stationary.dtype} with moving {moving.dtype}")
     bank = _run().core.psum_bank_bytes
-    low, high = dst._byte_range()
-    require(low // bank == (high - 1) // bank, "psum-bank", lambda: f"dst {dst.shape} spans PSUM bytes {low}..{high}")
+    low, high = dst._byte_range()  # PSUM storages start at a bank boundary
+    require(low // bank == (high - 1) // bank, "psum-bank",
+            lambda: f"dst {dst.shape} spans bytes {low}..{high} of its PSUM tensor")
 
     written = dst._view_of(dst._storage.matmul_written)
     if accumulate is None:

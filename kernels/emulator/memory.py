@@ -1,15 +1,20 @@
-"""Where tensors live: memory regions, storages, and the SBUF/PSUM allocators that enforce capacity.
+"""Where tensors live: memory regions, storages, and the SBUF/PSUM memories that enforce capacity by liveness.
 
-A storage's on-chip bytes stay allocated while the kernel holds a Python reference to any view of it; the
-storage is released when the last view goes (CPython reference counting makes this deterministic). So a
-tile allocated inside a loop body is double-buffered — the next iteration's tile is allocated before the
-previous one is dropped — much as the NKI compiler rotates buffers for loop-local tiles.
+An on-chip storage holds its bytes from its allocation (nl.ndarray) to the last instruction that touches
+it, as the Neuron compiler allocates by liveness: a tile is free after its last use, whether or not the
+kernel's Python code still holds a reference to it. So a list of tiles rebuilt in every iteration of a
+loop costs one list, not two. Capacity is checked when the kernel returns, against the largest total of
+storages live at one instruction, and addresses are assigned then.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
 from enum import Enum
 from math import prod
 
@@ -38,13 +43,11 @@ _storage_ids = itertools.count(1)
 class Storage:
     """The memory behind one allocation: its region, logical shape, dtype and (unless trace-only) data.
 
-    `data` is a flat NumPy array, or None when the emulator only traces. On-chip storages have an
-    `address` (bytes from the start of each partition) given by their allocator; PSUM storages also
-    remember, per element, whether an nc_matmul wrote it (for the accumulate rules).
+    `data` is a flat NumPy array, or None when the emulator only traces. PSUM storages also remember, per
+    element, whether an nc_matmul wrote it (for the accumulate rules).
     """
 
-    __slots__ = ("id", "buffer", "on_chip", "shape", "partition_elements", "dtype", "data", "address",
-                 "matmul_written", "_release")
+    __slots__ = ("id", "buffer", "on_chip", "shape", "partition_elements", "dtype", "data", "matmul_written")
 
     def __init__(self, buffer: MemoryRegion, shape: tuple[int, ...], dtype, data: np.ndarray | None):
         self.id = next(_storage_ids)
@@ -54,21 +57,27 @@ class Storage:
         self.partition_elements = prod(shape[1:])  # elements per partition (on-chip) or per row (HBM)
         self.dtype = dtypes.as_dtype(dtype)
         self.data = data
-        self.address = 0
         self.matmul_written = np.zeros(prod(shape), np.bool_) if buffer is MemoryRegion.psum else None
-        self._release = None
-
-    def __del__(self):
-        if self._release is not None:
-            self._release(self.id)
 
 
-class OnChipAllocator:
-    """Places the storages of one on-chip memory and fails a kernel that needs more than the capacity.
+@dataclass
+class Lifetime:
+    """One storage's bytes per partition and the trace indices between which they are held."""
+
+    size: int
+    first: int  # index of the next instruction when the storage was allocated
+    last: int  # index of the last instruction that touched it (its allocation point if none did)
+    describe: str  # "(128, 512) bfloat16 from fused_mlp.py:88", for a capacity refusal
+    address: int = 0
+
+
+class OnChipMemory:
+    """SBUF or PSUM of one kernel launch: the lifetimes of its storages, checked and placed at the end.
 
     Capacity is counted in bytes per partition (every on-chip tensor occupies the same free range on each
-    of its partitions). Addresses, aligned to `granule` bytes (a PSUM bank for PSUM, whose allocations
-    start at a bank boundary: nki/migration/index.rst), feed the cost model's tracking of which
+    of its partitions). `place` replays the lifetimes in allocation order, freeing each storage after its
+    last use, and hands out addresses aligned to `granule` bytes (a PSUM bank for PSUM, whose allocations
+    start at a bank boundary: nki/migration/index.rst). Addresses feed the cost model's tracking of which
     instructions touch the same bytes. They are handed out next-fit — onward from the last allocation,
     wrapping around the partition — so freed space is reused as late as possible, the way a compiler
     rotates loop-local buffers through free SBUF: a next block's loads can then overlap the current
@@ -80,36 +89,64 @@ class OnChipAllocator:
         self.capacity = capacity
         self.granule = granule
         self.rule = rule
-        self.in_use = 0
+        self.lifetimes: dict[int, Lifetime] = {}  # storage id -> lifetime, in allocation order
         self.peak = 0
+
+    def allocate(self, storage: Storage, now: int) -> None:
+        size = max(self.granule, -(-storage.partition_elements * storage.dtype.itemsize // self.granule) * self.granule)
+        describe = f"{storage.shape} {storage.dtype} from {_kernel_line()}"
+        require(size <= self.capacity, self.rule,
+                lambda: f"one tensor {describe} needs {size} B per partition, over the {self.capacity} B of {self.memory}")
+        self.lifetimes[storage.id] = Lifetime(size, now, now, describe)
+
+    def touch(self, storage_id: int, now: int) -> None:
+        self.lifetimes[storage_id].last = now
+
+    def address(self, storage_id: int) -> int:
+        return self.lifetimes[storage_id].address
+
+    def place(self, instruction_names: list[str]) -> None:
+        """Check that what is live at once fits, then give every storage its address (see the class)."""
+        live: list[Lifetime] = []
+        blocks = _Blocks(self.capacity)
+        peak_at, peak_live = 0, []
+        for lifetime in self.lifetimes.values():
+            for ended in [held for held in live if held.last < lifetime.first]:
+                live.remove(ended)
+                blocks.free(ended.address)
+            lifetime.address = blocks.take(lifetime.size)
+            live.append(lifetime)
+            if blocks.in_use > self.peak:
+                self.peak, peak_at, peak_live = blocks.in_use, lifetime.first, list(live)
+        require(self.peak <= self.capacity, self.rule, lambda: self._overflow(peak_at, peak_live, instruction_names))
+
+    def _overflow(self, at: int, live: list[Lifetime], instruction_names: list[str]) -> str:
+        where = f"instruction {at} ({instruction_names[at]})" if at < len(instruction_names) else "the kernel's end"
+        tiles = Counter(lifetime.describe for lifetime in live)
+        listed = "; ".join(f"{count} x {describe}" for describe, count in tiles.most_common())
+        return (f"{self.peak} B per partition are live at {where}, over the {self.capacity} B of {self.memory}: "
+                f"{listed}")
+
+
+class _Blocks:
+    """Next-fit placement of blocks within one partition's bytes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_use = 0
         self._starts: list[int] = []  # sorted addresses of live blocks
         self._sizes: dict[int, int] = {}  # address -> size
-        self._by_storage: dict[int, int] = {}  # storage id -> address
-        self._cursor = 0  # end of the last allocation: where next-fit looks first
-        self.closed = False
+        self._cursor = 0  # end of the last block taken: where next-fit looks first
 
-    def allocate(self, storage: Storage) -> None:
-        size = max(self.granule, -(-storage.partition_elements * storage.dtype.itemsize // self.granule) * self.granule)
-        require(
-            self.in_use + size <= self.capacity,
-            self.rule,
-            lambda: f"allocating {storage.shape} {storage.dtype} needs {size} B per partition with "
-            f"{self.in_use} B already in use, over the {self.capacity} B of {self.memory}",
-        )
+    def take(self, size: int) -> int:
         address = self._next_fit(size)
         self._cursor = address + size
         bisect.insort(self._starts, address)
         self._sizes[address] = size
-        self._by_storage[storage.id] = address
         self.in_use += size
-        self.peak = max(self.peak, self.in_use)
-        storage.address = address
-        storage._release = self.release
+        return address
 
-    def release(self, storage_id: int) -> None:
-        if self.closed:
-            return
-        address = self._by_storage.pop(storage_id)
+    def free(self, address: int) -> None:
         self._starts.remove(address)
         self.in_use -= self._sizes.pop(address)
 
@@ -128,3 +165,16 @@ class OnChipAllocator:
             if candidate + size <= self.capacity:
                 return candidate
         return max([self.capacity] + [start + self._sizes[start] for start in self._starts])
+
+
+_EMULATOR_DIR = os.path.dirname(__file__)
+
+
+def _kernel_line() -> str:
+    """file:line of the kernel code that allocated, the first frame outside the emulator."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _EMULATOR_DIR:
+        frame = frame.f_back
+    if frame is None:
+        return "the emulator"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from onnx_nmm.kernels.emulator import dtypes
-from onnx_nmm.kernels.emulator.memory import MemoryRegion, OnChipAllocator, Storage
+from onnx_nmm.kernels.emulator.memory import MemoryRegion, OnChipMemory, Storage
 from onnx_nmm.kernels.emulator.trace import Instruction, KernelTrace
 from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
 
@@ -28,7 +28,7 @@ class Emulation:
 
 
 class KernelRun:
-    """One kernel launch: its allocators and the instructions it issued."""
+    """One kernel launch: its on-chip memories and the instructions it issued."""
 
     def __init__(self, emulation: Emulation, kernel: str):
         core = emulation.core
@@ -36,33 +36,46 @@ class KernelRun:
         self.core = core
         self.trace_only = emulation.trace_only
         self.trace = KernelTrace(kernel=kernel, target=core.name)
-        self.sbuf = OnChipAllocator("SBUF", core.sbuf_partition_bytes, 4, "sbuf-capacity")
-        self.psum = OnChipAllocator("PSUM", core.psum_partition_bytes, core.psum_bank_bytes, "psum-capacity")
+        self.memories = {
+            MemoryRegion.sbuf: OnChipMemory("SBUF", core.sbuf_partition_bytes, 4, "sbuf-capacity"),
+            MemoryRegion.psum: OnChipMemory("PSUM", core.psum_partition_bytes, core.psum_bank_bytes, "psum-capacity"),
+        }
 
     def new_storage(self, buffer: MemoryRegion, shape: tuple[int, ...], dtype, data=None) -> Storage:
         dtype = dtypes.as_dtype(dtype)
         if data is None and not self.trace_only:
             data = np.full(int(np.prod(shape)), dtypes.sentinel(dtype), dtype)
         storage = Storage(buffer, shape, dtype, data)
-        if buffer is MemoryRegion.sbuf:
-            self.sbuf.allocate(storage)
-        elif buffer is MemoryRegion.psum:
-            self.psum.allocate(storage)
+        if buffer.on_chip:
+            self.memories[buffer].allocate(storage, len(self.trace.instructions))
         return storage
+
+    def touch(self, storage: Storage) -> None:
+        """The instruction about to be recorded accesses this on-chip storage."""
+        self.memories[storage.buffer].touch(storage.id, len(self.trace.instructions))
 
     def record(self, instruction: Instruction) -> None:
         self.trace.instructions.append(instruction)
 
     def finish(self) -> KernelTrace:
-        self.trace.sbuf_peak_bytes = self.sbuf.peak
-        self.trace.psum_peak_bytes = self.psum.peak
-        self.close()
+        """Check and place the on-chip memories by liveness, and give the trace its byte addresses."""
+        instructions = self.trace.instructions
+        for memory in self.memories.values():
+            memory.place([ins.op for ins in instructions])
+        for ins in instructions:
+            ins.reads = tuple(map(self._placed, ins.reads))
+            ins.writes = tuple(map(self._placed, ins.writes))
+        self.trace.sbuf_peak_bytes = self.memories[MemoryRegion.sbuf].peak
+        self.trace.psum_peak_bytes = self.memories[MemoryRegion.psum].peak
         self.emulation.traces.append(self.trace)
         return self.trace
 
-    def close(self) -> None:
-        """Stop tracking allocations: views that outlive the launch (in a traceback, say) free nothing."""
-        self.sbuf.closed = self.psum.closed = True
+    def _placed(self, access: tuple) -> tuple:
+        space, key, low, high = access
+        if space == "hbm":
+            return access
+        address = self.memories[MemoryRegion(space)].address(key)
+        return (space, 0, address + low, address + high)
 
 
 _emulations: list[Emulation] = []
@@ -103,10 +116,6 @@ def kernel_run(kernel: str):
     _running.append(run)
     try:
         yield run
-    except BaseException:
-        run.close()
-        raise
-    else:
         run.finish()
     finally:
         _running.pop()

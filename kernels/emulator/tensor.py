@@ -180,7 +180,7 @@ class NkiTensor:
         self._array()[...] = np.asarray(values).reshape(self.shape).astype(self.dtype)
 
     def _byte_range(self) -> tuple[int, int]:
-        """[lo, hi) bytes the view touches: within a partition for on-chip views, within the storage for HBM."""
+        """[lo, hi) bytes of the storage the view touches (within one partition for on-chip views)."""
         storage = self._storage
         low = high = 0
         for d in range(1 if storage.on_chip else 0, len(self.shape)):
@@ -189,12 +189,8 @@ class NkiTensor:
                 low += reach
             else:
                 high += reach
-        itemsize = storage.dtype.itemsize
-        if storage.on_chip:
-            base, start = storage.address, self.offset % storage.partition_elements
-        else:
-            base, start = 0, self.offset
-        return base + (start + low) * itemsize, base + (start + high + 1) * itemsize
+        start = self.offset % storage.partition_elements if storage.on_chip else self.offset
+        return (start + low) * storage.dtype.itemsize, (start + high + 1) * storage.dtype.itemsize
 
     def _contiguous_elements(self) -> int:
         """Length of the innermost run of consecutive elements (within one partition for on-chip views)."""

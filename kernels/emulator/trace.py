@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 # Engines of a NeuronCore: TensorE, ScalarE (activation), VectorE, GpSimdE, and the DMA engines.
 ENGINES = ("pe", "act", "dve", "pool", "dma")
 
-# An access: (address space, storage key, first byte, end byte). On-chip spaces ("sbuf", "psum") use the
-# byte address within a partition and key 0; "hbm" uses the storage id and bytes within that tensor.
+# An access: (address space, storage key, first byte, end byte). "hbm" uses the storage id and bytes within
+# that tensor. On-chip spaces ("sbuf", "psum") do the same while the kernel runs; when it returns, the
+# emulator places its storages and rewrites them to key 0 and byte addresses within a partition.
 Access = tuple
 
 

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--target", choices=("trn1", "trn2", "both"), default="both", help="default: both")
     parser.add_argument("--out", type=Path, default=Path("out/bench-kernels"),
-                        help="directory for bench-kernels.md, .json and .png (default: out/bench-kernels)")
+                        help="directory for bench-kernels.md, .json, .png and -roofline.png (default: out/bench-kernels)")
     parser.add_argument("--tokens", default=",".join(map(str, benchmark.TOKENS)),
                         help="comma-separated token counts, 1 to 8192 (default: %(default)s)")
     parser.add_argument("--models", default="all",
@@ -49,12 +49,13 @@ def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(args.out / "bench-kernels.md", benchmark.markdown(rows, command, args.dtype))
     _common.write_json(args.out / "bench-kernels.json", benchmark.to_json(rows, command, args.dtype))
-    _write_plot(rows, args.out / "bench-kernels.png", args.dtype)
+    _write_plot(benchmark.plot, rows, args.out / "bench-kernels.png", args.dtype)
+    _write_plot(benchmark.plot_roofline, rows, args.out / "bench-kernels-roofline.png", args.dtype)
 
     _print_table(rows, args.dtype)
     for line in benchmark.summary_lines(benchmark.summarize(rows)):
         _common.stdout.print(line)
-    _common.stderr.print(f"wrote {args.out}/bench-kernels.md, .json and .png")
+    _common.stderr.print(f"wrote {args.out}/bench-kernels.md, .json, .png and -roofline.png")
     return 0
 
 
@@ -86,7 +87,7 @@ def _models(text: str) -> tuple[benchmark.MlpShape, ...]:
     return tuple(known[name] for name in names)
 
 
-def _write_plot(rows, path: Path, dtype: str) -> None:
+def _write_plot(plot, rows, path: Path, dtype: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -94,7 +95,7 @@ def _write_plot(rows, path: Path, dtype: str) -> None:
         return
     handle, staged = tempfile.mkstemp(dir=path.parent, prefix=".onnx-nmm-", suffix=".png")
     os.close(handle)
-    benchmark.plot(rows, staged, dtype)
+    plot(rows, staged, dtype)
     make_public(staged)
     Path(staged).replace(path)
 

@@ -1,4 +1,4 @@
-"""What the emulator computes and tracks: fresh memory, bf16 rounding, PSUM accumulation, views, SBUF use."""
+"""What the emulator computes and tracks: fresh memory, bf16 rounding, PSUM accumulation, views."""
 
 import ml_dtypes
 import numpy as np
@@ -129,20 +129,6 @@ def test_an_on_chip_integer_index_keeps_the_partition_dimension():
 
     kernel()
     assert seen == {"row": (1, 4, 8), "column": (128, 8)}
-
-
-def test_a_tile_allocated_in_a_loop_is_double_buffered():
-    """The next iteration's tile is allocated before the previous one is dropped: two live at once."""
-
-    @jit
-    def kernel():
-        for _ in range(4):
-            tile = nl.ndarray((128, 1024), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(tile, 0.0)
-
-    with emulation("trn1") as session:
-        kernel()
-    assert session.traces[0].sbuf_peak_bytes == 2 * 1024 * 4
 
 
 def test_trace_only_mode_traces_the_same_instructions_without_data():

@@ -1,5 +1,7 @@
 """The cost model: per-instruction costs from AWS's numbers, overlap of engines, and the calibration anchor."""
 
+import dataclasses
+
 import pytest
 
 from onnx_nmm.kernels import dense_matmul_lhsT, estimate, lowrank_unfused
@@ -71,6 +73,35 @@ def test_the_dma_efficiency_curve_follows_the_published_figure():
     assert dma_efficiency(32768) == dma_efficiency(1 << 20) == 1.0
     sizes = [2**k for k in range(2, 16)]  # rising up to the 32 KiB plateau
     assert all(dma_efficiency(a) < dma_efficiency(b) for a, b in zip(sizes, sizes[1:]))
+
+
+def test_the_candidate_descriptor_overhead_replaces_the_curve():
+    core = dataclasses.replace(TRN1, dma_descriptor_overhead_s=25e-9)
+    moving = 2048 / TRN1.dma_engine_bytes_per_s
+    assert dma_efficiency(2048, core) == pytest.approx(moving / (moving + 25e-9))
+    assert dma_efficiency(2048, TRN1) == dma_efficiency(2048)
+
+
+def test_transfers_of_one_tensor_start_an_issue_interval_apart():
+    """The candidate model's DMA queues, one per HBM tensor: 64 small loads of one tensor take 64 issue intervals; the same loads
+    spread over two tensors take half as long."""
+
+    def loads(tensors):
+        @jit
+        def kernel(*sources):
+            for j in range(64):
+                tile = nl.ndarray((128, 64), dtype=nl.bfloat16, buffer=nl.sbuf)
+                nisa.dma_copy(dst=tile, src=sources[j % tensors][:, (j // tensors) * 64:(j // tensors + 1) * 64])
+
+        return kernel
+
+    core = dataclasses.replace(TRN1, dma_issue_interval_s=1.3e-6, dma_descriptor_overhead_s=25e-9)
+    one = cost(loads(1), Placeholder((128, 4096), "bfloat16"), target=core)
+    two = cost(loads(2), Placeholder((128, 4096), "bfloat16"), Placeholder((128, 4096), "bfloat16"), target=core)
+    assert one.total_s == pytest.approx(63 * 1.3e-6 + TRN1.dma_fixed_latency_s, rel=0.02)
+    assert two.total_s == pytest.approx(31 * 1.3e-6 + TRN1.dma_fixed_latency_s, rel=0.04)
+    without_interval = dataclasses.replace(core, dma_issue_interval_s=0.0)  # TRN1's default
+    assert cost(loads(1), Placeholder((128, 4096), "bfloat16"), target=without_interval).total_s < 0.3 * one.total_s
 
 
 @pytest.mark.parametrize("dependent", [False, True])
