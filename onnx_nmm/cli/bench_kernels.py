@@ -1,7 +1,10 @@
-"""`onnx-nmm bench-kernels`: modelled Trainium time of the NKI kernels on LLM MLP shapes (no device needed)."""
+"""`onnx-nmm bench-kernels`: modelled Trainium time of the NKI kernels on LLM MLP shapes (no device needed);
+with --device, the same launches run, checked and timed on a Trainium device beside their modelled time; with
+--fit, the cost model's main parameters re-estimated from such a run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import tempfile
@@ -11,9 +14,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from onnx_nmm.cli import _common
-from onnx_nmm import OptionError
+from onnx_nmm import NeuronSdkMissing, OptionError
 from onnx_nmm.model_io import make_public, write_text_atomically
-from onnx_nmm.kernels import benchmark
+from onnx_nmm.kernels import USING_EMULATOR, benchmark, device, device_fit
+
+DEFAULT_OUT = Path("out/bench-kernels")
 
 
 def register(subparsers) -> None:
@@ -24,18 +29,40 @@ def register(subparsers) -> None:
         "with AWS's published engine numbers. Every number it prints is modelled, not measured.",
     )
     parser.add_argument("--target", choices=("trn1", "trn2", "both"), default="both", help="default: both")
-    parser.add_argument("--out", type=Path, default=Path("out/bench-kernels"),
-                        help="directory for bench-kernels.md, .json, .png and -roofline.png (default: out/bench-kernels)")
+    parser.add_argument("--out", type=Path,
+                        help=f"directory for bench-kernels.md, .json, .png and -roofline.png, or -device.json with "
+                             f"--device (default: {DEFAULT_OUT}); with --fit, for fit.json (default: beside FILE)")
     parser.add_argument("--tokens", default=",".join(map(str, benchmark.TOKENS)),
                         help="comma-separated token counts, 1 to 8192 (default: %(default)s)")
     parser.add_argument("--models", default="all",
                         help="comma-separated model names, or 'all': " + ", ".join(m.model for m in benchmark.MODELS))
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the kernels' input and weight dtype (default bfloat16, as on Trainium)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--device", nargs="?", const="neuron", choices=("neuron", "emulator"),
+                      help="run every distinct kernel launch of the grid on this machine's Trainium device (one "
+                           "--target) with random inputs, check each result against NumPy and time it: writes "
+                           "bench-kernels-device.json, measured beside modelled. Needs AWS's Neuron SDK, run with "
+                           "ONNX_NMM_NKI=emulator (the launches are modelled here and run in a child process). "
+                           "'--device emulator' is a stand-in for tests: the emulator computes and its "
+                           "'measured' times are modelled")
+    mode.add_argument("--fit", type=Path, metavar="FILE",
+                      help="re-estimate the cost model's TensorE, DMA, ScalarE and VectorE parameters from a "
+                           "bench-kernels-device.json; writes fit.json")
+    parser.add_argument("--samples", type=int, default=20, metavar="N",
+                        help="timed executions per launch with --device (default: %(default)s)")
+    parser.add_argument("--nrtpy-python", metavar="PATH",
+                        help="with --device: time with nrtpy's NrtpyModel.benchmark in this Python (nrtpy cannot "
+                             "share an environment with nki); default: neuron-explorer capture")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    if args.fit:
+        return _fit(args)
+    if args.device:
+        return _on_device(args)
+    args.out = args.out or DEFAULT_OUT
     targets = benchmark.TARGETS if args.target == "both" else (args.target,)
     tokens = _tokens(args.tokens)
     models = _models(args.models)
@@ -59,10 +86,68 @@ def run(args) -> int:
     return 0
 
 
+def _on_device(args) -> int:
+    """--device: run, check and time every launch of the grid on the device; modelled beside measured."""
+    if args.device == "neuron" and (missing := device.missing_neuron()):
+        raise NeuronSdkMissing(f"bench-kernels --device needs AWS's Neuron SDK and a Trainium device: pip install "
+                               f"neuronx-cc nki --extra-index-url {device.NEURON_INDEX} ({missing})")
+    if args.target == "both":
+        raise OptionError("--device runs on this machine's device: give --target trn1 or trn2, its generation")
+    _require_emulator_kernels()
+    tokens, models = _tokens(args.tokens), _models(args.models)
+    args.out = args.out or DEFAULT_OUT
+    if args.device == "emulator":
+        chosen = device.EmulatedDevice(args.target)
+    else:
+        chosen = device.NeuronDevice(args.target, args.samples, args.nrtpy_python)
+    launches = device.grid_launches(models, tokens, args.target, args.dtype)
+    with Progress(console=_common.stderr, transient=True) as progress:
+        task = progress.add_task(f"running launches on {chosen.description}", total=len(launches))
+        report = device.bench_on_device(chosen, launches, on_launch=lambda result: progress.advance(task))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    _common.write_json(args.out / "bench-kernels-device.json", {"command": _command(args), **report})
+    _print_device_table(report)
+    _common.stderr.print(f"wrote {args.out}/bench-kernels-device.json")
+    failed = sum(not result["ok"] for result in report["launches"])
+    if failed:
+        _common.stderr.print(f"{failed} of {len(launches)} launches gave a wrong result (ok: false in the JSON)")
+    return 1 if failed else 0
+
+
+def _fit(args) -> int:
+    """--fit FILE: the cost-model factors that best explain a device report's times."""
+    try:
+        report = json.loads(args.fit.read_text())
+    except (OSError, ValueError) as error:
+        raise OptionError(f"--fit {args.fit}: cannot read it as JSON ({error})") from None
+    _require_emulator_kernels()
+    try:
+        fit = device_fit.fit_report(report)
+    except (KeyError, TypeError, ValueError) as error:
+        raise OptionError(f"--fit {args.fit}: not a usable bench-kernels-device.json ({error})") from None
+    out = args.out or args.fit.parent
+    out.mkdir(parents=True, exist_ok=True)
+    result = fit.to_json()
+    _common.write_json(out / "fit.json", result)
+    _print_fit(result)
+    _common.stderr.print(f"wrote {out}/fit.json")
+    return 0
+
+
+def _require_emulator_kernels() -> None:
+    if not USING_EMULATOR:
+        raise OptionError("set ONNX_NMM_NKI=emulator: bench-kernels models the kernels on the NKI emulator "
+                          "(with --device each launch still runs on the device, in a child process)")
+
+
 def _command(args) -> str:
     """The command line that reproduces this run, recorded with the results."""
     options = [("--target", args.target), ("--tokens", args.tokens), ("--models", args.models),
                ("--dtype", args.dtype), ("--out", str(args.out))]
+    if args.device:
+        options += [("--device", args.device), ("--samples", str(args.samples))]
+        options += [("--nrtpy-python", args.nrtpy_python)] if args.nrtpy_python else []
     return "onnx-nmm bench-kernels " + " ".join(f"{name} {shlex.quote(value)}" for name, value in options)
 
 
@@ -113,3 +198,42 @@ def _print_table(rows, dtype: str) -> None:
             f"{row.shape.parameter_ratio:.2f}×",
         )
     _common.stdout.print(table)
+
+
+def _print_device_table(report: dict) -> None:
+    table = Table(title=f"Kernel launches on {report['device']}: measured (p50) vs modelled")
+    for column in ("target", "kernel", "input shapes", "modelled µs", "measured µs", "p99 µs", "ratio",
+                   "max error", "ok"):
+        table.add_column(column, justify="left" if column in ("target", "kernel", "input shapes") else "right")
+    for result in report["launches"]:
+        measured = result["measured_us"]
+        table.add_row(
+            result["target"], result["kernel"], " ".join("×".join(map(str, shape)) for shape in result["shapes"]),
+            f"{result['modelled_us']:,.2f}", f"{measured['p50']:,.2f}", f"{measured['p99']:,.2f}",
+            f"{measured['p50'] / result['modelled_us']:.2f}×", f"{result['max_error']:.2e}",
+            "yes" if result["ok"] else "[red]NO[/red]",
+        )
+    _common.stdout.print(table)
+
+
+def _print_fit(result: dict) -> None:
+    table = Table(title="Cost-model parameters fitted to the measured times")
+    for column in ("parameter", "documented", "fitted", "factor"):
+        table.add_column(column, justify="left" if column == "parameter" else "right")
+    for name, values in result["parameters"].items():
+        table.add_row(name, ", ".join(f"{t} {v:.4g}" for t, v in values["documented"].items()),
+                      ", ".join(f"{t} {v:.4g}" for t, v in values["fitted"].items()), f"{values['factor']:.3f}×")
+    _common.stdout.print(table)
+    launches = Table(title="Per launch: measured / modelled")
+    for column in ("target", "kernel", "input shapes", "before", "after"):
+        launches.add_column(column, justify="left" if column in ("target", "kernel", "input shapes") else "right")
+    for launch in result["launches"]:
+        ratio = launch["measured_over_modelled"]
+        launches.add_row(launch["target"], launch["kernel"], " ".join("×".join(map(str, s)) for s in launch["shapes"]),
+                         f"{ratio['before']:.3f}", f"{ratio['after']:.3f}")
+    _common.stdout.print(launches)
+    residual = result["median_abs_log_residual"]
+    _common.stdout.print(f"median |log(measured/modelled)|: {residual['before']:.3f} with the documented parameters, "
+                         f"{residual['after']:.3f} fitted, over {len(result['launches'])} launches.")
+    _common.stdout.print("The fit is only as good as the grid it saw: a parameter its launches barely exercise "
+                         "stays near 1.")
