@@ -52,7 +52,6 @@ VARIANTS = ("dense", "unfused", "fused_xuv", "fused_mlp")
 PROJECTIONS = ("gate", "up", "down")
 XUV_BAR = 1.35  # NeuronMM's kernel-level average speed-up
 ROOFLINE_GOAL = 1.25  # fused XUV and fused MLP within this factor of their roofline at every grid point
-FUSED = ("fused_xuv", "fused_mlp")
 
 
 def dense_mlp(x, wg, wu, wd):

@@ -141,17 +141,18 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
     pe_ideal = sum(
         ins.flops / (core.pe_bf16_flops / (core.pe_fp32_factor if ins.fp32 else 1)) for ins in instructions if ins.flops
     )
-    hbm_bytes = sum(ins.hbm_read + ins.hbm_write for ins in instructions)
+    hbm_read = sum(ins.hbm_read for ins in instructions)
+    hbm_write = sum(ins.hbm_write for ins in instructions)
     return KernelCost(
         target=core.name,
         kernels=[trace.kernel],
         total_s=finish,
         busy_s=busy,
-        hbm_read_bytes=sum(ins.hbm_read for ins in instructions),
-        hbm_write_bytes=sum(ins.hbm_write for ins in instructions),
+        hbm_read_bytes=hbm_read,
+        hbm_write_bytes=hbm_write,
         flops=sum(ins.flops for ins in instructions),
         pe_ideal_s=pe_ideal,
-        roofline_s=max(hbm_bytes / core.memory_bytes_per_s, pe_ideal),
+        roofline_s=max((hbm_read + hbm_write) / core.memory_bytes_per_s, pe_ideal),
         sbuf_peak_bytes=trace.sbuf_peak_bytes,
         psum_peak_bytes=trace.psum_peak_bytes,
         instructions=len(instructions),

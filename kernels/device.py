@@ -1,7 +1,7 @@
 """Run the benchmark's kernel launches on a device, check their results, and time them.
 
 A launch is one kernel on inputs of given shapes (benchmark.PROGRAMS launch each distinct one once or more
-per MLP; the grid's launches are recorded as the programs call them, then deduplicated). Each launch gets
+per MLP; the grid's launches are read off the programs' traces, then deduplicated). Each launch gets
 random inputs (fixed seed; activations N(0, 1), weights N(0, 1)/sqrt(fan_in)), its output is compared with a
 float64 NumPy reference, and its time on the device is set beside the cost model's (trace-only emulation).
 
@@ -39,7 +39,7 @@ import numpy as np
 from onnx_nmm.kernels.benchmark import PROGRAMS, MlpShape, mlp_shapes
 from onnx_nmm.kernels.cost_model import model_traces
 from onnx_nmm.kernels.dense_matmul import dense_matmul
-from onnx_nmm.kernels.emulator import Kernel, Placeholder, emulation
+from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator.dtypes import as_dtype
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
@@ -90,27 +90,10 @@ def grid_launches(models: tuple[MlpShape, ...], tokens: tuple[int, ...], target:
     for shape in models:
         for count in tokens:
             for variant, program in PROGRAMS.items():
-                with _recorded_launches() as recorded, emulation(target, trace_only=True):
+                with emulation(target, trace_only=True) as session:
                     program(*(Placeholder(s, dtype) for s in mlp_shapes(shape, count, variant)))
-                launches += [Launch(kernel, shapes, dtype, target) for kernel, shapes in recorded]
+                launches += [Launch(t.kernel, t.input_shapes, dtype, target) for t in session.traces]
     return list(dict.fromkeys(launches))
-
-
-@contextlib.contextmanager
-def _recorded_launches():
-    """Record the kernel and input shapes of each @nki.jit call: the emulator's traces keep no shapes."""
-    recorded = []
-    call = Kernel.__call__
-
-    def recording(kernel, *args, **kwargs):
-        recorded.append((kernel.__name__, tuple(tuple(arg.shape) for arg in args)))
-        return call(kernel, *args, **kwargs)
-
-    Kernel.__call__ = recording
-    try:
-        yield recorded
-    finally:
-        Kernel.__call__ = call
 
 
 def random_inputs(launch: Launch, seed: int = 0) -> list[np.ndarray]:

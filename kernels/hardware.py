@@ -168,8 +168,8 @@ def dma_efficiency(contiguous_bytes: float, core: NeuronCore | None = None) -> f
     """Fraction of peak DMA bandwidth reached when each descriptor moves `contiguous_bytes` bytes.
 
     With a core whose dma_descriptor_overhead_s is set: the bytes' time at the engine's rate over that time
-    plus the overhead. Otherwise interpolated in log2(bytes) between the readings of DMA_EFFICIENCY_CURVE; proportional to the size
-    below the first reading (the overhead-bound regime) and 1 above the plateau.
+    plus the overhead. Otherwise interpolated in log2(bytes) between the readings of DMA_EFFICIENCY_CURVE;
+    proportional to the size below the first reading (the overhead-bound regime) and 1 above the plateau.
     """
     if core is not None and core.dma_descriptor_overhead_s is not None:
         moving = contiguous_bytes / core.dma_engine_bytes_per_s

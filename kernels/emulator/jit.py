@@ -52,6 +52,7 @@ class Kernel:
         # Thousands of small matmuls: BLAS threads only spin between them (5-10x slower on a busy machine).
         with session.kernel_run(self.function.__name__) as run, threadpool_limits(1, "blas"):
             args = [_to_hbm(run, value) for value in args]
+            run.trace.input_shapes = tuple(arg.shape for arg in args if isinstance(arg, NkiTensor))
             kwargs = {name: _to_hbm(run, value) for name, value in kwargs.items()}
             return _from_hbm(run, self.function(*args, **kwargs))
 

@@ -105,7 +105,7 @@ class OnChipMemory:
     def address(self, storage_id: int) -> int:
         return self.lifetimes[storage_id].address
 
-    def place(self, instruction_names: list[str]) -> None:
+    def place(self, instructions: list) -> None:
         """Check that what is live at once fits, then give every storage its address (see the class)."""
         live: list[Lifetime] = []
         blocks = _Blocks(self.capacity)
@@ -118,10 +118,10 @@ class OnChipMemory:
             live.append(lifetime)
             if blocks.in_use > self.peak:
                 self.peak, peak_at, peak_live = blocks.in_use, lifetime.first, list(live)
-        require(self.peak <= self.capacity, self.rule, lambda: self._overflow(peak_at, peak_live, instruction_names))
+        require(self.peak <= self.capacity, self.rule, lambda: self._overflow(peak_at, peak_live, instructions))
 
-    def _overflow(self, at: int, live: list[Lifetime], instruction_names: list[str]) -> str:
-        where = f"instruction {at} ({instruction_names[at]})" if at < len(instruction_names) else "the kernel's end"
+    def _overflow(self, at: int, live: list[Lifetime], instructions: list) -> str:
+        where = f"instruction {at} ({instructions[at].op})" if at < len(instructions) else "the kernel's end"
         tiles = Counter(lifetime.describe for lifetime in live)
         listed = "; ".join(f"{count} x {describe}" for describe, count in tiles.most_common())
         return (f"{self.peak} B per partition are live at {where}, over the {self.capacity} B of {self.memory}: "

@@ -61,7 +61,7 @@ class KernelRun:
         """Check and place the on-chip memories by liveness, and give the trace its byte addresses."""
         instructions = self.trace.instructions
         for memory in self.memories.values():
-            memory.place([ins.op for ins in instructions])
+            memory.place(instructions)
         for ins in instructions:
             ins.reads = tuple(map(self._placed, ins.reads))
             ins.writes = tuple(map(self._placed, ins.writes))

@@ -42,6 +42,7 @@ class KernelTrace:
 
     kernel: str
     target: str
+    input_shapes: tuple[tuple[int, ...], ...] = ()  # of the tensors passed positionally
     instructions: list[Instruction] = field(default_factory=list)
     sbuf_peak_bytes: int = 0
     psum_peak_bytes: int = 0

@@ -208,7 +208,7 @@ def _print_device_table(report: dict) -> None:
     for result in report["launches"]:
         measured = result["measured_us"]
         table.add_row(
-            result["target"], result["kernel"], " ".join("×".join(map(str, shape)) for shape in result["shapes"]),
+            result["target"], result["kernel"], _shapes(result["shapes"]),
             f"{result['modelled_us']:,.2f}", f"{measured['p50']:,.2f}", f"{measured['p99']:,.2f}",
             f"{measured['p50'] / result['modelled_us']:.2f}×", f"{result['max_error']:.2e}",
             "yes" if result["ok"] else "[red]NO[/red]",
@@ -229,7 +229,7 @@ def _print_fit(result: dict) -> None:
         launches.add_column(column, justify="left" if column in ("target", "kernel", "input shapes") else "right")
     for launch in result["launches"]:
         ratio = launch["measured_over_modelled"]
-        launches.add_row(launch["target"], launch["kernel"], " ".join("×".join(map(str, s)) for s in launch["shapes"]),
+        launches.add_row(launch["target"], launch["kernel"], _shapes(launch["shapes"]),
                          f"{ratio['before']:.3f}", f"{ratio['after']:.3f}")
     _common.stdout.print(launches)
     residual = result["median_abs_log_residual"]
@@ -237,3 +237,8 @@ def _print_fit(result: dict) -> None:
                          f"{residual['after']:.3f} fitted, over {len(result['launches'])} launches.")
     _common.stdout.print("The fit is only as good as the grid it saw: a parameter its launches barely exercise "
                          "stays near 1.")
+
+
+def _shapes(shapes) -> str:
+    """A launch's input shapes as '64×256 256×128'."""
+    return " ".join("×".join(map(str, shape)) for shape in shapes)

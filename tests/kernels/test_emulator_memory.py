@@ -85,7 +85,7 @@ def test_a_tile_is_free_after_its_last_use_even_while_python_holds_it():
 
 def test_freed_bytes_are_reused_only_after_their_last_reader():
     """The cost model orders a load into reused bytes after the last instruction that read them."""
-    with emulation("trn1", trace_only=False) as session:
+    with emulation("trn1") as session:
         block_sums(blocks_of(15))
     trace = session.traces[0]
     schedule = []
