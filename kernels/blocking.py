@@ -146,15 +146,19 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
     if kernel == "fused_xuv":
         M, K, rank, N = shape
         return _estimate([
-            (count, [_project_work(tokens, K, (rank,), s, core, plan.k_tiles),
+            (count, [_project_work(tokens, K, (rank,), s, core, plan.k_tiles, _tiles(rank) * min(plan.n_block, N) * s),
                      _expand_work(tokens, rank, N, s, core, plan.n_block)])
             for tokens, count in _spans(M, plan.token_block)
         ], core)
     if kernel in MLP_KERNELS:
         M, H, intermediate, *ranks = shape  # (gate, up, down) or (fc1, fc2)
+        first_columns = PMAX * min(plan.i_tiles, intermediate // PMAX) if intermediate >= PMAX else intermediate
+        first_vd_block = _tiles(ranks[-1]) * min(plan.n_block, H) * s
+        prefetched = sum(_tiles(rank) for rank in ranks[:-1]) * first_columns * s + first_vd_block
         return _estimate([
-            (count, [_project_work(tokens, H, tuple(ranks[:-1]), s, core, plan.k_tiles),
-                     _act_down_work(tokens, intermediate, tuple(ranks), s, core, plan.i_tiles, plan.down_tiles),
+            (count, [_project_work(tokens, H, tuple(ranks[:-1]), s, core, plan.k_tiles, prefetched),
+                     _act_down_work(tokens, intermediate, tuple(ranks), s, core, plan.i_tiles, plan.down_tiles,
+                                    first_vd_block),
                      _expand_work(tokens, ranks[-1], H, s, core, plan.n_block)])
             for tokens, count in _spans(M, plan.token_block)
         ], core)
@@ -176,6 +180,8 @@ class _Work:
         self.busy = dict.fromkeys(ENGINES, 0.0)
         self.chain = 0.0
         self.hbm_read = self.hbm_write = 0
+        # DMAs per HBM tensor (each tensor's go through one queue, in order), loads and stores apart
+        self.loads, self.stores = Counter(), Counter()
         self.sbuf = 0
         self.steps = 1  # blocks the nest streams through, each loaded then computed
 
@@ -212,14 +218,16 @@ class _Work:
         producing, and the engines emptying PSUM then wait for TensorE."""
         self.chain += times * seconds
 
-    def load(self, times, nbytes, run_bytes):
-        """`times` DMAs of `nbytes` from HBM, in contiguous runs of `run_bytes`."""
+    def load(self, tensor, times, nbytes, run_bytes):
+        """`times` DMAs of `nbytes` from the HBM tensor named `tensor`, in contiguous runs of `run_bytes`."""
         self.busy["dma"] += times * dma_seconds(self.core, nbytes, run_bytes)
         self.hbm_read += times * nbytes
+        self.loads[tensor] += times
 
-    def store(self, times, nbytes, run_bytes):
+    def store(self, tensor, times, nbytes, run_bytes):
         self.busy["dma"] += times * dma_seconds(self.core, nbytes, run_bytes)
         self.hbm_write += times * nbytes
+        self.stores[tensor] += times
 
     @property
     def compute(self):
@@ -243,16 +251,26 @@ def _estimate(token_blocks, core):
         hbm_read_bytes=sum(count * work.hbm_read for count, nests in token_blocks for work in nests),
         hbm_write_bytes=sum(count * work.hbm_write for count, nests in token_blocks for work in nests),
         sbuf_bytes=max(work.sbuf for _, nests in token_blocks for work in nests),
-        total_s=2 * core.dma_fixed_latency_s + _overlapped_seconds(token_blocks),
+        total_s=2 * core.dma_fixed_latency_s + _overlapped_seconds(token_blocks, core.dma_issue_interval_s),
     )
 
 
-def _overlapped_seconds(token_blocks):
+def _overlapped_seconds(token_blocks, issue_interval):
     """Loads depend on nothing the kernel computes, so DMA runs ahead of compute, and the kernel takes its
     longest path that follows the DMA stream up to some nest, goes through that nest's pipeline, and follows
     the compute stream after it (a two-machine flow shop). Along repeats of one token block the longest path
-    keeps to the slower stream."""
-    dma = [sum(work.busy["dma"] for work in nests) for _, nests in token_blocks]
+    keeps to the slower stream.
+
+    Each HBM tensor's transfers start one issue interval apart, the tensors' queues side by side, and every
+    load can be issued from the start: a nest ends no earlier than its busiest tensor's loads so far allow,
+    nor than its stores one interval apart after the loads of the nests before it; a repeated token block
+    takes at least its loads' and its stores' intervals one after the other.
+    """
+    def issue(*counters):
+        return issue_interval * max(sum(counters, Counter()).values(), default=0)
+
+    dma = [max(sum(work.busy["dma"] for work in nests), issue(*(w.loads for w in nests)) + issue(*(w.stores for w in nests)))
+           for _, nests in token_blocks]
     compute = [sum(work.compute for work in nests) for _, nests in token_blocks]
     longest = 0.0
     for g, (count, nests) in enumerate(token_blocks):
@@ -260,9 +278,11 @@ def _overlapped_seconds(token_blocks):
         after = sum(n * seconds for (n, _), seconds in zip(token_blocks[g + 1 :], compute[g + 1 :]))
         repeats = (count - 1) * max(dma[g], compute[g])
         for k, work in enumerate(nests):
-            through = (sum(w.busy["dma"] for w in nests[:k]) + work.pipelined()
-                       + sum(w.compute for w in nests[k + 1 :]))
-            longest = max(longest, before + repeats + through + after)
+            later = sum(w.compute for w in nests[k + 1 :])
+            streamed = sum(w.busy["dma"] for w in nests[:k]) + work.pipelined()
+            issued = max(issue(*(w.loads for w in nests[:k])) + issue(work.stores),
+                         issue(*(w.loads for w in nests[: k + 1])) + work.compute / work.steps)
+            longest = max(longest, before + repeats + max(streamed, issued) + later + after)
     return longest
 
 
@@ -291,7 +311,7 @@ def _output_block(work, times, rows, cols, block_kinds, M, N, m_block, transpose
     s = work.s
     for (P, t, first, last), count in block_kinds.items():
         blocks = times * count
-        _load_interleaved_rows(work, blocks, P, t, cols, whole_rows=cols == N)
+        _load_interleaved_rows(work, "w", blocks, P, t, cols, whole_rows=cols == N)
         for m_rows, row_blocks in _spans(rows, m_block):
             _lhsT_block(work, blocks * row_blocks, m_rows, P, t, M, transposed_input)
             for mt, row_tiles in _spans(m_rows, TILE_M):
@@ -299,28 +319,29 @@ def _output_block(work, times, rows, cols, block_kinds, M, N, m_block, transpose
                 for nt, column_tiles in _spans(cols, TILE_N):
                     work.group(tiles * column_tiles, work.matmuls(t, nt), *work.evict(nt, first))
                 if last:
-                    work.store(tiles, mt * cols * s, cols * s)
+                    work.store("y", tiles, mt * cols * s, cols * s)
 
 
 def _lhsT_block(work, times, rows, P, t, M, transposed_input):
     """dense_matmul.lhsT_block: x^T loaded as it is, or transposed from x 128 tokens at a time."""
     if transposed_input:
-        _load_interleaved_rows(work, times, P, t, rows, whole_rows=rows == M)
+        _load_interleaved_rows(work, "x", times, P, t, rows, whole_rows=rows == M)
     else:
         _transposed_x(work, times, rows, P, t)
 
 
 # The fused kernels' loop nests are cached: plan_mlp prices thousands of candidates that share them.
 @lru_cache(maxsize=4096)
-def _project_work(tokens, K, ranks, s, core, k_tiles):
+def _project_work(tokens, K, ranks, s, core, k_tiles, prefetched):
     """strip_stages.project_tokens: per contraction block, x^T (transposed 128 tokens at a time) shared by
-    every U, then each U's block and its matmuls into the strip, in fp32 partial sums across blocks."""
+    every U, then each U's block and its matmuls into the strip, in fp32 partial sums across blocks; the
+    first blocks of the later stages' weights (`prefetched` bytes per partition) arrive meanwhile."""
     work = _Work(core, s)
     blocks = k_blocks(K, k_tiles)
     for (P, t, first, _), count in _kinds([(P, t) for _, P, t in blocks]).items():
         _transposed_x(work, count, tokens, P, t)
-        for rank in ranks:
-            _load_interleaved_rows(work, count, P, t, rank, whole_rows=True)
+        for u, rank in enumerate(ranks):
+            _load_interleaved_rows(work, f"u{u}", count, P, t, rank, whole_rows=True)
             _accumulate_strip(work, count, rank, t, tokens, first)
     work.steps = len(blocks) * (1 + len(ranks))
 
@@ -328,12 +349,12 @@ def _project_work(tokens, K, ranks, s, core, k_tiles):
     strips = sum(_tiles(rank) for rank in ranks) * tokens
     partials = strips * 4 if len(blocks) > 1 else 0
     x_tiles = 2 * t_max * tokens * s + 2 * t_max * PMAX * s  # x^T and the rows it is transposed from
-    work.sbuf = strips * s + partials + x_tiles + 2 * t_max * max(ranks) * s
+    work.sbuf = strips * s + partials + x_tiles + 2 * t_max * max(ranks) * s + prefetched
     return work
 
 
 @lru_cache(maxsize=4096)
-def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
+def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles, first_vd_block):
     """fused_mlp.act_down_strip after the strips: per block of I its actᵀ (gated when `ranks` are the gate's,
     up's and down's; with fc1's bias when they are fc1's and fc2's), then the down projection's stage 1 over
     the block's Ud sub-blocks, in fp32 partial sums across all of them."""
@@ -347,7 +368,7 @@ def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
             _gated_up(work, count, P, t, tokens, inner[1])
     sub_blocks = [(P, min(down_tiles, t - j0)) for _, P, t in blocks for j0 in range(0, t, down_tiles)]
     for (P, tc, first, _), count in _kinds(sub_blocks).items():
-        work.load(count, P * tc * rank_down * s, tc * rank_down * s)  # tc whole rows of Ud per partition
+        work.load("ud", count, P * tc * rank_down * s, tc * rank_down * s)  # tc whole rows of Ud per partition
         _accumulate_strip(work, count, rank_down, tc, tokens, first)
     work.steps = len(inner) * len(blocks) + len(sub_blocks)
 
@@ -358,7 +379,7 @@ def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles):
     # actᵀ (double-buffered), and the fp32 act(gate) of a gated MLP or fc1's bias of an ungated one
     act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 2 * t_max * s)
     weights = sum(_tiles(rank) for rank in inner) * columns * s + 2 * min(t_max, down_tiles) * rank_down * s
-    work.sbuf = strips + down_partial + act + weights
+    work.sbuf = strips + down_partial + act + weights + first_vd_block
     return work
 
 
@@ -368,11 +389,11 @@ def _expand_work(tokens, rank, N, s, core, n_block):
     of each 512-column piece with the strip stationary, and the tile's rows stored."""
     work = _Work(core, s)
     for cols, column_blocks in _spans(N, n_block):
-        _load_row_tiles(work, column_blocks, rank, cols)
+        _load_row_tiles(work, "v", column_blocks, rank, cols)
         for T, token_tiles in _spans(tokens, TILE_M):
             for nt, pieces in _spans(cols, TILE_N):
                 work.group(column_blocks * token_tiles * pieces, work.matmuls(_tiles(rank), nt), work.scalar(nt))
-            work.store(column_blocks * token_tiles, T * cols * s, cols * s)
+            work.store("y", column_blocks * token_tiles, T * cols * s, cols * s)
     work.steps = cdiv(N, n_block) * cdiv(tokens, TILE_M)
 
     n_block = min(n_block, N)
@@ -383,16 +404,16 @@ def _expand_work(tokens, rank, N, s, core, n_block):
 def _act_T(work, times, P, t, tokens, rank, bias):
     """fused_mlp.act_T: the V block (and the bias block), then per I tile and 512-token piece the matmuls
     with the activation on ScalarE as they leave PSUM."""
-    _load_row_tiles(work, times, rank, P * t)
+    _load_row_tiles(work, "v_act", times, rank, P * t)
     if bias:
-        work.load(times, P * t * work.s, t * work.s)
+        work.load("bias", times, P * t * work.s, t * work.s)
     for cw, pieces in _spans(tokens, TILE_N):
         work.group(times * t * pieces, work.matmuls(_tiles(rank), cw), act=work.scalar(cw))
 
 
 def _gated_up(work, times, P, t, tokens, rank_up):
     """fused_mlp.gated_act_T after the gate: the Vu block, then the up's matmuls times act(gate) on VectorE."""
-    _load_row_tiles(work, times, rank_up, P * t)
+    _load_row_tiles(work, "v_up", times, rank_up, P * t)
     for cw, pieces in _spans(tokens, TILE_N):
         work.group(times * t * pieces, work.matmuls(_tiles(rank_up), cw), dve=work.vector(cw))
 
@@ -416,7 +437,7 @@ def _transpose_tokens(work, times, tokens, P, t):
     """tiles.transpose_tokens: one DMA of the rows, TensorE transposes several to a PSUM bank, ScalarE copies
     each bank out."""
     s = work.s
-    work.load(times, tokens * P * t * s, P * t * s)
+    work.load("x", times, tokens * P * t * s, P * t * s)
     for group, banks in _spans(t, _transposes_per_bank(s)):
         work.group(times * banks, work.transposes(group, tokens), act=work.scalar(group * tokens))
 
@@ -425,19 +446,18 @@ def _transposes_per_bank(s):
     return PSUM_BANK_BYTES // (PMAX * s)
 
 
-def _load_interleaved_rows(work, times, P, t, cols, whole_rows):
-    """tiles.load_interleaved_rows: one DMA of t whole rows per partition, or one per tile of part rows."""
+def _load_interleaved_rows(work, tensor, times, P, t, cols, whole_rows):
+    """tiles.load_interleaved_rows: one DMA of t rows per partition, contiguous if they are whole rows."""
     s = work.s
-    if whole_rows:
-        work.load(times, P * t * cols * s, t * cols * s)
-    else:
-        work.load(times * t, P * cols * s, cols * s)
+    work.load(tensor, times, P * t * cols * s, (t if whole_rows else 1) * cols * s)
 
 
-def _load_row_tiles(work, times, rows, cols):
-    """tiles.load_row_tiles: one DMA per 128-row tile."""
-    for partitions, tiles in _spans(rows, PMAX):
-        work.load(times * tiles, partitions * cols * work.s, cols * work.s)
+def _load_row_tiles(work, tensor, times, rows, cols):
+    """tiles.load_row_tiles: one DMA of the full 128-row tiles, one of a partial last tile."""
+    full, partial = divmod(rows, PMAX)
+    for partitions, count in ((PMAX, full), (partial, 1)):
+        if partitions and count:
+            work.load(tensor, times, partitions * count * cols * work.s, cols * work.s)
 
 
 # -- choosing ----------------------------------------------------------------------------------------------

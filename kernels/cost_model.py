@@ -4,8 +4,9 @@ First the trace becomes a dependency graph: an instruction waits for the last wr
 reads, and a write waits for every earlier access of the bytes it overwrites (the same bytes: on-chip
 addresses come from the emulator's allocator). Then an event-driven schedule plays the graph on the
 engines. Each compute engine runs its instructions in program order, as its instruction queue does on the
-hardware; DMA transfers are served first come, first served in the order they become ready, because the
-compiler hoists DMA triggers that depend on nothing (a weight load is not held up behind a store).
+hardware. Each HBM tensor's transfers go through one DMA queue, in program order, starting at least an issue
+interval apart; the queues of different tensors run side by side, so a weight load is not held up behind a
+store, and the DMA engines serve the transfers first come, first served.
 
 Each instruction takes the time instruction_costs' formulas give it (the block planner prices its plans
 with the same ones). A DMA transfer over P partitions is split over ceil(P/8) of the 16 queues (each engine
@@ -106,7 +107,9 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
     ready = [0.0] * len(instructions)
     times = [None] * len(instructions)
     queue_free = [0.0] * core.dma_engines
+    dma_queues = _dma_queues(instructions)  # per HBM tensor: its transfers in program order
     next_issue: dict[int, float] = {}  # per HBM tensor: when its DMA queue can start another transfer
+    dma_ready: dict[int, float] = {}  # transfers that are ready, waiting for their queue's turn
     psum_port_free = 0.0
     busy = dict.fromkeys(ENGINES, 0.0)
 
@@ -115,10 +118,17 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
         at, i = heapq.heappop(heap)
         ins = instructions[i]
         if ins.engine == "dma":
-            queue = _hbm_tensor(ins)
-            issue = max(at + core.dma_fixed_latency_s, next_issue.get(queue, 0.0))
-            start, end = _transfer(ins, core, issue, queue_free, busy)
-            next_issue[queue] = issue + core.dma_issue_interval_s
+            dma_ready[i] = at
+            queue = dma_queues[_hbm_tensor(ins)]
+            issued = []
+            while queue and queue[-1] in dma_ready:  # the queue's next transfers, as far as they are ready
+                d = queue.pop()
+                became_ready = dma_ready.pop(d)
+                issue = max(became_ready + core.dma_fixed_latency_s, next_issue.get(id(queue), 0.0))
+                start, end = _transfer(instructions[d], core, issue, queue_free, busy)
+                next_issue[id(queue)] = issue + core.dma_issue_interval_s
+                times[d] = (became_ready, start, end)
+                issued.append(d)
         else:
             start = at
             waits_for_psum = takes_psum_port(core, ins.engine, ins.psum)
@@ -128,12 +138,14 @@ def model_trace(trace: KernelTrace, target: str | NeuronCore | None = None, sche
             busy[ins.engine] += end - start
             if waits_for_psum:
                 psum_port_free = end
-        times[i] = (at, start, end)
-        for j in successors[i]:
-            ready[j] = max(ready[j], end)
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(heap, (ready[j], j))
+            times[i] = (at, start, end)
+            issued = [i]
+        for d in issued:
+            for j in successors[d]:
+                ready[j] = max(ready[j], times[d][2])
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(heap, (ready[j], j))
 
     if schedule is not None:
         schedule.extend(times)
@@ -164,6 +176,15 @@ def _compute_seconds(ins: Instruction, core: NeuronCore) -> float:
     if ins.engine == "pe":
         return tensor_engine_seconds(core, ins.size, ins.fp32, ins.transpose)
     return elementwise_seconds(core, ins.engine, ins.size, ins.inputs, ins.vector_gain)
+
+
+def _dma_queues(instructions: list[Instruction]) -> dict[int, list[int]]:
+    """Each HBM tensor's transfers, last first (the queue's next transfer is at the end)."""
+    queues: dict[int, list[int]] = {}
+    for i, ins in enumerate(instructions):
+        if ins.engine == "dma":
+            queues.setdefault(_hbm_tensor(ins), []).append(i)
+    return {tensor: indices[::-1] for tensor, indices in queues.items()}
 
 
 def _hbm_tensor(ins: Instruction) -> int:

@@ -19,8 +19,8 @@ Block sizes come from blocking.plan_mlp and blocking.plan_ungated_mlp.
 
 from onnx_nmm.kernels.blocking import plan_mlp, plan_ungated_mlp
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, project_tokens
-from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks, load_row_tiles
+from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, load_v_block, project_tokens
+from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks
 
 # The gate activations by the names SvdGatedMLP's `activation` attribute uses.
 ACTIVATIONS = {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}
@@ -87,21 +87,25 @@ def mlp_token_blocks(x, gate, up, ud, vd, plan, activation):
     y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
     for row0 in range(0, M, plan.token_block):
         tokens = min(plan.token_block, M - row0)
-        down_strip = act_down_strip(x, gate, up, ud, row0, tokens, plan, ACTIVATIONS[activation])
-        expand_strip(down_strip, vd, y, row0, tokens, plan.n_block)
+        down_strip, first_vd_block = act_down_strip(x, gate, up, ud, vd, row0, tokens, plan, ACTIVATIONS[activation])
+        expand_strip(down_strip, vd, y, row0, tokens, plan.n_block, first_vd_block)
     return y
 
 
-def act_down_strip(x, gate, up, ud, row0, tokens, plan, act):
-    """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions.
+def act_down_strip(x, gate, up, ud, vd, row0, tokens, plan, act):
+    """(act · Ud)ᵀ for one token block: [128, ceil(rd/128), tokens], rank on partitions; and Vd's first
+    column block, loaded during stage 1 with the first blocks of Vg and Vu.
 
     gate is (U, V, bias or None); up is (U, V), or None for an ungated MLP.
     """
-    us = (gate[0],) if up is None else (gate[0], up[0])
-    strips = project_tokens(x, us, row0, tokens, plan.k_tiles)
     intermediate, rank_d = ud.shape
-    down_strip = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf)
     blocks = k_blocks(intermediate, plan.i_tiles)
+    first_columns = blocks[0][1] * blocks[0][2]
+    projections = (gate,) if up is None else (gate, up)
+    strips, prefetched = project_tokens(x, tuple(p[0] for p in projections), row0, tokens, plan.k_tiles,
+                                        prefetch=tuple((p[1], first_columns) for p in projections) + ((vd, plan.n_block),))
+    *first_v_blocks, first_vd_block = prefetched
+    down_strip = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf)
     steps = 0  # Ud sub-blocks: the contraction blocks of the down projection
     for _, _, t in blocks:
         steps += cdiv(t, plan.down_tiles)
@@ -110,11 +114,12 @@ def act_down_strip(x, gate, up, ud, row0, tokens, plan, act):
         partial = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=nl.float32, buffer=nl.sbuf)
 
     step = 0
-    for i0, P, t in blocks:
+    for b, (i0, P, t) in enumerate(blocks):
+        v_blocks = first_v_blocks if b == 0 else [load_v_block(p[1], i0, P * t) for p in projections]
         if up is None:
-            actT = act_T(strips[0], gate[1], gate[2], i0, P, t, tokens, act, x.dtype)
+            actT = act_T(strips[0], v_blocks[0], gate[1].shape[0], gate[2], i0, P, t, tokens, act, x.dtype)
         else:
-            actT = gated_act_T(strips[0], strips[1], gate[1], up[1], i0, P, t, tokens, act)
+            actT = gated_act_T(strips, v_blocks, (gate[1].shape[0], up[1].shape[0]), P, t, tokens, act)
         # Stage 1 of the down projection, actᵀ as the moving operand, Ud rows in sub-blocks of down_tiles.
         ud_rows = ud[i0 : i0 + P * t, 0:rank_d].reshape((P, t, rank_d))
         for j0 in range(0, t, plan.down_tiles):
@@ -124,19 +129,18 @@ def act_down_strip(x, gate, up, ud, row0, tokens, plan, act):
             accumulate_strip(down_strip, partial, ud_block, actT[0:PMAX, j0 : j0 + tc, 0:tokens], P, tc, tokens,
                              step == 0, step == steps - 1)
             step += 1
-    return down_strip
+    return down_strip, first_vd_block
 
 
-def act_T(strip, v, bias, i0, P, t, tokens, act, dtype):
-    """act(strip · V + bias)ᵀ for intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`.
+def act_T(strip, v_block, rank, bias, i0, P, t, tokens, act, dtype):
+    """act(strip · V + bias)ᵀ for intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`, from V's
+    block of those columns ([128, rank tiles, P*t]).
 
     V is stationary, so each PSUM tile is [I rows, tokens]; act is applied as it leaves PSUM (ScalarE), with
     the bias of each I row (if any) as the activation's per-partition bias.
     """
     columns = P * t
     result = nl.ndarray((PMAX, t, tokens), dtype=dtype, buffer=nl.sbuf)
-    v_block = nl.ndarray((PMAX, strip.shape[1], columns), dtype=v.dtype, buffer=nl.sbuf)
-    load_row_tiles(v_block, v, 0, v.shape[0], i0, i0 + columns)
     bias_block = None
     if bias is not None:
         bias_block = nl.ndarray((PMAX, t), dtype=bias.dtype, buffer=nl.sbuf)
@@ -144,27 +148,26 @@ def act_T(strip, v, bias, i0, P, t, tokens, act, dtype):
     for j in range(t):
         for c0 in range(0, tokens, TILE_N):
             cw = min(TILE_N, tokens - c0)
-            acc = project_columns(v_block, strip, v.shape[0], j, t, P, c0, cw)
+            acc = project_columns(v_block, strip, rank, j, t, P, c0, cw)
             row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
             nisa.activation(dst=result[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
     return result
 
 
-def gated_act_T(gate_strip, up_strip, vg, vu, i0, P, t, tokens, act):
-    """actᵀ[p, j, :] = act(gate) * up for intermediate row i0 + p*t + j: [128, t, tokens].
+def gated_act_T(strips, v_blocks, ranks, P, t, tokens, act):
+    """actᵀ[p, j, :] = act(gate) * up for the block's intermediate row p*t + j: [128, t, tokens], from the
+    gate and up strips, the blocks of Vg and Vu of the block's columns, and the two ranks.
 
     The gate is act_T's, kept in fp32; Vu is stationary for the up, and the product is taken as up leaves
     PSUM (VectorE), written in x's dtype.
     """
-    columns = P * t
-    gate = act_T(gate_strip, vg, None, i0, P, t, tokens, act, nl.float32)
+    (gate_strip, up_strip), (vg_block, vu_block), (rank_gate, rank_up) = strips, v_blocks, ranks
+    gate = act_T(gate_strip, vg_block, rank_gate, None, 0, P, t, tokens, act, nl.float32)
     actT = nl.ndarray((PMAX, t, tokens), dtype=gate_strip.dtype, buffer=nl.sbuf)
-    vu_block = nl.ndarray((PMAX, up_strip.shape[1], columns), dtype=vu.dtype, buffer=nl.sbuf)
-    load_row_tiles(vu_block, vu, 0, vu.shape[0], i0, i0 + columns)
     for j in range(t):
         for c0 in range(0, tokens, TILE_N):
             cw = min(TILE_N, tokens - c0)
-            acc = project_columns(vu_block, up_strip, vu.shape[0], j, t, P, c0, cw)
+            acc = project_columns(vu_block, up_strip, rank_up, j, t, P, c0, cw)
             nisa.tensor_tensor(dst=actT[0:P, j, c0 : c0 + cw], data1=gate[0:P, j, c0 : c0 + cw],
                                data2=acc[0:P, 0:cw], op=nl.multiply)
     return actT

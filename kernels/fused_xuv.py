@@ -40,5 +40,6 @@ def fused_xuv(x, u, v, plan=None):
 
 
 def token_block(x, u, v, y, row0, tokens, plan):
-    (strip,) = project_tokens(x, (u,), row0, tokens, plan.k_tiles)  # stage 1: (x_blk · U)ᵀ in SBUF
-    expand_strip(strip, v, y, row0, tokens, plan.n_block)  # stage 2: every column block reuses it
+    # stage 1: (x_blk · U)ᵀ in SBUF, with V's first block loaded meanwhile
+    (strip,), (first_v_block,) = project_tokens(x, (u,), row0, tokens, plan.k_tiles, prefetch=((v, plan.n_block),))
+    expand_strip(strip, v, y, row0, tokens, plan.n_block, first_v_block)  # stage 2: every column block reuses it

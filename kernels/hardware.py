@@ -69,21 +69,19 @@ class NeuronCore:
     psum_shared_by_act_and_dve: bool  # trn1: VectorE and ScalarE cannot access PSUM in parallel
 
     # DMA: 16 engines per NeuronCore, each with a peak rate; every transfer waits ~1300 ns from its
-    # semaphore to its start (DMA_GUIDE).
+    # semaphore to its start (DMA_GUIDE). The transfers of one HBM tensor go through one queue in order
+    # ("DMA transfers within a queue ... are executed in order", DMA_OVERVIEW), each starting that ~1300 ns
+    # after the one before, and every descriptor (one contiguous run per partition) costs its engine a fixed
+    # overhead on top of its bytes. These two are fitted, within the ranges AWS's numbers allow, to AWS's
+    # measured tutorial matmuls (docs/kernels.md, "The DMA model"; tools/tutorial_matmuls.py).
     dma_engines: int
     dma_engine_bytes_per_s: float
     dma_fixed_latency_s: float
+    dma_issue_interval_s: float
+    dma_descriptor_overhead_s: float | None  # None: hardware.DMA_EFFICIENCY_CURVE instead
 
     # HBM: the chip's bandwidth shared by its NeuronCores.
     hbm_core_bytes_per_s: float
-
-    # A candidate DMA model that AWS's measured tutorial matmuls support better, off by default until the
-    # block planner prices it too (docs/kernels.md, "The DMA model"; tools/tutorial_matmuls.py): the
-    # ~1300 ns per transfer (DMA_GUIDE) as the interval between transfer starts in one DMA queue (one queue
-    # per HBM tensor; "DMA transfers within a queue ... are executed in order", DMA_OVERVIEW), and a fixed
-    # overhead per descriptor in place of the figure's efficiency curve.
-    dma_issue_interval_s: float = 0.0
-    dma_descriptor_overhead_s: float | None = None
 
     @property
     def dma_bytes_per_s(self) -> float:
@@ -125,6 +123,8 @@ TRN1 = NeuronCore(
     dma_engines=16,  # "16 parallel DMA engines" per NeuronCore-v2 (ARCH_TRN1)
     dma_engine_bytes_per_s=17e9,  # TRN1 "17 B/ns" per engine, 272 GB/s aggregate (DMA_GUIDE table)
     dma_fixed_latency_s=1.3e-6,  # "semaphore-to-start latency (~1300 ns cross-engine)" (DMA_GUIDE)
+    dma_issue_interval_s=1.3e-6,  # DMA_GUIDE's ~1300 ns per transfer, paid in turn within one queue
+    dma_descriptor_overhead_s=12e-9,  # <= 16 ns (DMA_OVERVIEW example 1), 0-25 ns (the tutorial fit)
     hbm_core_bytes_per_s=820e9 / 2,  # 820 GB/s per Trainium1 chip of 2 NeuronCores (ARCH_TRN1)
 )
 
@@ -148,6 +148,8 @@ TRN2 = NeuronCore(
     dma_engines=16,  # "each NeuronCore-v3 is typically paired with 16x DMA engines" (ARCH_TRN2)
     dma_engine_bytes_per_s=23e9,  # TRN2 "23 B/ns" per engine, 368 GB/s aggregate (DMA_GUIDE table)
     dma_fixed_latency_s=1.3e-6,  # DMA_GUIDE (not given per generation)
+    dma_issue_interval_s=1.3e-6,  # as trn1
+    dma_descriptor_overhead_s=12e-9,  # as trn1
     hbm_core_bytes_per_s=2.9e12 / 8,  # 2.9 TB/s per Trainium2 chip of 8 NeuronCores (ARCH_TRN2: "3TB/s")
 )
 

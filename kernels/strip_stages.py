@@ -23,11 +23,14 @@ from onnx_nmm.kernels.tiles import (
 )
 
 
-def project_tokens(x, us, row0, tokens, k_tiles):
-    """Stage 1 for several U sharing x: returns one strip (x[row0:row0+tokens] · U)ᵀ per U.
+def project_tokens(x, us, row0, tokens, k_tiles, prefetch):
+    """Stage 1 for several U sharing x: returns one strip (x[row0:row0+tokens] · U)ᵀ per U, and the blocks
+    `prefetch` asks for.
 
     Each strip is [128, ceil(r/128), tokens] in x's dtype: rank r = 128*tile + partition. The contraction
     over K streams in blocks of k_tiles tiles; a block's x^T is transposed once and used by every U.
+    `prefetch` lists (V, columns): the first column block of each V the stages after this one start with,
+    loaded once the first contraction block's loads are under way, so they arrive while stage 1 computes.
     """
     K = x.shape[1]
     blocks = k_blocks(K, k_tiles)
@@ -37,6 +40,7 @@ def project_tokens(x, us, row0, tokens, k_tiles):
     if len(blocks) > 1:
         partials = [nl.ndarray((PMAX, cdiv(u.shape[1], PMAX), tokens), dtype=nl.float32, buffer=nl.sbuf) for u in us]
 
+    prefetched = []
     for b, (k0, P, t) in enumerate(blocks):
         xT = nl.ndarray((PMAX, t, tokens), dtype=x.dtype, buffer=nl.sbuf)
         for tok0 in range(0, tokens, PMAX):
@@ -46,7 +50,9 @@ def project_tokens(x, us, row0, tokens, k_tiles):
             u_block = nl.ndarray((PMAX, t, u.shape[1]), dtype=u.dtype, buffer=nl.sbuf)
             load_interleaved_rows(u_block, u, k0, P, t, 0, u.shape[1])
             accumulate_strip(strips[i], partials[i], u_block, xT, P, t, tokens, b == 0, b == len(blocks) - 1)
-    return strips
+        if b == 0:
+            prefetched = [load_v_block(v, 0, columns) for v, columns in prefetch]
+    return strips, prefetched
 
 
 def accumulate_strip(strip, partial, u_block, xT, P, t, tokens, first, last):
@@ -68,18 +74,27 @@ def accumulate_strip(strip, partial, u_block, xT, P, t, tokens, first, last):
             evict_partial_sum(strip[0:rr, rt, c0 : c0 + cw], part, acc[0:rr, 0:cw], first, last)
 
 
-def expand_strip(strip, v, y, row0, tokens, n_block):
+def load_v_block(v, n0, n_block):
+    """V's columns n0 .. n0+n_block as [128, rank tiles, columns]: the moving operand of stage 2."""
+    rank, N = v.shape
+    cols = min(n_block, N - n0)
+    v_block = nl.ndarray((PMAX, cdiv(rank, PMAX), cols), dtype=v.dtype, buffer=nl.sbuf)
+    load_row_tiles(v_block, v, 0, rank, n0, n0 + cols)
+    return v_block
+
+
+def expand_strip(strip, v, y, row0, tokens, n_block, first_block):
     """Stage 2: y[row0:row0+tokens, :] = stripᵀ · V, one block of n_block columns of V at a time.
 
     The strip is reused for every column block (no recomputation of stage 1, no HBM round trip); the
-    V block is loaded once per token block and reused by every 128-token tile.
+    V block is loaded once per token block and reused by every 128-token tile. `first_block` is V's first
+    column block, which the caller loads before stage 1 so that stage 2 starts the moment the strip is done.
     """
     rank, N = v.shape
     rank_tiles = cdiv(rank, PMAX)
     for n0 in range(0, N, n_block):
         cols = min(n_block, N - n0)
-        v_block = nl.ndarray((PMAX, rank_tiles, cols), dtype=v.dtype, buffer=nl.sbuf)
-        load_row_tiles(v_block, v, 0, rank, n0, n0 + cols)
+        v_block = first_block if n0 == 0 else load_v_block(v, n0, n_block)
         for tok0 in range(0, tokens, TILE_M):
             T = min(TILE_M, tokens - tok0)
             result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)

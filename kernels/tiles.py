@@ -40,28 +40,28 @@ def k_blocks(rows, tiles):
 
 
 def load_interleaved_rows(block, src, k0, partitions, tiles, col0, col1):
-    """block[p, j, :] = src[k0 + p*tiles + j, col0:col1].
+    """block[p, j, :] = src[k0 + p*tiles + j, col0:col1], in one DMA.
 
-    Whole rows make one contiguous run of tiles*cols elements per partition: one DMA. Part rows are separate
-    runs anyway, so each tile gets its own DMA and TensorE can start on the first while the rest arrive.
+    Whole rows make one contiguous run of tiles*cols elements per partition; part rows make `tiles` runs of
+    cols each. One transfer either way: each DMA queue starts its transfers ~1.3 us apart, so a block
+    moved as one transfer is not held up behind its own tiles (hardware.NeuronCore.dma_issue_interval_s).
     """
     cols = col1 - col0
     rows = src[k0 : k0 + partitions * tiles, col0:col1].reshape((partitions, tiles, cols))
-    if cols == src.shape[1]:
-        nisa.dma_copy(dst=block[0:partitions, 0:tiles, 0:cols], src=rows)
-    else:
-        for j in range(tiles):
-            nisa.dma_copy(dst=block[0:partitions, j, 0:cols], src=rows[0:partitions, j, 0:cols])
+    nisa.dma_copy(dst=block[0:partitions, 0:tiles, 0:cols], src=rows)
 
 
 def load_row_tiles(block, src, row0, rows, col0, col1):
-    """block[p, j, :] = src[row0 + j*128 + p, col0:col1]: plain 128-row tiles (the last may be partial), one
-    DMA per tile so TensorE can start on the first while the rest arrive."""
+    """block[p, j, :] = src[row0 + j*128 + p, col0:col1]: the 128-row tiles (the last may be partial), the
+    full ones in one DMA of `cols`-element runs and a partial last tile in a second."""
     cols = col1 - col0
-    for j in range(cdiv(rows, PMAX)):
-        first = row0 + j * PMAX
-        count = min(PMAX, row0 + rows - first)
-        nisa.dma_copy(dst=block[0:count, j, 0:cols], src=src[first : first + count, col0:col1])
+    full = rows // PMAX
+    if full:
+        tiles = src[row0 : row0 + full * PMAX, col0:col1].reshape((full, PMAX, cols)).permute((1, 0, 2))
+        nisa.dma_copy(dst=block[0:PMAX, 0:full, 0:cols], src=tiles)
+    if rows % PMAX:
+        first = row0 + full * PMAX
+        nisa.dma_copy(dst=block[0 : rows % PMAX, full, 0:cols], src=src[first : row0 + rows, col0:col1])
 
 
 def transpose_tokens(xT, x, row0, tokens, k0, partitions, tiles, col):
