@@ -386,18 +386,23 @@ def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles, fi
 @lru_cache(maxsize=4096)
 def _expand_work(tokens, rank, N, s, core, n_block):
     """strip_stages.expand_strip: per block of V's columns, the V block, then per 128-token tile the matmuls
-    of each 512-column piece with the strip stationary, and the tile's rows stored."""
+    of each 512-column piece with the strip stationary, and the tile's rows stored (whole rows at the end
+    when the block is one tile)."""
     work = _Work(core, s)
+    whole_rows = tokens <= TILE_M
     for cols, column_blocks in _spans(N, n_block):
         _load_row_tiles(work, "v", column_blocks, rank, cols)
         for T, token_tiles in _spans(tokens, TILE_M):
             for nt, pieces in _spans(cols, TILE_N):
                 work.group(column_blocks * token_tiles * pieces, work.matmuls(_tiles(rank), nt), work.scalar(nt))
-            work.store("y", column_blocks * token_tiles, T * cols * s, cols * s)
+            if not whole_rows:
+                work.store("y", column_blocks * token_tiles, T * cols * s, cols * s)
+    if whole_rows:
+        work.store("y", 1, tokens * N * s, N * s)
     work.steps = cdiv(N, n_block) * cdiv(tokens, TILE_M)
 
-    n_block = min(n_block, N)
-    work.sbuf = _tiles(rank) * tokens * s + 2 * _tiles(rank) * n_block * s + 2 * n_block * s
+    results = N * s if whole_rows else 2 * min(n_block, N) * s
+    work.sbuf = _tiles(rank) * tokens * s + 2 * _tiles(rank) * min(n_block, N) * s + results
     return work
 
 

@@ -89,15 +89,21 @@ def expand_strip(strip, v, y, row0, tokens, n_block, first_block):
     The strip is reused for every column block (no recomputation of stage 1, no HBM round trip); the
     V block is loaded once per token block and reused by every 128-token tile. `first_block` is V's first
     column block, which the caller loads before stage 1 so that stage 2 starts the moment the strip is done.
+
+    A block of at most 128 tokens gathers its whole rows and stores them once (one transfer in place of one
+    per column block); a larger one stores each tile's columns as soon as they are done.
     """
     rank, N = v.shape
     rank_tiles = cdiv(rank, PMAX)
+    whole_rows = tokens <= TILE_M
+    if whole_rows:
+        rows = nl.ndarray((PMAX, N), dtype=y.dtype, buffer=nl.sbuf)
     for n0 in range(0, N, n_block):
         cols = min(n_block, N - n0)
         v_block = first_block if n0 == 0 else load_v_block(v, n0, n_block)
         for tok0 in range(0, tokens, TILE_M):
             T = min(TILE_M, tokens - tok0)
-            result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
+            result, c0 = (rows, n0) if whole_rows else (nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf), 0)
             for nt0 in range(0, cols, TILE_N):
                 nt = min(TILE_N, cols - nt0)
                 acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
@@ -105,5 +111,8 @@ def expand_strip(strip, v, y, row0, tokens, n_block, first_block):
                     rr = min(PMAX, rank - rt * PMAX)
                     nisa.nc_matmul(acc[0:T, 0:nt], stationary=strip[0:rr, rt, tok0 : tok0 + T],
                                    moving=v_block[0:rr, rt, nt0 : nt0 + nt], accumulate=rt > 0)
-                nisa.activation(dst=result[0:T, nt0 : nt0 + nt], op=nl.copy, data=acc[0:T, 0:nt])
-            nisa.dma_copy(dst=y[row0 + tok0 : row0 + tok0 + T, n0 : n0 + cols], src=result[0:T, 0:cols])
+                nisa.activation(dst=result[0:T, c0 + nt0 : c0 + nt0 + nt], op=nl.copy, data=acc[0:T, 0:nt])
+            if not whole_rows:
+                nisa.dma_copy(dst=y[row0 + tok0 : row0 + tok0 + T, n0 : n0 + cols], src=result[0:T, 0:cols])
+    if whole_rows:
+        nisa.dma_copy(dst=y[row0 : row0 + tokens, 0:N], src=rows[0:tokens, 0:N])
