@@ -1,7 +1,8 @@
 """Re-estimate a few cost-model parameters from a device report (device.bench_on_device's JSON).
 
-Each parameter is fitted as a factor on its documented value (hardware.py): TensorE clock, DMA bandwidth per
-engine, DMA fixed latency, ScalarE and VectorE clocks. The fit minimises
+Each parameter is fitted as a factor on its value in hardware.py: TensorE clock, DMA bandwidth per engine,
+DMA fixed latency, the DMA queue's issue interval and the per-descriptor overhead (the two the tutorial
+measurements fitted, the least certain), ScalarE and VectorE clocks. The fit minimises
 
     sum over launches of log(measured p50 / modelled(factors))^2
 
@@ -24,7 +25,8 @@ from onnx_nmm.kernels.device import KERNELS, launch_of, scaled_core
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import trace
 
-PARAMETERS = ("pe_hz", "dma_engine_bytes_per_s", "dma_fixed_latency_s", "act_hz", "dve_hz")
+PARAMETERS = ("pe_hz", "dma_engine_bytes_per_s", "dma_fixed_latency_s", "dma_issue_interval_s", "dma_descriptor_overhead_s",
+              "act_hz", "dve_hz")
 FACTOR_RANGE = (0.25, 4.0)
 ITERATIONS = 50
 DIFFERENCE_STEP = 1e-3  # of a log-factor (0.1 %), for the Jacobian's finite differences
