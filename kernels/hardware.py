@@ -1,9 +1,10 @@
 """One NeuronCore of Trainium1 and Trainium2, as the AWS Neuron documentation describes it.
 
 Every number here comes from the Neuron SDK documentation (github.com/aws-neuron/aws-neuron-sdk, snapshot of
-SDK 2.32 / NKI 0.6.0); the comment beside it names the file. The emulator uses the memory sizes to enforce
-capacity, the block-size model uses everything to choose tiles, and the cost model turns the emulator's
-instruction trace into a modelled time with it. Nothing here is measured by this project.
+SDK 2.32 / NKI 0.6.0); the comment beside it names the file. Two DMA parameters are fitted, within the bounds
+those documents give, to the times AWS measured for its tutorial matmuls. The emulator uses the memory sizes
+to enforce capacity, the block-size model uses everything to choose tiles, and the cost model turns the
+emulator's instruction trace into a modelled time with it. Nothing here is measured by this project.
 """
 
 from __future__ import annotations
