@@ -1,5 +1,7 @@
 """The analytical block-size model: its plans fit SBUF, cache the strip, and read weights once when they can."""
 
+from collections import Counter
+
 import pytest
 
 from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
@@ -45,6 +47,26 @@ def test_the_strip_is_cached_so_u_and_v_are_read_once_per_token_block():
     cost = estimate(fused_xuv, (M, H), (H, R), (R, I), target="trn2", plan=plan)
     assert cost.hbm_read_bytes == 2 * (M * H + blocks * (H * R + R * I))
     assert cost.hbm_write_bytes == 2 * M * I
+
+
+@pytest.mark.parametrize("M", [1, 100, 300])
+def test_weights_move_in_one_transfer_per_block_and_small_token_blocks_store_their_rows_once(M):
+    """Each tensor's transfers start an issue interval apart, so the kernels move few, large ones: one per U
+    contraction block, one per V column block (whole 128-row tiles together), and a block of at most 128
+    tokens stores its output rows with one transfer."""
+    plan = plan_xuv(M, H, R, I, "bfloat16", target="trn2")
+    (launch,) = trace(fused_xuv, (M, H), (H, R), (R, I), target="trn2", plan=plan)
+    transfers = Counter(next(key for space, key, _, _ in ins.reads + ins.writes if space == "hbm")
+                        for ins in launch.instructions if ins.engine == "dma")
+    x, u, v, y = sorted(transfers)  # HBM tensors in the order they were made: the inputs, then the output
+    token_blocks = -(-M // plan.token_block)
+    contraction_blocks = -(-H // (128 * plan.k_tiles))
+    column_blocks = -(-I // plan.n_block)
+    assert transfers[u] == token_blocks * contraction_blocks
+    assert transfers[v] == token_blocks * column_blocks  # R is a multiple of 128: no partial tile
+    token_block_sizes = [min(plan.token_block, M - row0) for row0 in range(0, M, plan.token_block)]
+    assert transfers[y] == sum(1 if tokens <= 128 else column_blocks * -(-tokens // 128) for tokens in token_block_sizes)
+    assert M > 128 or transfers[y] == 1
 
 
 def test_plans_respect_the_shape_and_the_hardware_tiles():

@@ -6,7 +6,7 @@ import pytest
 
 from onnx_nmm.kernels import dense_matmul_lhsT, estimate, lowrank_unfused
 from onnx_nmm.kernels.blocking import DensePlan, plan_dense
-from onnx_nmm.kernels.cost_model import model_traces
+from onnx_nmm.kernels.cost_model import model_trace, model_traces
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator import isa as nisa
 from onnx_nmm.kernels.emulator import jit
@@ -103,6 +103,35 @@ def test_transfers_of_one_tensor_start_an_issue_interval_apart():
     assert two.total_s == pytest.approx(31 * 1.3e-6 + TRN1.dma_fixed_latency_s, rel=0.04)
     without_interval = dataclasses.replace(core, dma_issue_interval_s=0.0)
     assert cost(loads(1), Placeholder((128, 4096), "bfloat16"), target=without_interval).total_s < 0.3 * one.total_s
+
+
+def test_a_tensors_transfers_are_issued_in_program_order():
+    """One queue per HBM tensor, in order: a load whose buffer is free at once still waits behind an earlier
+    load of the same tensor that waits for its buffer; a load of another tensor does not."""
+
+    def kernel_loading(later_source):
+        @jit
+        def kernel(a, b):
+            busy = sbuf((128, 512))  # written by VectorE before the first load may overwrite it
+            nisa.tensor_copy(dst=busy, src=sbuf((128, 512)))
+            nisa.dma_copy(dst=busy, src=a[:, 0:512])
+            nisa.dma_copy(dst=nl.ndarray((128, 512), dtype=nl.bfloat16, buffer=nl.sbuf), src=later_source(a, b))
+
+        return kernel
+
+    schedules = {}
+    for name, source in (("same tensor", lambda a, b: a[:, 512:1024]), ("other tensor", lambda a, b: b[:, 0:512])):
+        with emulation("trn1", trace_only=True) as session:
+            kernel_loading(source)(Placeholder((128, 1024), "bfloat16"), Placeholder((128, 1024), "bfloat16"))
+        (trace,) = session.traces
+        schedule = []
+        model_trace(trace, "trn1", schedule=schedule)
+        first, second = [times for ins, times in zip(trace.instructions, schedule) if ins.engine == "dma"]
+        schedules[name] = (first, second)
+    first, second = schedules["same tensor"]
+    assert second[1] >= first[1] + TRN1.dma_issue_interval_s  # issued after the earlier one, an interval apart
+    first, second = schedules["other tensor"]
+    assert second[1] < first[1]  # its own queue: it goes while the first waits for its buffer
 
 
 @pytest.mark.parametrize("dependent", [False, True])
