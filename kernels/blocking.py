@@ -35,6 +35,9 @@ from onnx_nmm.kernels.tiles import PMAX, PSUM_BANK_BYTES, TILE_M, TILE_N, cdiv, 
 # nki-library src/nkilib_src/nkilib/core/mlp/mlp_cte/mlp_cte_constants.py.
 SBUF_RESERVE_BYTES = 16384 + 8 + 256
 
+# Estimated times this close (relative) are a tie when choosing a plan: the overlapped time is an estimate.
+TIE = 0.005
+
 # Within a loop nest compute and DMA overlap as the 4-norm of their times rather than their max: of two plans
 # with the same bottleneck, the one whose other stream has more slack wins.
 CONTENTION_NORM = 4
@@ -333,13 +336,14 @@ def _lhsT_block(work, times, rows, P, t, M, transposed_input):
 # The fused kernels' loop nests are cached: plan_mlp prices thousands of candidates that share them.
 @lru_cache(maxsize=4096)
 def _project_work(tokens, K, ranks, s, core, k_tiles, prefetched):
-    """strip_stages.project_tokens: per contraction block, x^T (transposed 128 tokens at a time) shared by
-    every U, then each U's block and its matmuls into the strip, in fp32 partial sums across blocks; the
-    first blocks of the later stages' weights (`prefetched` bytes per partition) arrive meanwhile."""
+    """strip_stages.project_tokens: per contraction block, x^T (transposed 128 tokens at a time; above 128
+    tokens, the next block's midway through this block's matmuls) shared by every U, then each U's block and its matmuls into
+    the strip, in fp32 partial sums across blocks; the first blocks of the later stages' weights
+    (`prefetched` bytes per partition) arrive meanwhile."""
     work = _Work(core, s)
     blocks = k_blocks(K, k_tiles)
     for (P, t, first, _), count in _kinds([(P, t) for _, P, t in blocks]).items():
-        _transposed_x(work, count, tokens, P, t)
+        _transposed_x(work, count, tokens, P, t, waited_for=first or tokens <= TILE_M)
         for u, rank in enumerate(ranks):
             _load_interleaved_rows(work, f"u{u}", count, P, t, rank, whole_rows=True)
             _accumulate_strip(work, count, rank, t, tokens, first)
@@ -386,8 +390,8 @@ def _act_down_work(tokens, intermediate, ranks, s, core, i_tiles, down_tiles, fi
 @lru_cache(maxsize=4096)
 def _expand_work(tokens, rank, N, s, core, n_block):
     """strip_stages.expand_strip: per block of V's columns, the V block, then per 128-token tile the matmuls
-    of each 512-column piece with the strip stationary, and the tile's rows stored (whole rows at the end
-    when the block is one tile)."""
+    of each 512-column piece with the strip stationary, and the tile's rows stored (when the block is one
+    tile, its whole rows in two halves)."""
     work = _Work(core, s)
     whole_rows = tokens <= TILE_M
     for cols, column_blocks in _spans(N, n_block):
@@ -398,7 +402,11 @@ def _expand_work(tokens, rank, N, s, core, n_block):
             if not whole_rows:
                 work.store("y", column_blocks * token_tiles, T * cols * s, cols * s)
     if whole_rows:
-        work.store("y", 1, tokens * N * s, N * s)
+        stored = next((n0 + cols for n0 in range(0, N, n_block) for cols in [min(n_block, N - n0)]
+                       if n0 < N // 2 <= n0 + cols < N), 0)
+        for columns in (stored, N - stored):
+            if columns:
+                work.store("y", 1, tokens * columns * s, columns * s)
     work.steps = cdiv(N, n_block) * cdiv(tokens, TILE_M)
 
     results = N * s if whole_rows else 2 * min(n_block, N) * s
@@ -429,13 +437,15 @@ def _accumulate_strip(work, times, rank, t, tokens, first):
         work.group(times * _tiles(rank) * pieces, work.matmuls(t, cw), *work.evict(cw, first))
 
 
-def _transposed_x(work, times, tokens, P, t):
-    """x^T of one contraction block for `tokens` rows, 128 at a time. The first matmul that uses it waits
-    for ScalarE's copy of the last PSUM bank of transposes."""
+def _transposed_x(work, times, tokens, P, t, waited_for=True):
+    """x^T of one contraction block for `tokens` rows, 128 at a time. If `waited_for`, the first matmul that
+    uses it waits for ScalarE's copy of the last PSUM bank of transposes (above 128 tokens stage 1
+    transposes the next block's x while it multiplies, so only its first block is)."""
     for T, chunks in _spans(tokens, PMAX):
         _transpose_tokens(work, times * chunks, T, P, t)
-    last_bank = t % _transposes_per_bank(work.s) or _transposes_per_bank(work.s)
-    work.wait(times, work.scalar(last_bank * (tokens % PMAX or PMAX)))
+    if waited_for:
+        last_bank = t % _transposes_per_bank(work.s) or _transposes_per_bank(work.s)
+        work.wait(times, work.scalar(last_bank * (tokens % PMAX or PMAX)))
 
 
 def _transpose_tokens(work, times, tokens, P, t):
@@ -467,18 +477,21 @@ def _load_row_tiles(work, tensor, times, rows, cols):
 
 # -- choosing ----------------------------------------------------------------------------------------------
 def _fastest(kernel, shape, dtype, target):
-    """The candidate plan that fits SBUF with the best (time, HBM bytes, SBUF bytes)."""
+    """The candidate plan that fits SBUF with the best estimated time; estimates within TIE of the best are
+    a tie, which the fewest HBM bytes and then the least SBUF break (a fuller SBUF reuses freed bytes
+    sooner, and a load into them waits for their last reader)."""
     core = neuron_core(target) if target is not None else kernel_core()
     budget = core.sbuf_partition_bytes - SBUF_RESERVE_BYTES
-    best, best_key = None, None
+    fitting = []
     for plan in candidate_plans(kernel, shape):
         estimate = estimate_plan(kernel, shape, plan, dtype, core)
-        key = (estimate.total_s, estimate.hbm_bytes, estimate.sbuf_bytes)
-        if estimate.sbuf_bytes <= budget and (best is None or key < best_key):
-            best, best_key = plan, key
-    if best is None:
+        if estimate.sbuf_bytes <= budget:
+            fitting.append((estimate, plan))
+    if not fitting:
         raise ValueError(f"{kernel}: no blocking of shape {shape} fits SBUF; reduce the rank or split the layer")
-    return best
+    fastest = min(estimate.total_s for estimate, _ in fitting)
+    tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting) if e.total_s <= fastest * (1 + TIE)]
+    return fitting[min(tied)[3]][1]
 
 
 def _check_kernel(kernel):

@@ -127,7 +127,7 @@ def act_down_strip(x, gate, up, ud, vd, row0, tokens, plan, act):
             ud_block = nl.ndarray((PMAX, tc, rank_d), dtype=ud.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=ud_block[0:P, 0:tc, 0:rank_d], src=ud_rows[0:P, j0 : j0 + tc, 0:rank_d])
             accumulate_strip(down_strip, partial, ud_block, actT[0:PMAX, j0 : j0 + tc, 0:tokens], P, tc, tokens,
-                             step == 0, step == steps - 1)
+                             step == 0, step == steps - 1, range(cdiv(rank_d, PMAX)))
             step += 1
     return down_strip, first_vd_block
 
