@@ -12,11 +12,12 @@ Two figures are the planner's own. SBUF bytes per partition count every live til
 (the next is loaded while the current one is used): at least the emulator's peak. The overlapped time is an
 estimate, since cost_model plays the instructions as an event-driven schedule that no closed form
 reproduces: DMA runs ahead of compute through the loop nests, each nest pipelines its own loads and compute
-(_Work.pipelined), and the kernel takes the longest path through the two streams (_overlapped_seconds).
+(_Work.pipelined), each HBM tensor's transfers are an issue interval apart, and the kernel takes the longest
+path through the two streams (_overlapped_seconds).
 
 plan_dense, plan_xuv, plan_mlp and plan_ungated_mlp price every candidate blocking of the shape on the target. A candidate
-that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, then the one
-with the fewest HBM bytes, then the least SBUF. Bigger blocks raise arithmetic intensity (fewer re-reads of
+that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, estimates within
+TIE of it counting as a tie that the fewest HBM bytes, then the least SBUF, break. Bigger blocks raise arithmetic intensity (fewer re-reads of
 x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
 made per shape and per target, not looked up from a table.
 """
