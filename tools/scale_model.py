@@ -13,7 +13,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 DTYPES = {"bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16), "float16": (np.float16, TensorProto.FLOAT16),
