@@ -6,7 +6,6 @@ import contextlib
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -34,11 +33,12 @@ def _files(output):
 
 class _Recorder(onnx_nmm.Progress):
     def __init__(self):
-        self.details = []
+        self.details, self.phases = [], []
 
     @contextlib.contextmanager
     def phase(self, description, total=None):
         recorder = self
+        self.phases.append(description)
 
         class Phase(onnx_nmm.Phase):
             def advance(self, amount=1, detail=None):
@@ -150,20 +150,50 @@ def test_the_dry_run_plans_and_writes_nothing(llama_shaped, tmp_path, capsys):
     assert (gate.rank, gate.bytes_before, gate.bytes_after) == (128, 256 * 512 * 2, 128 * (256 + 512) * 2)
 
 
-@pytest.mark.slow  # a local Ray cluster starts in ~5 s
-def test_ray_workers_make_the_same_factors_as_one_process(llama_shaped, tmp_path):
+@pytest.fixture(scope="module")
+def local_ray():
     ray = pytest.importorskip("ray")
-    serial = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "serial" / "out.onnx", OPTIONS,
-                                       onnx_nmm.StreamOptions(threads=1))
     ray.init(num_cpus=2, log_to_driver=False)
-    try:
-        progress = _Recorder()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            distributed = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "ray" / "out.onnx", OPTIONS,
-                                                    onnx_nmm.StreamOptions(ray="local", threads=1), progress)
-    finally:
-        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow  # a local Ray cluster starts in ~5 s
+def test_ray_workers_make_the_same_factors_as_one_process(llama_shaped, tmp_path, local_ray):
+    serial = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "serial" / "out.onnx", OPTIONS, ONE_THREAD)
+    progress = _Recorder()
+    distributed = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "ray" / "out.onnx", OPTIONS,
+                                            onnx_nmm.StreamOptions(ray="local", threads=1), progress)
     assert _files(tmp_path / "serial" / "out.onnx") == _files(tmp_path / "ray" / "out.onnx")
     assert len([detail for detail in progress.details if detail and " s)" in detail]) == 21  # one bar, every task
     assert [row.rank for row in distributed.report.layers] == [row.rank for row in serial.report.layers]
+
+
+@pytest.mark.slow
+def test_spectra_for_the_energy_rule_come_from_ray_workers(llama_shaped, tmp_path, local_ray):
+    options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(energy=0.7, align=32))
+    onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "serial" / "out.onnx", options, ONE_THREAD)
+    progress = _Recorder()
+    onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "ray" / "out.onnx", options,
+                              onnx_nmm.StreamOptions(ray="local", threads=1), progress)
+    assert "spectra on Ray" in progress.phases
+    assert _files(tmp_path / "serial" / "out.onnx") == _files(tmp_path / "ray" / "out.onnx")
+
+
+@pytest.mark.slow
+def test_calibration_split_over_ray_workers_sums_to_the_serial_grams(export, tmp_path, local_ray):
+    model = export("llama", "torchscript", external_data=True)
+    results, progress = {}, _Recorder()
+    for name, stream in (("serial", ONE_THREAD), ("ray", onnx_nmm.StreamOptions(ray="local", threads=1))):
+        calibration = onnx_nmm.CalibrationOptions(source="random", samples=4, seq_len=16,
+                                                  save_statistics=tmp_path / f"{name}.npz")
+        options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=32), calibration=calibration)
+        results[name] = onnx_nmm.rewrite_streamed(model, tmp_path / name / "out.onnx", options, stream, progress)
+    assert any(phase.startswith("calibrating on 2 Ray workers") for phase in progress.phases)
+    serial, distributed = (np.load(tmp_path / f"{name}.npz") for name in ("serial", "ray"))
+    assert sorted(serial.files) == sorted(distributed.files) and len(serial.files) > 2
+    for key in serial.files:
+        if key.startswith("gram:"):
+            np.testing.assert_allclose(distributed[key], serial[key], rtol=1e-9, atol=1e-9)
+    losses = [[row.whitened_loss for row in result.report.factorized] for result in results.values()]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)

@@ -3,6 +3,8 @@ planned before it runs (docs/scale.md).
 
     options.py        StreamOptions: where the factorizations run, BLAS threads, resume
     streamed.py       rewrite_streamed: the rewrite straight to a file
+    calibration.py    calibration windows split over Ray workers, their Grams summed
+    spectra.py        the targets' spectra on Ray, for rank rules that read them
     factorize.py      the streamed factorization pass
     jobs.py           one matrix's factorization, the same here and in a Ray worker
     ray_executor.py   running the jobs in this process or as Ray tasks

@@ -9,6 +9,7 @@ store once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -35,33 +36,44 @@ class LocalExecutor:
 
 
 class RayExecutor:
-    """Every job as a Ray task on the cluster at `address`, each task asking for `threads` CPUs (1 when 0)."""
+    """Every job as a Ray task on the connected cluster (ray_cluster), each asking for `threads` CPUs (1 when 0)."""
 
-    def __init__(self, address: str, model_path: Path, options: FactorizationOptions, statistics, align: int,
+    def __init__(self, model_path: Path, options: FactorizationOptions, statistics, align: int,
                  work: WorkDir, threads: int):
         self.ray = import_ray()
-        self.address, self.model_path, self.options = address, model_path.resolve(), options
+        self.model_path, self.options = model_path.resolve(), options
         self.statistics, self.align, self.work, self.threads = statistics, align, work, threads
 
     def run(self, jobs: Iterable[FactorJob]) -> Iterator[tuple[FactorJob, LayerOutcome]]:
         ray, jobs = self.ray, list(jobs)
         if not jobs:
             return
-        started = not ray.is_initialized()
+        task = ray.remote(num_cpus=self.threads or 1, max_retries=2)(_factorize_in_worker)
+        statistics = ray.put(self.statistics)
+        pending = {task.remote(str(self.model_path), self.options, statistics, self.align, job,
+                               str(self.work.folder.resolve()), self.threads): job for job in jobs}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for reference in done:
+                yield pending.pop(reference), ray.get(reference)
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str | None) -> Iterator[None]:
+    """Connected to the Ray cluster at `address` (LOCAL_RAY: RAY_ADDRESS's, or one started here) while the block
+    runs; nothing when `address` is None. A cluster this process was already connected to is left as it is."""
+    if address is None:
+        yield
+        return
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address == LOCAL_RAY else address, log_to_driver=False)
+    try:
+        yield
+    finally:
         if started:
-            ray.init(address=None if self.address == LOCAL_RAY else self.address, log_to_driver=False)
-        try:
-            task = ray.remote(num_cpus=self.threads or 1, max_retries=2)(_factorize_in_worker)
-            statistics = ray.put(self.statistics)
-            pending = {task.remote(str(self.model_path), self.options, statistics, self.align, job,
-                                   str(self.work.folder.resolve()), self.threads): job for job in jobs}
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for reference in done:
-                    yield pending.pop(reference), ray.get(reference)
-        finally:
-            if started:
-                ray.shutdown()
+            ray.shutdown()
 
 
 def import_ray():
@@ -74,12 +86,12 @@ def import_ray():
 
 def _factorize_in_worker(model_path: str, options: FactorizationOptions, statistics, align: int, job: FactorJob,
                          folder: str, threads: int) -> LayerOutcome:
-    layer = _targets(model_path)[job.layer]
+    layer = worker_targets(model_path)[job.layer]
     return factorize_job(Factorizer(options, statistics, align), layer, job, WorkDir(Path(folder)), threads)
 
 
 @functools.lru_cache(maxsize=1)
-def _targets(model_path: str) -> dict[str, LinearLayer]:
+def worker_targets(model_path: str) -> dict[str, LinearLayer]:
     """The model's linear layers by name, loaded once per worker process (weights memory-mapped, not read)."""
     from onnx_nmm.model_io import load_model
     from onnx_nmm.passes import find_linear_layers

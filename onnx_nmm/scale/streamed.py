@@ -2,8 +2,12 @@
 factorization streamed (factorize.py), resumable, optionally spread over a Ray cluster.
 
     load graph (weights memory-mapped) ─ GatherStatistics ─ PlanRanks ─ StreamFactorizeLayers ─ write_streamed
-                                                                      one matrix at a time,        tensor by tensor,
-                                                                      recorded in <output>.partial  renamed into place
+                                         on Ray: windows split   one matrix at a time,         tensor by tensor,
+                                         over workers, Grams     recorded in <output>.partial  renamed into place
+                                         summed (calibration.py);
+                                         then every spectrum, when
+                                         the rank rule needs them
+                                         (spectra.py)
 
 The input is never written; the output appears only when whole, and `<output>.partial/` is removed then.
 """
@@ -26,7 +30,9 @@ from onnx_nmm.pipeline import _root_cause
 from onnx_nmm.progress import Progress
 from onnx_nmm.scale.factorize import StreamFactorizeLayers
 from onnx_nmm.scale.options import StreamOptions
-from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray
+from onnx_nmm.scale.spectra import SpectraOnRay
+from onnx_nmm.scale.calibration import GatherStatisticsOnRay
+from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray, ray_cluster
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import write_streamed
 
@@ -49,11 +55,14 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     context = RewriteContext(options, source, progress)
     context.report.weight_bytes_before = weight_bytes(source.model)
     make_executor = functools.partial(_executor, context, stream, work, model_path)
-    passes = [GatherStatistics(context), PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
-    try:
-        ir.passes.Sequential(*passes)(source.model)
-    except ir.passes.PassError as error:
-        raise _root_cause(error) from None
+    gather = GatherStatistics(context) if stream.ray is None else GatherStatisticsOnRay(context, model_path)
+    spectra = [SpectraOnRay(context, model_path, stream.threads)] if stream.ray is not None else []
+    passes = [gather, *spectra, PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
+    with ray_cluster(stream.ray):
+        try:
+            ir.passes.Sequential(*passes)(source.model)
+        except ir.passes.PassError as error:
+            raise _root_cause(error) from None
     context.report.weight_bytes_after = weight_bytes(source.model)
     with progress.phase("writing"):
         write_streamed(source.model, output, work.staging, functools.partial(check_model_file, source=model_path))
@@ -65,7 +74,7 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
 def _executor(context: RewriteContext, stream: StreamOptions, work: WorkDir, model_path: Path, factorizer, layers):
     if stream.ray is None:
         return LocalExecutor(factorizer, layers, work, stream.threads)
-    return RayExecutor(stream.ray, model_path, context.options.factorization, context.statistics,
+    return RayExecutor(model_path, context.options.factorization, context.statistics,
                        context.options.ranks.align, work, stream.threads)
 
 
