@@ -120,7 +120,8 @@ def main() -> int:
     print(f"\nmachine: {summary['machine']}")
     print(f"model: {model}, {args.layers} layers, {weights / 2**30:.2f} GiB of bf16 external data "
           f"({2 * weights / 2**30:.1f} GiB at fp32); targets: MLP matrices matching {args.include}, keep 0.8")
-    print(f"{'run':<7} {'wall s':>7} {'matrices':>8} {'s/matrix median':>16} {'min':>6} {'max':>6} {'peak RSS GiB':>13}")
+    print(f"{'run':<7} {'wall s':>7} {'matrices':>8} {'s/matrix median':>16} {'min':>6} {'max':>6} "
+          f"{'peak RSS GiB':>13}")
     for name, run in summary["runs"].items():
         s = run["seconds"]
         print(f"{name:<7} {run['wall_s']:7.0f} {len(s):8d} {statistics.median(s):16.1f} {min(s):6.1f} {max(s):6.1f} "

@@ -72,10 +72,9 @@ def write_llama_shaped(folder: str | Path, hidden: int, intermediate: int, kv: i
             silu = node("Mul", [gate, node("Sigmoid", [gate], "mlp/act_fn/Sigmoid")], "mlp/act_fn/Mul")
             down = linear(node("Mul", [silu, up], "mlp/Mul"), "mlp.down_proj", intermediate, hidden)
             h = node("Add", [h, down], "Add_1")
-    graph = helper.make_graph(nodes, "llama_shaped",
-                              [helper.make_tensor_value_info("hidden_states.0", TensorProto.FLOAT, ["batch", "seq", hidden])],
-                              [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", "seq", hidden])],
-                              initializers)
+    inputs = [helper.make_tensor_value_info("hidden_states.0", TensorProto.FLOAT, ["batch", "seq", hidden])]
+    outputs = [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", "seq", hidden])]
+    graph = helper.make_graph(nodes, "llama_shaped", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     path = folder / "model.onnx"
     path.write_bytes(model.SerializeToString())

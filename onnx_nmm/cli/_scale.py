@@ -53,20 +53,23 @@ def print_plan(args, options, source: Path) -> int:
         table.add_column(column, justify="left" if column in ("layer", "role", "dtype") else "right")
     for layer in plan.layers:
         table.add_row(layer.module_path.removeprefix(prefix) or layer.name, layer.role, f"{layer.k}×{layer.n}",
-                      layer.dtype, str(layer.rank) if layer.rank else "dense", _common.millions(layer.parameters_before),
-                      _common.millions(layer.parameters_after), _common.megabytes(layer.bytes_before),
-                      _common.megabytes(layer.bytes_after), f"{layer.seconds:.1f}")
+                      layer.dtype, str(layer.rank) if layer.rank else "dense",
+                      _common.millions(layer.parameters_before), _common.millions(layer.parameters_after),
+                      _common.megabytes(layer.bytes_before), _common.megabytes(layer.bytes_after),
+                      f"{layer.seconds:.1f}")
     _common.stdout.print(table)
-    before = sum(layer.parameters_before for layer in plan.layers)
-    after = sum(layer.parameters_after for layer in plan.layers)
+    def total(field):
+        return sum(getattr(layer, field) for layer in plan.layers)
+
     _common.stdout.print(
-        f"{_common.count(len(plan.layers), 'target')}: parameters {_common.millions(before)} → {_common.millions(after)}, "
-        f"bytes {_common.megabytes(sum(l.bytes_before for l in plan.layers))} → "
-        f"{_common.megabytes(sum(l.bytes_after for l in plan.layers))}")
+        f"{_common.count(len(plan.layers), 'target')}: parameters {_common.millions(total('parameters_before'))} → "
+        f"{_common.millions(total('parameters_after'))}, bytes {_common.megabytes(total('bytes_before'))} → "
+        f"{_common.megabytes(total('bytes_after'))}")
     if plan.sample:
         on = ", ".join(f"{workers} workers {plan.seconds_on(workers):,.0f} s" for workers in WORKERS[1:])
         _common.stdout.print(
-            f"time: sample {plan.sample} factorized in {plan.sample_seconds:.1f} s (measured, {plan.threads} BLAS "
-            f"threads); every target modelled as that × K·N·min(K,N) ratio: {plan.seconds:,.0f} s in one process, "
+            f"time: sample {plan.sample} factorized in {plan.sample_seconds:.1f} s (measured, "
+            f"{_common.count(plan.threads, 'BLAS thread')}); every target modelled as that × K·N·min(K,N) ratio: "
+            f"{plan.seconds:,.0f} s in one process, "
             f"{on} (modelled; writing the output and loading not included). Nothing was written.")
     return 0

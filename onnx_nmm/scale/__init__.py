@@ -18,4 +18,5 @@ from onnx_nmm.scale.options import LOCAL_RAY, StreamOptions
 from onnx_nmm.scale.streamed import rewrite_streamed
 from onnx_nmm.scale.work_dir import work_dir_of
 
-__all__ = ["LOCAL_RAY", "PlannedLayer", "RewritePlan", "StreamOptions", "plan_rewrite", "rewrite_streamed", "work_dir_of"]
+__all__ = ["LOCAL_RAY", "PlannedLayer", "RewritePlan", "StreamOptions", "plan_rewrite", "rewrite_streamed",
+           "work_dir_of"]

@@ -72,7 +72,7 @@ class StreamFactorizeLayers(RewritePass):
         dtype = stored_dtype(factorizer, layer)
         u, v = factor_arrays(self.work, job.index, dtype.numpy(), layer.k, layer.n, outcome.rank)
         options = self.context.options
-        first = FactorizedLayer(layer=layer, u=u, v=v, align=options.ranks.align, storage=factorizer._storage(),
+        first = FactorizedLayer(layer=layer, u=u, v=v, align=options.ranks.align, storage=factorizer.storage_dtype(),
                                 method=f"{options.method}/{options.factorization.svd}")
         surgery = SvdFactorizationPass([first] + [replace(first, layer=site) for site in layer_sites[1:]])
         surgery(model)

@@ -42,7 +42,7 @@ def factorize_job(factorizer: Factorizer, layer: LinearLayer, job: FactorJob, wo
 
 def stored_dtype(factorizer: Factorizer, layer: LinearLayer):
     """The ir.DataType the factors are stored in: the one asked for, else the weight's."""
-    return factorizer._storage() or layer.dtype
+    return factorizer.storage_dtype() or layer.dtype
 
 
 def factor_arrays(work: WorkDir, index: int, dtype, k: int, n: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
