@@ -127,6 +127,8 @@ def test_work_of_other_options_is_discarded_with_a_warning(llama_shaped, tmp_pat
 def test_streaming_refuses_what_needs_the_model_in_memory(llama_shaped, tmp_path, capsys):
     code = main(["rewrite", str(llama_shaped), "-o", str(tmp_path / "out.onnx"), "--stream", "--fuse-mlp"])
     assert code != 0 and "--fuse-mlp" in capsys.readouterr().err
+    code = main(["rewrite", str(llama_shaped), "-o", str(tmp_path / "out.onnx"), "--stream", "--include", "nothing"])
+    assert code != 0 and "none of the" in capsys.readouterr().err
     code = main(["rewrite", str(llama_shaped), "-o", str(llama_shaped), "--stream", "--force"])
     assert code != 0 and "would overwrite the input" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
@@ -159,6 +161,7 @@ def local_ray():
 
 
 @pytest.mark.slow  # a local Ray cluster starts in ~5 s
+@pytest.mark.xdist_group("ray")  # one local cluster: every Ray test on one xdist worker
 def test_ray_workers_make_the_same_factors_as_one_process(llama_shaped, tmp_path, local_ray):
     serial = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "serial" / "out.onnx", OPTIONS, ONE_THREAD)
     progress = _Recorder()
@@ -167,9 +170,14 @@ def test_ray_workers_make_the_same_factors_as_one_process(llama_shaped, tmp_path
     assert _files(tmp_path / "serial" / "out.onnx") == _files(tmp_path / "ray" / "out.onnx")
     assert len([detail for detail in progress.details if detail and " s)" in detail]) == 21  # one bar, every task
     assert [row.rank for row in distributed.report.layers] == [row.rank for row in serial.report.layers]
+    with pytest.raises(onnx_nmm.OptionError, match="asks each Ray task for 3 CPUs"):  # would wait forever
+        onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "too-many" / "out.onnx", OPTIONS,
+                                  onnx_nmm.StreamOptions(ray="local", threads=3))
+    assert not (tmp_path / "too-many").exists()
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_spectra_for_the_energy_rule_come_from_ray_workers(llama_shaped, tmp_path, local_ray):
     options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(energy=0.7, align=32))
     onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "serial" / "out.onnx", options, ONE_THREAD)
@@ -181,6 +189,7 @@ def test_spectra_for_the_energy_rule_come_from_ray_workers(llama_shaped, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_calibration_split_over_ray_workers_sums_to_the_serial_grams(export, tmp_path, local_ray):
     model = export("llama", "torchscript", external_data=True)
     results, progress = {}, _Recorder()

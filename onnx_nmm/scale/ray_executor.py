@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from onnx_nmm.errors import MissingDependencyError
+from onnx_nmm.errors import MissingDependencyError, OptionError
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import LinearLayer
 from onnx_nmm.pipeline import LayerOutcome
@@ -59,9 +59,10 @@ class RayExecutor:
 
 
 @contextlib.contextmanager
-def ray_cluster(address: str | None) -> Iterator[None]:
+def ray_cluster(address: str | None, threads: int) -> Iterator[None]:
     """Connected to the Ray cluster at `address` (LOCAL_RAY: RAY_ADDRESS's, or one started here) while the block
-    runs; nothing when `address` is None. A cluster this process was already connected to is left as it is."""
+    runs; nothing when `address` is None. A cluster this process was already connected to is left as it is.
+    Refused when no node has the `threads` CPUs a task asks for (Ray would wait for one forever)."""
     if address is None:
         yield
         return
@@ -70,6 +71,10 @@ def ray_cluster(address: str | None) -> Iterator[None]:
     if started:
         ray.init(address=None if address == LOCAL_RAY else address, log_to_driver=False)
     try:
+        largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")), default=0)
+        if (threads or 1) > largest:
+            raise OptionError(f"{{threads}} {threads} asks each Ray task for {threads} CPUs, and the largest node of "
+                              f"the cluster has {largest:g}: give at most that", threads="stream.threads")
         yield
     finally:
         if started:

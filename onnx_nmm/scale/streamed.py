@@ -51,17 +51,18 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     model_path, output = Path(model), Path(output)
     source = ModelSource(model_path)
     check_output_path(model_path, output, overwrite_input=False)
-    work = WorkDir.open(output, fingerprint(model_path, _settings(options, stream)), stream.resume)
-    context = RewriteContext(options, source, progress)
-    context.report.weight_bytes_before = weight_bytes(source.model)
-    make_executor = functools.partial(_executor, context, stream, work, model_path)
-    gather = GatherStatistics(context) if stream.ray is None else GatherStatisticsOnRay(context, model_path)
-    spectra = [SpectraOnRay(context, model_path, stream.threads)] if stream.ray is not None else []
-    passes = [gather, *spectra, PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
-    with ray_cluster(stream.ray):
+    context = RewriteContext(options, source, progress)  # a bad calibration source is refused here
+    with ray_cluster(stream.ray, stream.threads):  # so is a cluster that cannot run the tasks
+        work = WorkDir.open(output, fingerprint(model_path, _settings(options, stream)), stream.resume)
+        context.report.weight_bytes_before = weight_bytes(source.model)
+        make_executor = functools.partial(_executor, context, stream, work, model_path)
+        gather = GatherStatistics(context) if stream.ray is None else GatherStatisticsOnRay(context, model_path)
+        spectra = [SpectraOnRay(context, model_path, stream.threads)] if stream.ray is not None else []
+        passes = [gather, *spectra, PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
         try:
             ir.passes.Sequential(*passes)(source.model)
         except ir.passes.PassError as error:
+            work.remove_if_empty()  # bad input found before any matrix was finished: nothing to resume
             raise _root_cause(error) from None
     context.report.weight_bytes_after = weight_bytes(source.model)
     with progress.phase("writing"):

@@ -100,6 +100,11 @@ class WorkDir:
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def remove_if_empty(self) -> None:
+        """Remove the folder if it records no finished matrix."""
+        if not any(path.name != MANIFEST for path in self.folder.glob("*.json")):
+            self.remove()
+
 
 def _read_json(path: Path) -> dict:
     try:
