@@ -15,9 +15,11 @@ The input is never written; the output appears only when whole, and `<output>.pa
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm import __version__
@@ -80,8 +82,13 @@ def _executor(context: RewriteContext, stream: StreamOptions, work: WorkDir, mod
 
 
 def _settings(options: RewriteOptions, stream: StreamOptions) -> str:
-    """What shapes the factors' bytes: the options, the BLAS threads, onnx-nmm's version (not where they run)."""
-    return f"{__version__}|{options!r}|threads={stream.threads}"
+    """What shapes the factors' bytes: the options, the BLAS threads, onnx-nmm's version (not where they run).
+    Token ids given as an array are hashed (their repr elides the middle); files are named by path."""
+    tokens = options.calibration.source if options.calibration is not None else None
+    digest = ""
+    if isinstance(tokens, np.ndarray):
+        digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+    return f"{__version__}|{options!r}|{digest}|threads={stream.threads}"
 
 
 def _refuse_in_memory_only(options: RewriteOptions) -> None:
