@@ -47,13 +47,16 @@ class _Recorder(onnx_nmm.Progress):
         yield Phase()
 
 
-def test_the_streamed_rewrite_writes_what_the_in_memory_one_does(llama_shaped, tmp_path):
-    streamed = onnx_nmm.rewrite_streamed(llama_shaped, tmp_path / "a" / "out.onnx", OPTIONS, ONE_THREAD)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_streamed_rewrite_writes_what_the_in_memory_one_does(llama_shaped, tmp_path, dtype):
+    model = llama_shaped if dtype == "bfloat16" else write_llama_shaped(tmp_path / "in", 256, 512, 64, 3, dtype)
+    streamed = onnx_nmm.rewrite_streamed(model, tmp_path / "a" / "out.onnx", OPTIONS, ONE_THREAD)
     with threadpool_limits(1):
-        in_memory = onnx_nmm.rewrite(llama_shaped, OPTIONS)
+        in_memory = onnx_nmm.rewrite(model, OPTIONS)
     in_memory.save(tmp_path / "b" / "out.onnx", external_data=True)
     assert _files(tmp_path / "a" / "out.onnx") == _files(tmp_path / "b" / "out.onnx")
     assert len(streamed.report.factorized) == 21 and not (tmp_path / "a" / "out.onnx.partial").exists()
+    assert {row.dtype for row in streamed.report.factorized} == {dtype}
     x = np.random.default_rng(0).standard_normal((1, 3, 256)).astype(np.float32)
     (y,) = ort.InferenceSession(str(tmp_path / "a" / "out.onnx")).run(None, {"hidden_states.0": x})
     assert np.all(np.isfinite(y))
@@ -124,6 +127,14 @@ def test_work_of_other_options_is_discarded_with_a_warning(llama_shaped, tmp_pat
     assert {layer.rank for layer in result.report.factorized} == {96} and len(result.report.factorized) == 9
 
 
+def test_restart_discards_the_work_of_a_killed_run(llama_shaped, tmp_path):
+    output = tmp_path / "out.onnx"
+    _killed_run(llama_shaped, output, "factorizing", 3)
+    progress = _Recorder()
+    onnx_nmm.rewrite_streamed(llama_shaped, output, OPTIONS, onnx_nmm.StreamOptions(threads=1, resume=False), progress)
+    assert not any("(resumed)" in (detail or "") for detail in progress.details) and output.exists()
+
+
 def test_streaming_refuses_what_needs_the_model_in_memory(llama_shaped, tmp_path, capsys):
     code = main(["rewrite", str(llama_shaped), "-o", str(tmp_path / "out.onnx"), "--stream", "--fuse-mlp"])
     assert code != 0 and "--fuse-mlp" in capsys.readouterr().err
@@ -146,6 +157,8 @@ def test_the_dry_run_plans_and_writes_nothing(llama_shaped, tmp_path, capsys):
     assert main(["rewrite", str(llama_shaped), "-o", str(output), "--dry-run", *CLI_OPTIONS[:-1]]) == 0
     out = capsys.readouterr().out
     assert "21 targets" in out and "measured" in out and "modelled" in out and not list(tmp_path.iterdir())
+    code = main(["rewrite", str(llama_shaped), "-o", str(output), "--dry-run", "--energy", "0.9"])
+    assert code != 0 and "--keep" in capsys.readouterr().err and not list(tmp_path.iterdir())
     plan = onnx_nmm.plan_rewrite(llama_shaped, OPTIONS, threads=1)
     assert plan.sample_seconds > 0 and plan.seconds_on(4) <= plan.seconds
     gate = next(layer for layer in plan.layers if layer.role == "gate")
