@@ -35,6 +35,7 @@ from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptio
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
 from onnx_nmm.progress import Phase, Progress
 from onnx_nmm.rank_plan import Dense, RankPlan
+from onnx_nmm.scale import RewritePlan, StreamOptions, plan_rewrite, rewrite_streamed, work_dir_of
 from onnx_nmm.trainium_speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "compile", "decoder_shape", "decoder_shape_of_config", "describe_machine", "diff", "diff_on_text",
     "estimate_trainium", "evaluate", "export_causal_lm", "export_checkpoint", "external_data_path", "factorized", "finetune", "generate", "inspect", "load_gguf_causal_lm", "load_tokenizer", "rewrite",
     "run_model",
+    "RewritePlan", "StreamOptions", "plan_rewrite", "rewrite_streamed", "work_dir_of",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _scale
 from onnx_nmm.cli._common import default
 from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, SVD_METHODS
 
@@ -89,6 +89,7 @@ def register(subparsers) -> None:
     parser.add_argument("--report", metavar="FILE.json", help="write the per-layer report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot rank and error of every targeted layer")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    _scale.add_scale_options(parser)
     parser.set_defaults(handler=run)
 
 
@@ -96,11 +97,16 @@ def run(args) -> int:
     options = rewrite_options(args)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".nmm.onnx")
+    if args.dry_run:
+        return _scale.print_plan(args, options, source)
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
     with _common.progress(args.quiet) as progress:
-        result = onnx_nmm.rewrite(source, options, progress)
-        with progress.phase("writing"):
-            result.save(output, EXTERNAL_DATA[args.external_data], overwrite_input=args.force)
+        if _scale.streams(args):
+            result = _scale.rewrite_streamed(args, options, source, output, progress)
+        else:
+            result = onnx_nmm.rewrite(source, options, progress)
+            with progress.phase("writing"):
+                result.save(output, EXTERNAL_DATA[args.external_data], overwrite_input=args.force)
     report = result.report
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})

@@ -77,7 +77,7 @@ class Factorizer:
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(v))):
             raise ExecutionError(f"factorizing {layer.name} gave non-finite factors; nothing was written "
                                  "(please report this with the model)")
-        factors = FactorizedLayer(layer=layer, u=u, v=v, align=self.align, storage=self._storage(),
+        factors = FactorizedLayer(layer=layer, u=u, v=v, align=self.align, storage=self.storage_dtype(),
                                   method=f"{self.options.method}/{self.options.svd}", quantized=self._quantized(layer, u, v))
         outcome = LayerOutcome.of(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
                                   relative_error=decomposition.relative_error(rank), bytes_after=_bytes(factors))
@@ -93,7 +93,7 @@ class Factorizer:
         outcome.seconds = time.perf_counter() - start
         return outcome, factors
 
-    def _storage(self) -> ir.DataType | None:
+    def storage_dtype(self) -> ir.DataType | None:
         """The float dtype asked for the factors, if any."""
         return {"float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}.get(self.options.factor_dtype)
 

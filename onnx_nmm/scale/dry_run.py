@@ -1,0 +1,105 @@
+"""A rewrite's plan before it runs: every target's shape and rank, parameters and bytes before and after, and
+the time it would take, from one sample matrix factorized now and scaled to the others.
+
+    t(K×N) = t_sample · (K·N·min(K, N)) / (K_s·N_s·min(K_s, N_s))       (dense SVD cost; modelled)
+
+Nothing is written. Ranks come from the rule (keep, rank, ranks from a report); rules that choose ranks from
+spectra or calibration cannot be planned without doing their work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from threadpoolctl import threadpool_limits
+
+from onnx_nmm.errors import OptionError
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.pipeline import PlanRanks, RewriteContext
+from onnx_nmm.pipeline.context import targets
+from onnx_nmm.pipeline.factorizer import Factorizer
+from onnx_nmm.rank_plan import Dense
+from onnx_nmm.scale.jobs import blas_threads
+
+
+@dataclass
+class PlannedLayer:
+    name: str
+    module_path: str
+    role: str
+    k: int
+    n: int
+    dtype: str
+    rank: int | None  # None: stays dense
+    reason: str
+    parameters_before: int
+    parameters_after: int
+    bytes_before: int
+    bytes_after: int
+    seconds: float  # modelled from the sample (0 for a dense layer)
+
+
+@dataclass
+class RewritePlan:
+    layers: list[PlannedLayer] = field(default_factory=list)
+    sample: str = ""  # the matrix factorized to measure, K×N
+    sample_seconds: float = 0.0  # measured
+    threads: int = 1
+    note: str = ""  # what the estimate leaves out
+
+    @property
+    def seconds(self) -> float:
+        """Modelled time of every factorization, one after the other."""
+        return sum(layer.seconds for layer in self.layers)
+
+    def seconds_on(self, workers: int) -> float:
+        """Modelled time on `workers` equal workers, matrices handed out largest first."""
+        loads = [0.0] * workers
+        for layer in sorted(self.layers, key=lambda layer: -layer.seconds):
+            loads[loads.index(min(loads))] += layer.seconds
+        return max(loads)
+
+
+def plan_rewrite(model: str | os.PathLike, options: RewriteOptions | None = None, threads: int = 0) -> RewritePlan:
+    """Plan the rewrite of the model at `model` and time one sample factorization (the largest target)."""
+    options = options or RewriteOptions()
+    if options.ranks.needs_spectra or options.calibration is not None:
+        raise OptionError("a plan takes ranks from {keep}, rank or ranks from a report, without calibration: "
+                          "drop {calibration} or the spectrum-based rule to plan", keep="ranks.keep",
+                          calibration="calibration.source")
+    source = ModelSource(Path(model))
+    context = RewriteContext(options, source)
+    PlanRanks(context)(source.model)
+    _, chosen, _ = targets(source.model, options)
+    ranked = [layer for layer in chosen if not isinstance(context.plan[layer.name], Dense)]
+    plan = RewritePlan(threads=blas_threads(threads))
+    cost = {}
+    if ranked:
+        sample = max(ranked, key=_svd_cost)
+        factorizer = Factorizer(options.factorization, None, options.ranks.align)
+        with threadpool_limits(limits=plan.threads):
+            start = time.perf_counter()
+            factorizer.factorize(sample, context.plan[sample.name])
+            plan.sample_seconds = time.perf_counter() - start
+        plan.sample = f"{sample.module_path or sample.name} ({sample.k}×{sample.n})"
+        cost = {layer.name: plan.sample_seconds * _svd_cost(layer) / _svd_cost(sample) for layer in ranked}
+    storage = {"float16": 2, "float32": 4}.get(options.factorization.factor_dtype)
+    for layer in chosen:
+        choice = context.plan[layer.name]
+        dense = isinstance(choice, Dense)
+        itemsize = layer.dtype.itemsize
+        after = layer.parameters if dense else choice * (layer.k + layer.n)
+        plan.layers.append(PlannedLayer(
+            layer.name, layer.module_path, layer.role, layer.k, layer.n, layer.dtype.name.lower(),
+            None if dense else choice, choice.reason if dense else "", layer.parameters, after,
+            int(layer.parameters * itemsize), int(after * (itemsize if dense else storage or itemsize)),
+            cost.get(layer.name, 0.0)))
+    return plan
+
+
+def _svd_cost(layer) -> int:
+    return layer.k * layer.n * min(layer.k, layer.n)

@@ -1,0 +1,106 @@
+"""A rewrite straight to a file, for models larger than memory: the in-memory rewrite's passes with the
+factorization streamed (factorize.py), resumable, optionally spread over a Ray cluster.
+
+    load graph (weights memory-mapped) ─ GatherStatistics ─ PlanRanks ─ StreamFactorizeLayers ─ write_streamed
+                                         on Ray: windows split   one matrix at a time,         tensor by tensor,
+                                         over workers, Grams     recorded in <output>.partial  renamed into place
+                                         summed (calibration.py);
+                                         then every spectrum, when
+                                         the rank rule needs them
+                                         (spectra.py)
+
+The input is never written; the output appears only when whole, and `<output>.partial/` is removed then.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_nmm import __version__
+from onnx_nmm.errors import OptionError
+from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.pipeline import GatherStatistics, PlanRanks, RewriteContext, RewriteResult
+from onnx_nmm.pipeline import _root_cause
+from onnx_nmm.progress import Progress
+from onnx_nmm.scale.factorize import StreamFactorizeLayers
+from onnx_nmm.scale.options import StreamOptions
+from onnx_nmm.scale.spectra import SpectraOnRay
+from onnx_nmm.scale.calibration import GatherStatisticsOnRay
+from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray, ray_cluster
+from onnx_nmm.scale.work_dir import WorkDir, fingerprint
+from onnx_nmm.scale.writer import write_streamed
+
+
+def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, options: RewriteOptions | None = None,
+                     stream: StreamOptions | None = None, progress: Progress | None = None) -> RewriteResult:
+    """Rewrite the model at `model` into `output` (weights in `<output>.data`) without holding the model in
+    memory; killed at any point, the same call takes up where it stopped and writes the same bytes.
+
+    The result's model references the written files. Raises an OnnxNmmError subclass for bad input.
+    """
+    options, stream, progress = options or RewriteOptions(), stream or StreamOptions(), progress or Progress()
+    _refuse_in_memory_only(options)
+    if stream.ray is not None:
+        import_ray()  # a missing ray is said before any work
+    model_path, output = Path(model), Path(output)
+    source = ModelSource(model_path)
+    check_output_path(model_path, output, overwrite_input=False)
+    context = RewriteContext(options, source, progress)  # a bad calibration source is refused here
+    with ray_cluster(stream.ray, stream.threads):  # so is a cluster that cannot run the tasks
+        work = WorkDir.open(output, fingerprint(model_path, _settings(options, stream)), stream.resume)
+        context.report.weight_bytes_before = weight_bytes(source.model)
+        make_executor = functools.partial(_executor, context, stream, work, model_path)
+        gather = GatherStatistics(context) if stream.ray is None else GatherStatisticsOnRay(context, model_path)
+        spectra = [SpectraOnRay(context, model_path, stream.threads)] if stream.ray is not None else []
+        passes = [gather, *spectra, PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
+        try:
+            ir.passes.Sequential(*passes)(source.model)
+        except ir.passes.PassError as error:
+            work.remove_if_empty()  # bad input found before any matrix was finished: nothing to resume
+            raise _root_cause(error) from None
+    context.report.weight_bytes_after = weight_bytes(source.model)
+    with progress.phase("writing"):
+        write_streamed(source.model, output, work.staging, functools.partial(check_model_file, source=model_path))
+    carry_genai_config(model_path, output)
+    work.remove()
+    return RewriteResult(source.model, context.report, model_path, True)
+
+
+def _executor(context: RewriteContext, stream: StreamOptions, work: WorkDir, model_path: Path, factorizer, layers):
+    if stream.ray is None:
+        return LocalExecutor(factorizer, layers, work, stream.threads)
+    return RayExecutor(model_path, context.options.factorization, context.statistics,
+                       context.options.ranks.align, work, stream.threads)
+
+
+def _settings(options: RewriteOptions, stream: StreamOptions) -> str:
+    """What shapes the factors' bytes: the options, the BLAS threads, onnx-nmm's version (not where they run).
+    Token ids given as an array are hashed (their repr elides the middle); files are named by path."""
+    tokens = options.calibration.source if options.calibration is not None else None
+    digest = ""
+    if isinstance(tokens, np.ndarray):
+        digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+    return f"{__version__}|{options!r}|{digest}|threads={stream.threads}"
+
+
+def _refuse_in_memory_only(options: RewriteOptions) -> None:
+    """Steps that need the whole model in memory, or many passes over it."""
+    if options.sequential:
+        raise OptionError("sequential calibration reruns the partly compressed model after every group: a streamed "
+                          "rewrite does not do it; use {mode} independent", mode="calibration.mode")
+    if options.ranks.measures_damage:
+        raise OptionError("{rule} measures damage on a probe model held in memory: a streamed rewrite takes "
+                          "{keep}, rank, energy, a global budget or ranks from a report",
+                          rule=f"ranks.{'budget' if options.ranks.budget == 'sensitivity' else options.ranks.rule}",
+                          keep="ranks.keep")
+    if options.fuse_mlp:
+        raise OptionError("{fuse_mlp} is not done by a streamed rewrite yet: rewrite, then fuse in memory",
+                          fuse_mlp="fuse_mlp")
