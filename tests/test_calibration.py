@@ -228,3 +228,28 @@ def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):
     text.write_text("some words")
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text)
     assert code == 2 and "--tokenizer" in err and not (tmp_path / "o.onnx").exists()
+
+
+def test_calibration_sources_parse_generated_and_mix(tmp_path):
+    import onnx_nmm
+    from onnx_nmm.cli._common import calibration_sources
+
+    options = onnx_nmm.CalibrationOptions(["a.txt", "generated:8", "generated"])
+    assert options.source == ("a.txt", onnx_nmm.GeneratedText(samples=8), onnx_nmm.GeneratedText())
+    assert onnx_nmm.CalibrationOptions("generated:5").source == onnx_nmm.GeneratedText(samples=5)
+    with pytest.raises(onnx_nmm.OptionError, match="generated:N with N the number of windows"):
+        onnx_nmm.CalibrationOptions("generated:many")
+    assert calibration_sources(["a.txt"], None) == "a.txt"
+    assert calibration_sources(["a.txt", "generated:4"], "kv.onnx") == [
+        "a.txt", onnx_nmm.GeneratedText(samples=4, generator="kv.onnx")]
+
+
+def test_nucleus_sampling_keeps_to_the_nucleus_and_repeats_with_its_seed():
+    from onnx_nmm.generated_text import sample_nucleus
+
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    picks = sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0))
+    assert set(picks) == {0, 1}  # 0.5 + 0.3 crosses 0.75: the rest is cut
+    assert abs(np.mean(picks == 0) - 0.5 / 0.8) < 0.05
+    np.testing.assert_array_equal(picks, sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0)))
+    assert set(sample_nucleus(logits, 1.0, 0.4, np.random.default_rng(1))) == {0}
