@@ -278,7 +278,11 @@ class CalibrationData:
         """The `held_out` windows drawn from the same sources as, and disjoint from, `windows()`."""
         if self.held_out < 1:
             raise ValueError("these calibration data hold no windows out")
-        return self._windows()[1]
+        kept, held = self._windows()
+        if not len(held.tokens):
+            raise DataError(f"the calibration sources give {len(kept.tokens)} window(s), too few to hold any out for "
+                            "measuring a budget on: give a longer text or more token ids")
+        return held
 
     def _windows(self) -> tuple[TokenWindows, TokenWindows]:
         if self._split is not None:

@@ -4,8 +4,8 @@ A book calibrates the model for that book. Windows sampled from the dense model 
 does in general — its own distribution of text — so statistics, quality budgets and distillation learned
 from them are not tied to one corpus (docs/quality.md measures the difference).
 
-Each window starts with the start-of-text token (`start_token`: the BOS a Llama tokenizer puts before
-every text, or the end-of-text token that separates the documents of GPT-2, SmolLM2 and Qwen) and continues with
+Each window starts with the tokenizer's BOS token (`start_token`; without one, the end-of-text token that
+separates pretraining documents) and continues with
 `seq_len − 1` tokens sampled from softmax(logits / temperature) restricted to the nucleus holding `top_p`
 of the probability (Holtzman et al., 2020). Windows are generated `batch` at a time through the KV cache
 when the model has one (onnx_nmm.decoding; without one every step re-reads the sequence, which costs
@@ -97,20 +97,15 @@ def parse_generated(source) -> GeneratedText | None:
 
 
 def start_token(tokenizer) -> int:
-    """The token a document starts with: the BOS the tokenizer puts before every text (Llama's), else the
-    end-of-text token that separates pretraining documents (GPT-2's, SmolLM2's, Qwen's "<|endoftext|>" — a
-    chat model's BOS, such as SmolLM2's "<|im_start|>", would start a chat turn instead), else BOS or EOS."""
-    from onnx_nmm.calibration_data import bos_id
-
-    if bos_id(tokenizer) is not None:
-        return int(bos_id(tokenizer))
-    separator = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    if isinstance(separator, int) and separator != getattr(tokenizer, "unk_token_id", None):
-        return separator
-    for name in ("bos_token_id", "eos_token_id"):
-        token = getattr(tokenizer, name, None)
-        if token is not None:
-            return int(token)
+    """The token a generated window starts with: the tokenizer's BOS (SmolLM2's is "<|im_start|>", and its
+    windows read as general prose nonetheless), else the end-of-text token that separates pretraining
+    documents ("<|endoftext|>": GPT-2's, Qwen's), else EOS."""
+    if getattr(tokenizer, "bos_token_id", None) is not None:
+        return int(tokenizer.bos_token_id)
+    if "<|endoftext|>" in tokenizer.get_vocab():
+        return int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return int(tokenizer.eos_token_id)
     raise DataError("the tokenizer has neither a BOS nor an end-of-text token to start generated windows with")
 
 
@@ -124,7 +119,7 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
     first = text.start_token
     if first is None:
         if tokenizer is None:
-            raise OptionError("generated windows start with the tokenizer's start-of-text token: give the "
+            raise OptionError("generated windows start with the tokenizer's BOS token: give the "
                               "{tokenizer}", tokenizer="calibration.tokenizer")
         first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
     cache = _cache_file(writer, text, seq_len, first)

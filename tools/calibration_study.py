@@ -1,7 +1,7 @@
 """Which calibration text makes a rewrite hold on text it never saw: the King James Old Testament, text the
 model generates itself, or both mixed — scored on two domains.
 
-    python tools/calibration_study.py [--keeps 0.94 0.92 0.9] [--calib-samples 32] [--finetune-seconds 360]
+    python tools/calibration_study.py [--keeps 0.95 0.9] [--calib-samples 16] [--finetune-seconds 300]
 
 For each calibration (`--calib kjv.txt`, `--calib generated:N`, `--calib kjv.txt --calib generated:N/2`
 with N/2 Old Testament windows), with everything on (Fisher-weighted SVD, ranks where the predicted KL
@@ -43,11 +43,11 @@ BUDGET = 0.1  # the --max-ppl-increase row
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--keeps", type=float, nargs="*", default=[0.94, 0.92, 0.9])
-    parser.add_argument("--calib-samples", type=int, default=32, help="windows of 512 tokens for the statistics")
+    parser.add_argument("--keeps", type=float, nargs="*", default=[0.95, 0.9])
+    parser.add_argument("--calib-samples", type=int, default=16, help="windows of 512 tokens for the statistics")
     parser.add_argument("--sensitivity-windows", type=int, default=4, help="held-out windows a budget is measured on")
     parser.add_argument("--eval-windows", type=int, default=8, help="windows of 512 tokens scored per domain")
-    parser.add_argument("--finetune-seconds", type=int, default=360)
+    parser.add_argument("--finetune-seconds", type=int, default=300)
     parser.add_argument("--calibrations", nargs="*", default=["kjv", "generated", "mixed"])
     parser.add_argument("--work", default="out/calibration")
     parser.add_argument("--out", default="docs/quality.md")
@@ -151,7 +151,7 @@ class Study:
             "aligned to 32 where the predicted KL says they cost least, then `finetune` with its defaults",
             f"(distillation from the dense model) on the same calibration text for {a.finetune_seconds} s. Calibration",
             "windows are 512 tokens; *generated* windows are sampled from the dense model itself",
-            "(`--calib generated:N`: start-of-text token, temperature 1, top-p 0.95, one seed per batch of 8).",
+            "(`--calib generated:N`: the BOS token `<|im_start|>`, then temperature 1, top-p 0.95, one seed per batch of 8).",
             f"Every model is scored on {a.eval_windows} windows of 512 tokens of two texts no step saw: **KJV NT**, the",
             "held-out New Testament (the calibration corpus's other part), and **modern**, English news prose of",
             "2001 from another source (the Lee corpus, 300 ABC news articles, shipped as test data in the PyPI",
