@@ -215,7 +215,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                          f"{vocabulary}: give the dense model this one was rewritten from")
     phases = _Phases()
     with phases("reading data"):
-        windows = data.windows(options.teacher)
+        windows = data.windows(options.teacher or recorded_dense_model(source.model))
         check_windows(windows.tokens, options.training)
         check_token_ids(windows.tokens, vocabulary, windows.description, source.label)
         evaluation = options.evaluation
