@@ -9,7 +9,9 @@ says they cost least, distillation fine-tuning), SmolLM2-135M's MLPs are rewritt
 
     --max-ppl-increase 0.1   the budget, measured on calibration windows held out of the statistics: what it
                              promises (its measured mean and spread over those windows) against what it delivers
-    --keep K --budget sensitivity   fixed reductions, K in --keeps
+    --keep K --budget global        fixed reductions, K in --keeps, spent where the predicted KL is least
+                                    (no measurement: the sensitivity budget would measure the same choice
+                                    once more on a probe, which costs minutes a model on a shared CPU)
     + distillation           the smallest K fine-tuned with `finetune`'s defaults (distillation from the dense
                              model) on the same calibration text, for --finetune-seconds
 
@@ -51,6 +53,9 @@ def main() -> int:
     parser.add_argument("--calibrations", nargs="*", default=["kjv", "generated", "mixed"])
     parser.add_argument("--work", default="out/calibration")
     parser.add_argument("--out", default="docs/quality.md")
+    parser.add_argument("--only-kept", action="store_true",
+                        help="run nothing new: write the page from the models an earlier run left in --work, and "
+                             "say which steps are missing")
     args = parser.parse_args()
     study = Study(args)
     study.run()
@@ -68,6 +73,7 @@ class Study:
         self.commands = CommandLog()
         self.rows: list[dict] = []
         self.dense: dict[str, float] = {}
+        self.missing: list[str] = []  # steps --only-kept found no model for
 
     def calibration(self, name: str) -> list:
         n = self.args.calib_samples
@@ -102,14 +108,26 @@ class Study:
                                                                "--max-ppl-increase", BUDGET], outputs=[stats])
         for keep in sorted(a.keeps, reverse=True):
             self.rewrite(name, f"keep-{keep}", common + ["--calib-stats", stats, "--keep", keep, "--budget",
-                                                         "sensitivity"])
-        if a.keeps:
-            self.finetune(name, self.work / f"{name}-keep-{min(a.keeps)}.onnx", self.rows[-1])
+                                                         "global"])
+        smallest = self.work / f"{name}-keep-{min(a.keeps)}.onnx" if a.keeps else None
+        if smallest is not None and smallest.exists():
+            self.finetune(name, smallest, self.rows[-1])
+        elif smallest is not None:
+            self.missing.append(f"{smallest.stem}-distilled")
         del budget
 
-    def rewrite(self, name: str, tag: str, flags: list, outputs: list | None = None) -> Path:
+    def kept(self, out: Path, report: Path) -> bool:
+        """Whether to go on with a step: always, unless --only-kept and it left no model."""
+        if self.args.only_kept and not (out.exists() and report.exists()):
+            self.missing.append(out.stem)
+            return False
+        return True
+
+    def rewrite(self, name: str, tag: str, flags: list, outputs: list | None = None) -> Path | None:
         out = self.work / f"{name}-{tag}.onnx"
         report = out.with_suffix(".json")
+        if not self.kept(out, report):
+            return None
         self.commands.produce([out, report, *(outputs or [])], "rewrite", self.model, "-o", out, *flags,
                               "--report", report)
         written = json.loads(report.read_text())
@@ -122,9 +140,11 @@ class Study:
         print(self.rows[-1], flush=True)
         return out
 
-    def finetune(self, name: str, rewritten: Path, base: dict) -> Path:
+    def finetune(self, name: str, rewritten: Path, base: dict) -> Path | None:
         tuned = rewritten.with_name(f"{rewritten.stem}-distilled.onnx")
         report = tuned.with_suffix(".json")
+        if not self.kept(tuned, report):
+            return None
         self.commands.produce([tuned, report], "finetune", rewritten, "-o", tuned, *self.training_text(name),
                               "--tokenizer", self.tokenizer, "--seq-len", "512", "--time-budget",
                               self.args.finetune_seconds, "--report", report, "--quiet", "--force")
@@ -173,12 +193,16 @@ class Study:
         best = self.best_within()
         lines += ["", "Largest share of the MLP parameters removed within +10 % on the modern text, of the models tried:",
                   ""]
+        ran = {row["calibration"] for row in self.rows}
         lines += [f"- {names[name]}: **{removed:.2%}**" if removed is not None else
-                  f"- {names[name]}: none of the models tried" for name, removed in best.items()]
+                  f"- {names[name]}: {'none of the models tried' if name in ran else 'not run'}"
+                  for name, removed in best.items()]
         met = [name for name, removed in best.items() if removed is not None and removed >= BAR]
         lines += ["", f"The bar — at least {BAR:.0%} of the MLP parameters removed within +10 % on the modern text, "
                       "calibrated without it — is " + (f"**met** by {', '.join(names[n] for n in met)}." if met
                                                         else "**not met**.")]
+        if self.missing:
+            lines += ["", "Not run (out of time on a CPU shared with other jobs): " + ", ".join(self.missing) + "."]
         lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",
                   f"Generated by `{shlex.join(['python', 'tools/calibration_study.py', *sys.argv[1:]])}`:",
                   "", "```", *self.commands.lines, "```"]
