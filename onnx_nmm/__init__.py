@@ -27,6 +27,7 @@ from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, Missin
 from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
 from onnx_nmm.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
+from onnx_nmm.generated_text import GeneratedText
 from onnx_nmm.generation import GenerateOptions, Generation, generate
 from onnx_nmm.host import describe_machine
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
@@ -41,7 +42,7 @@ from onnx_nmm.trainium_speed import TrainiumEstimate, TrainiumOptions, estimate_
 __all__ = [
     "Benchmark", "BenchOptions", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError",
     "Decoder", "DecoderShape", "DecoderState", "Dense", "Diff", "DiffOptions", "Evaluation", "ExecutionError", "FactorizationOptions",
-    "FinetuneOptions", "FinetuneResult", "GenerateOptions", "Generation", "Inspection", "LayerInfo", "LayerOutcome",
+    "FinetuneOptions", "FinetuneResult", "GeneratedText", "GenerateOptions", "Generation", "Inspection", "LayerInfo", "LayerOutcome",
     "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing",
     "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
     "RewriteReport", "RewriteResult", "RUN_BACKENDS", "RunResult", "Selection", "TextDiff", "TextOptions",

@@ -33,6 +33,16 @@ class TokenWindows:
 
     tokens: np.ndarray  # [samples, seq_len], int64
     description: str
+    ids: list[str] | None = None  # one name per window, saying where it came from ("kjv.txt#12", "generated#3")
+
+    def __post_init__(self):
+        if self.ids is None:
+            self.ids = [f"{self.description.split(':')[0]}#{i}" for i in range(len(self.tokens))]
+
+    def take(self, rows) -> "TokenWindows":
+        """The windows at `rows` (indices), with their ids."""
+        rows = list(rows)
+        return TokenWindows(self.tokens[rows], self.description, [self.ids[i] for i in rows])
 
     def batches(self, batch_size: int):
         for start in range(0, len(self.tokens), batch_size):
@@ -109,7 +119,7 @@ def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, s
     if first is not None:
         chosen = np.concatenate([np.full((count, 1), first, dtype=np.int64), chosen], axis=1)
         description += f", each starting with BOS (id {first})"
-    return TokenWindows(chosen, description)
+    return TokenWindows(chosen, description, [f"{Path(path).name}#{i}" for i in picks])
 
 
 def windows_from_array(ids, samples: int | None, description: str) -> TokenWindows:
@@ -187,33 +197,53 @@ def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, mod
 
 
 def _is_text(source) -> bool:
-    return not isinstance(source, np.ndarray) and str(source) != RANDOM_CALIBRATION and not str(source).endswith(".npz")
+    from onnx_nmm.generated_text import parse_generated
+
+    return not isinstance(source, np.ndarray) and str(source) != RANDOM_CALIBRATION \
+        and not str(source).endswith(".npz") and parse_generated(source) is None
 
 
 class CalibrationData:
     """What a rewrite's calibration options point at, decided once: token windows to run the model (whose
     graph is `graph`) on, statistics saved earlier, or both (saved statistics, and a text for what must run
-    the model); and the statistics they give."""
+    the model); and the statistics they give.
 
-    def __init__(self, options: CalibrationOptions, graph: ir.Graph):
+    The source is one token source or several, mixed (`[text, "generated:64"]`): each text gives the
+    options' `samples` windows, each generated source its own count (onnx_nmm.generated_text), sampled
+    from `model` unless it names a generator. With `held_out` > 0, that many further windows are drawn from
+    the same sources and kept apart: `windows()` (statistics, sequential calibration) never includes them,
+    `held_out_windows()` (what the quality budgets are measured on) is only them — disjoint by construction.
+    """
+
+    def __init__(self, options: CalibrationOptions, graph: ir.Graph, model=None, held_out: int = 0):
         self.options = options
         self.graph = graph
+        self.model = model
+        self.held_out = held_out
         source = options.source
         source_is_statistics = isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") \
             and GramStatistics.is_statistics_file(source)
         if options.statistics is not None and not GramStatistics.is_statistics_file(options.statistics):
             raise DataError(f"{options.statistics} is not a statistics file saved by an earlier rewrite")
         self.statistics_file = options.statistics or (source if source_is_statistics else None)
-        self.token_source = None if source_is_statistics else source
-        if options.spread and (self.token_source is None or not _is_text(self.token_source)):
+        self.token_sources = [] if source_is_statistics or source is None else token_sources(source)
+        if options.spread and not any(_is_text(s) for s in self.token_sources):
             raise OptionError("{spread} chooses windows of a text: give {source} a text file",
                               spread="calibration.spread", source="calibration.source")
+        self._split: tuple[TokenWindows, TokenWindows] | None = None
+
+    @property
+    def token_source(self):
+        """The token sources, or None when the options hold only saved statistics."""
+        return self.token_sources or None
 
     def statistics(self, source: ModelSource, layers: list[LinearLayer], method: str, seed: int,
                    progress: Progress) -> GramStatistics:
         """The Grams of `layers` that `method` needs: loaded when the options point at saved ones, else
         gathered by running `source`'s original model on the windows — XᵀX in onnxruntime, with fisher XᵀX
         and the output-gradient Grams in PyTorch — and saved when asked."""
+        if self.model is None:
+            self.model = source
         if self.statistics_file is not None:
             statistics = GramStatistics.load(self.statistics_file)
         else:
@@ -240,24 +270,110 @@ class CalibrationData:
                                          on_batch=phase.advance)
 
     def windows(self, samples: int | None = None) -> TokenWindows:
-        """The calibration windows: `samples` of them (default: the options' count), chosen from the text's
-        start or spread over it as the options say."""
+        """The calibration windows (never a held-out one): all of them, or the first `samples`."""
+        windows = self._windows()[0]
+        return windows if samples is None else windows.take(range(min(samples, len(windows.tokens))))
+
+    def held_out_windows(self) -> TokenWindows:
+        """The `held_out` windows drawn from the same sources as, and disjoint from, `windows()`."""
+        if self.held_out < 1:
+            raise ValueError("these calibration data hold no windows out")
+        kept, held = self._windows()
+        if not len(held.tokens):
+            raise DataError(f"the calibration sources give {len(kept.tokens)} window(s), too few to hold any out for "
+                            "measuring a budget on: give a longer text or more token ids")
+        return held
+
+    def _windows(self) -> tuple[TokenWindows, TokenWindows]:
+        if self._split is not None:
+            return self._split
         if self.token_source is None:
             raise OptionError(f"{self.statistics_file} holds statistics, but this rewrite runs the model on "
                               "calibration tokens (sequential calibration, a quality budget, or fisher): give "
                               "{source} a text or token ids, and the statistics as {statistics}",
                               source="calibration.source", statistics="calibration.statistics")
+        # Held-out windows: an equal share from each source, taken after (or, spread, between) its own.
+        shares = [self.held_out // len(self.token_sources) + (i < self.held_out % len(self.token_sources))
+                  for i in range(len(self.token_sources))]
+        kept, held = [], []
+        for source, share in zip(self.token_sources, shares):
+            windows, count = self._source_windows(source, share)
+            held_rows = _held_out_rows(len(windows.tokens), share, spread=self.options.spread and _is_text(source))
+            rows = [i for i in range(len(windows.tokens)) if i not in held_rows][:count]
+            kept.append(_recounted(windows.take(rows), len(windows.tokens)))
+            if held_rows:
+                held.append(TokenWindows(windows.tokens[sorted(held_rows)], f"{len(held_rows)} windows held out "
+                                         f"from {windows.description}", [windows.ids[i] for i in sorted(held_rows)]))
+        self._split = joined_windows(kept), joined_windows(held)
+        return self._split
+
+    def _source_windows(self, source, extra: int) -> tuple[TokenWindows, int]:
+        """`source`'s calibration windows and `extra` more; and how many calibration windows it gives."""
+        from onnx_nmm.generated_text import generated_windows, parse_generated
+
         o = self.options
-        windows = token_windows(self.token_source, o.tokenizer, samples or o.samples, o.seq_len, o.spread,
-                                self._vocabulary, tokenizer_option="calibration.tokenizer", bos=o.bos)
+        generated = parse_generated(source)
+        if generated is not None:
+            if self.model is None:
+                raise OptionError("generated calibration text is sampled from the model: this use of the "
+                                  "calibration data has no model to sample from", source="calibration.source")
+            windows = generated_windows(generated, self.model, o.seq_len, o.tokenizer, generated.samples + extra)
+            count = generated.samples
+        else:
+            windows = token_windows(source, o.tokenizer, o.samples + extra, o.seq_len,
+                                    o.spread and _is_text(source), self._vocabulary,
+                                    tokenizer_option="calibration.tokenizer", bos=o.bos)
+            count = o.samples
         check_token_ids(windows.tokens, vocabulary_size(self.graph), windows.description.split(":")[0], "the model")
-        return windows
+        return windows, count
 
     def _vocabulary(self) -> int:
         vocabulary = vocabulary_size(self.graph)
         if vocabulary is None:
             raise DataError("cannot tell the vocabulary size for random token ids; calibrate on a text or token ids")
         return vocabulary
+
+
+def token_sources(source) -> list:
+    """One calibration source or several (a list or tuple; an array is one source of token ids)."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise OptionError("{source} is an empty list: give at least one text, token ids or generated:N",
+                              source="calibration.source")
+        return list(source)
+    return [source]
+
+
+def _held_out_rows(available: int, share: int, spread: bool) -> set[int]:
+    """Which of `available` windows to hold out: the last `share` (a text read from its start, generated
+    windows), or evenly spaced among them (a text read spread out). At least one window stays in."""
+    share = min(share, available - 1)
+    if share <= 0:
+        return set()
+    if spread:
+        return {int(i) for i in np.linspace(1, available - 1, share).round()}
+    return set(range(available - share, available))
+
+
+def _recounted(windows: TokenWindows, drawn: int) -> TokenWindows:
+    """`windows`, its description counting the windows it holds rather than the `drawn` it was taken from."""
+    windows.description = windows.description.replace(f": {drawn} ", f": {len(windows.tokens)} ", 1)
+    return windows
+
+
+def joined_windows(parts: list[TokenWindows]) -> TokenWindows:
+    """Windows of several sources, one after the other (all of one length)."""
+    parts = [part for part in parts if len(part.tokens)]
+    if not parts:
+        return TokenWindows(np.zeros((0, 0), np.int64), "no windows", [])
+    if len({part.tokens.shape[1] for part in parts}) > 1:
+        raise DataError("the calibration sources give windows of different lengths: "
+                        + ", ".join(f"{part.description} ({part.tokens.shape[1]})" for part in parts)
+                        + "; give token ids of the calibration's {seq_len}", seq_len="calibration.seq_len")
+    if len(parts) == 1:
+        return parts[0]
+    return TokenWindows(np.concatenate([part.tokens for part in parts]), " + ".join(p.description for p in parts),
+                        [i for part in parts for i in part.ids])
 
 
 def observed_inputs(layers: list[LinearLayer]) -> dict[str, int]:

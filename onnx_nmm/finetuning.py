@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.backend_runner import Model, ModelRunner
-from onnx_nmm.calibration_data import TokenWindows, check_token_ids, token_windows
+from onnx_nmm.calibration_data import TokenWindows, check_token_ids, joined_windows, token_sources, token_windows
 from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.evaluation import TextOptions
@@ -33,6 +33,7 @@ from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.svd_ops import DOMAIN
 from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.progress import Progress
+from onnx_nmm.teacher import recorded_dense_model
 
 if TYPE_CHECKING:
     from onnx_nmm.factor_training import TrainingResult
@@ -85,13 +86,18 @@ class TrainingOptions:
 
 
 
+DEFAULT_TRAINING_TEXT = "generated:64"
+
+
 @dataclass(frozen=True)
 class TrainingData:
-    """text: a UTF-8 file (with `tokenizer`), an .npz with input_ids [samples, seq_len], or token ids as such
-    an array; cut into windows of `seq_len` tokens (an .npz or array sets its own), the first `samples`;
-    each window of a text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`."""
+    """text: a UTF-8 file (with `tokenizer`), an .npz with input_ids [samples, seq_len], token ids as such
+    an array, "generated[:N]" or a GeneratedText (windows sampled from the dense model: the default, as
+    text the model writes itself teaches no corpus's style), or a list of these, mixed; cut into windows of
+    `seq_len` tokens (an .npz or array sets its own), the first `samples` of each text; each window of a
+    text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`."""
 
-    text: str | os.PathLike | np.ndarray
+    text: object = DEFAULT_TRAINING_TEXT
     tokenizer: str | os.PathLike | None = None
     seq_len: int = 256
     samples: int | None = None
@@ -103,16 +109,30 @@ class TrainingData:
         if self.samples is not None and self.samples < 1:
             raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
 
-    def windows(self) -> TokenWindows:
-        return token_windows(self.text, self.tokenizer, self.samples, self.seq_len, tokenizer_option="data.tokenizer",
-                             bos=self.bos)
+    def windows(self, dense_model=None) -> TokenWindows:
+        """The training windows; generated ones sampled from `dense_model` (unless they name a generator)."""
+        from onnx_nmm.generated_text import generated_windows, parse_generated
+
+        parts = []
+        for source in token_sources(self.text):
+            generated = parse_generated(source)
+            if generated is None:
+                parts.append(token_windows(source, self.tokenizer, self.samples, self.seq_len,
+                                           tokenizer_option="data.tokenizer", bos=self.bos))
+            elif dense_model is None and generated.generator is None:
+                raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
+                                  teacher="teacher")
+            else:
+                parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer))
+        return joined_windows(parts)
 
 
 @dataclass(frozen=True)
 class FinetuneOptions:
-    """training: the loop's options; its loss, unless given, is distillation with a `teacher` (the dense
-    model the rewrite started from) and next-token without. evaluation: held-out text scored before and
-    after (its window defaults to the training windows' length). threads: PyTorch's CPU threads."""
+    """training: the loop's options; its loss, unless given, is distillation from the `teacher` — the dense
+    model the rewrite started from, by default the one the rewrite recorded (onnx_nmm.teacher). evaluation:
+    held-out text scored before and after (its window defaults to the training windows' length). threads:
+    PyTorch's CPU threads."""
 
     training: TrainingOptions = field(default_factory=TrainingOptions)
     teacher: Model | None = None
@@ -120,11 +140,8 @@ class FinetuneOptions:
     threads: int | None = None
 
     def __post_init__(self):
-        if self.training.loss is None:
-            loss = "distill" if self.teacher is not None else "next-token"
-            object.__setattr__(self, "training", replace(self.training, loss=loss))
-        if self.training.loss == "distill" and self.teacher is None:
-            raise OptionError("the distillation loss needs the dense model: give the {teacher}", teacher="teacher")
+        if self.training.loss is None and self.teacher is not None:
+            object.__setattr__(self, "training", replace(self.training, loss="distill"))
         if self.threads is not None and self.threads < 1:
             raise OptionError(f"{{threads}} must be a positive integer, got {self.threads}", threads="threads")
 
@@ -134,6 +151,8 @@ class FinetuneResult:
     model: ir.Model  # the same graph, the tuned factors in it
     training: "TrainingResult"
     data: str  # where the training windows came from
+    loss: str = ""  # the loss trained: "distill" or "next-token"
+    teacher: str | None = None  # the dense model distilled from (a path, or "the in-memory model")
     before: PerplexityResult | None = None  # on the held-out text, in onnxruntime
     after: PerplexityResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
@@ -160,8 +179,8 @@ class FinetuneResult:
         return written
 
     def to_dict(self, options: FinetuneOptions) -> dict:
-        training = options.training
-        return {"loss": training.loss, "training_data": self.data,
+        training = replace(options.training, loss=self.loss)
+        return {"loss": self.loss, "teacher": self.teacher, "training_data": self.data,
                 "options": asdict(training) | {"warmup_steps": training.warmup_steps}, **self.training.to_dict(),
                 "seconds_by_phase": self.seconds,
                 "perplexity_before": self.before.to_dict() if self.before else None,
@@ -189,13 +208,14 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                              factor_dtype="factorization.factor_dtype")
         raise ModelError(f"{source.label} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first")
     vocabulary = vocabulary_size(source.model.graph)
+    options = _with_teacher(options, source)
     teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None
     if teacher is not None and None not in (vocabulary, teacher.vocabulary) and vocabulary != teacher.vocabulary:
         raise ModelError(f"the teacher {teacher.label} predicts {teacher.vocabulary} tokens, {source.label} "
                          f"{vocabulary}: give the dense model this one was rewritten from")
     phases = _Phases()
     with phases("reading data"):
-        windows = data.windows()
+        windows = data.windows(options.teacher or recorded_dense_model(source.model))
         check_windows(windows.tokens, options.training)
         check_token_ids(windows.tokens, vocabulary, windows.description, source.label)
         evaluation = options.evaluation
@@ -206,7 +226,9 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         import torch
 
         torch.set_num_threads(options.threads)
-    result = FinetuneResult(source.model, None, windows.description, seconds=phases.seconds,
+    teacher_label = None if teacher is None else teacher.label
+    result = FinetuneResult(source.model, None, windows.description, options.training.loss, teacher_label,
+                            seconds=phases.seconds,
                             source_path=source.path, source_used_external_data=source.used_external_data)
     if evaluation is not None:
         with phases("perplexity before"):
@@ -230,6 +252,22 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         with phases("perplexity after"):
             result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress, "perplexity after")
     return result
+
+
+def _with_teacher(options: FinetuneOptions, source: ModelSource) -> FinetuneOptions:
+    """`options` with the loss decided: distillation from the given teacher, else from the dense model the
+    rewrite recorded; next-token only when asked for."""
+    if options.teacher is None and options.training.loss != "next-token":
+        recorded = recorded_dense_model(source.model)
+        if recorded is None:
+            raise OptionError(f"fine-tuning distils from the dense model {source.label} was rewritten from, and it "
+                              "names none that is still there: give the {teacher}, or choose {loss} next-token "
+                              "(which learns the training text's style as well)", teacher="teacher",
+                              loss="training.loss")
+        options = replace(options, teacher=str(recorded))
+    if options.training.loss is None:
+        options = replace(options, training=replace(options.training, loss="distill"))
+    return options
 
 
 def _perplexity(runner: ModelRunner, tokens: np.ndarray, windows: Windows, progress: Progress, label: str):

@@ -214,8 +214,9 @@ class CalibrationOptions:
     """The data activation-aware SVD, Fisher weighting and the quality budgets learn from.
 
     source:          a text file (with `tokenizer`), an .npz holding input_ids [samples, seq_len], statistics
-                     saved by an earlier rewrite (`save_statistics`), "random" (tests only), or token ids
-                     [samples, seq_len] as an array
+                     saved by an earlier rewrite (`save_statistics`), "random" (tests only), token ids
+                     [samples, seq_len] as an array, "generated[:N]" or a GeneratedText (N windows sampled from
+                     the model itself, onnx_nmm.generated_text), or a list of such token sources, mixed
     samples, seq_len: windows taken from a text, and their length in tokens
     spread:          take the windows evenly spaced over the whole text rather than from its start
     bos:             start each window of a text with the BOS token its tokenizer adds (when it adds one)
@@ -243,6 +244,16 @@ class CalibrationOptions:
         if self.source is None and self.statistics is None:
             raise OptionError("calibration needs data: give {source} (a text, token ids, or saved statistics) or "
                               "{statistics}", source="calibration.source", statistics="calibration.statistics")
+        if isinstance(self.source, (list, tuple)):
+            from onnx_nmm.generated_text import parse_generated
+
+            if not self.source:
+                raise OptionError("{source} is an empty list", source="calibration.source")
+            object.__setattr__(self, "source", tuple(parse_generated(s) or s for s in self.source))
+        elif isinstance(self.source, str):
+            from onnx_nmm.generated_text import parse_generated
+
+            object.__setattr__(self, "source", parse_generated(self.source) or self.source)
         for name in ("samples", "seq_len", "batch"):
             if getattr(self, name) < 1:
                 raise OptionError(f"{{{name}}} must be a positive integer, got {getattr(self, name)}",

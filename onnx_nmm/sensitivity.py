@@ -174,11 +174,28 @@ def select_for_parameters(candidates: list[Candidate], align: int, parameters_to
 
 def mean_log_loss_and_kl(logits: np.ndarray, tokens: np.ndarray, reference_log_probs: np.ndarray) -> tuple[float, float]:
     """Mean next-token negative log-likelihood of `tokens`, and mean KL(reference ‖ model), over [B, S] windows."""
+    nll, kl = log_loss_and_kl_per_window(logits, tokens, reference_log_probs)
+    return float(nll.mean()), float(kl.mean())
+
+
+def log_loss_and_kl_per_window(logits: np.ndarray, tokens: np.ndarray, reference_log_probs: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """Per window of [B, S]: the mean next-token negative log-likelihood, and the mean KL(reference ‖ model)."""
     log_probs = log_softmax(logits[:, :-1].astype(np.float64))
     targets = tokens[:, 1:]
-    nll = -np.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
-    kl = np.sum(np.exp(reference_log_probs) * (reference_log_probs - log_probs), axis=-1).mean()
-    return float(nll), float(kl)
+    nll = -np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0].mean(axis=1)
+    kl = np.sum(np.exp(reference_log_probs) * (reference_log_probs - log_probs), axis=-1).mean(axis=1)
+    return nll, kl
+
+
+def spread_over_windows(metric: str, per_window: np.ndarray, ids: list[str]) -> dict:
+    """How a measured damage varies over the windows it was measured on: for "ppl" as perplexity increases
+    (exp(Δ log-loss) − 1, so 0.1 = +10 %), for "kl" in nats."""
+    values = np.expm1(per_window) if metric == "ppl" else np.asarray(per_window)
+    return {"unit": "perplexity increase" if metric == "ppl" else "KL (nats)", "windows": list(ids),
+            "per_window": [float(v) for v in values], "mean": float(values.mean()),
+            "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+            "min": float(values.min()), "max": float(values.max())}
 
 
 class DamageProbe:
@@ -186,7 +203,9 @@ class DamageProbe:
 
     `model` holds every candidate factorized at full rank (so it computes what the dense model does), its
     factor initializers named by `factor_names`; `decompositions` give each candidate's factors at any rank.
-    The damage is the increase of the mean log-loss ("ppl") or the mean KL to the dense model ("kl").
+    The damage is the increase of the mean log-loss ("ppl") or the mean KL to the dense model ("kl"). The
+    windows should be held out of those the statistics came from (CalibrationData.held_out_windows): a
+    budget measured on the windows the factors were fitted to promises more than it keeps.
     `source` (a model_source.ModelSource) is the model `model` was made from: it has the same inputs.
     """
 
@@ -206,9 +225,19 @@ class DamageProbe:
         self.tokens = tokens
         self.inputs = CausalLmInputs(source)(tokens)
         self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64))
-        self.base_nll, _ = mean_log_loss_and_kl(self._logits(), tokens, self.reference)
+        self.base_per_window, _ = log_loss_and_kl_per_window(self._logits(), tokens, self.reference)
+        self.base_nll = float(self.base_per_window.mean())
 
     def __call__(self, plan: RankPlan) -> float:
+        nll, kl = self.per_window(plan)
+        return float(nll.mean()) - self.base_nll if self.metric == "ppl" else float(kl.mean())
+
+    def damage_per_window(self, plan: RankPlan) -> np.ndarray:
+        """The damage of `plan` on each window: the log-loss increase ("ppl") or the KL ("kl")."""
+        nll, kl = self.per_window(plan)
+        return nll - self.base_per_window if self.metric == "ppl" else kl
+
+    def per_window(self, plan: RankPlan) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         originals = {}
@@ -219,11 +248,10 @@ class DamageProbe:
                 originals[factor] = self.parameters[factor].data
                 self.parameters[factor].data = torch.from_numpy(array)
         try:
-            nll, kl = mean_log_loss_and_kl(self._logits(), self.tokens, self.reference)
+            return log_loss_and_kl_per_window(self._logits(), self.tokens, self.reference)
         finally:
             for factor, data in originals.items():
                 self.parameters[factor].data = data
-        return nll - self.base_nll if self.metric == "ppl" else kl
 
     def _logits(self) -> np.ndarray:
         from onnx_nmm.lowering import call_lowered
@@ -255,3 +283,19 @@ def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric:
 def budget_in_nats(metric: str, allowed: float) -> float:
     """A perplexity increase (0.1 = +10 %) as the log-loss increase it allows; a KL budget as it is."""
     return math.log1p(allowed) if metric == "ppl" else allowed
+
+
+def describe_measurement(quality_budget: dict) -> str:
+    """One line on what a quality budget measured, where, and how much it varied from window to window."""
+    spread = quality_budget.get("spread")
+    if not spread:
+        return ""
+    ppl = spread["unit"] == "perplexity increase"
+    show = (lambda v: f"{v:+.1%}") if ppl else (lambda v: f"{v:.4f} nats")
+    allowed = quality_budget.get("budget")
+    target = "" if allowed is None else f" (budget {show(math.expm1(allowed)) if ppl else show(allowed)})"
+    count, measured = len(spread["windows"]), quality_budget["measured"]
+    return (f"{'perplexity increase' if ppl else 'KL to the dense model'} measured on {count} calibration "
+            f"window{'s' if count != 1 else ''} held out of the statistics: {show(math.expm1(measured) if ppl else measured)}"
+            f"{target}; per window {show(spread['min'])} … {show(spread['max'])}, std {show(spread['std']).lstrip('+')}. "
+            "A budget holds for text like the calibration text; other text may lose more (docs/quality.md).")

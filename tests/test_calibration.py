@@ -151,24 +151,76 @@ def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
     assert not (tmp_path / "o.onnx").exists()
 
 
-def test_sensitivity_windows_are_spread_like_the_calibration(capsys, export, tmp_path, monkeypatch):
+def _record_windows(monkeypatch):
+    """Record the windows (as strings of their token ids) the statistics and the budget's probe run on."""
     from onnx_nmm import sensitivity
 
-    text = _ten_lettered_windows(tmp_path)
-    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
-    measured_on = []
+    seen = {"statistics": [], "budget": []}
+    gather = calibration_data.collect_gram_matrices
+
+    def recording_gather(source, inputs, batches, *args, **kwargs):
+        batches = list(batches)
+        seen["statistics"].extend(" ".join(map(str, window)) for batch in batches for window in batch)
+        return gather(source, inputs, batches, *args, **kwargs)
 
     class RecordingProbe(sensitivity.DamageProbe):
         def __init__(self, model, factor_names, decompositions, tokens, metric, source):
-            measured_on.extend("".join(map(chr, window)) for window in tokens)
+            seen["budget"].extend(" ".join(map(str, window)) for window in tokens)
             super().__init__(model, factor_names, decompositions, tokens, metric, source)
 
+    monkeypatch.setattr(calibration_data, "collect_gram_matrices", recording_gather)
     monkeypatch.setattr(sensitivity, "DamageProbe", RecordingProbe)
-    code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
-                        "--tokenizer", text, "--seq-len", "4", "--calib-samples", "10", "--calib-spread",
-                        "--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--quiet")
+    return seen
+
+
+def test_a_budget_is_never_measured_on_a_calibration_window(capsys, export, tmp_path, monkeypatch):
+    """The statistics and the budget's windows are disjoint, by their token ids and by the report's window
+    ids, and the held-out windows are spread over the text as the calibration's are."""
+    text = _ten_lettered_windows(tmp_path)
+    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    seen = _record_windows(monkeypatch)
+    report = tmp_path / "r.json"
+    code, out, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
+                          "--tokenizer", text, "--seq-len", "4", "--calib-samples", "6", "--calib-spread",
+                          "--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--report", report)
     assert code == 0, err
-    assert measured_on == ["aaaa", "jjjj"]  # not the first two of the ten: both ends of the text
+    as_text = {kind: ["".join(chr(int(t)) for t in window.split()) for window in windows]
+               for kind, windows in seen.items()}
+    assert len(as_text["statistics"]) == 6 and len(as_text["budget"]) == 2
+    assert not set(as_text["statistics"]) & set(as_text["budget"])
+    assert as_text["budget"] == ["bbbb", "jjjj"]  # spread: from both ends of the text, not the first two
+    written = json.loads(report.read_text())
+    held_out = written["quality_budget"]["spread"]["windows"]
+    assert held_out == ["t.txt#1", "t.txt#9"] and not set(held_out) & set(written["calibration_windows"])
+    assert len(written["quality_budget"]["spread"]["per_window"]) == 2
+    assert "held out of the statistics" in out and "per window" in out
+
+
+@pytest.mark.slow
+def test_mixed_and_generated_calibration_hold_windows_out_of_each_source(tmp_path, monkeypatch):
+    """A text mixed with windows the model generates: each source gives its windows, the budget windows are
+    held out of both and are none of them; the generated windows are the same for the same seed."""
+    import onnx_nmm
+    from exported_models import exported_model
+
+    text = _ten_lettered_windows(tmp_path)
+    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    monkeypatch.setenv("ONNX_NMM_CACHE", str(tmp_path / "cache"))
+    seen = _record_windows(monkeypatch)
+    generated = onnx_nmm.GeneratedText(samples=3, batch=2, start_token=1, seed=5)
+    options = onnx_nmm.RewriteOptions(
+        ranks=onnx_nmm.RankOptions(max_ppl_increase=0.5, sensitivity_windows=2),
+        calibration=onnx_nmm.CalibrationOptions([str(text), generated], text, samples=4, seq_len=4))
+    result = onnx_nmm.rewrite(exported_model("llama", "dynamo"), options)
+    statistics, budget = seen["statistics"], seen["budget"]
+    assert len(statistics) == 4 + 3 and len(budget) == 2 and not set(statistics) & set(budget)
+    ids = result.report.to_dict()["calibration_windows"]
+    assert ids == [f"t.txt#{i}" for i in range(4)] + [f"generated#{i}" for i in range(3)]
+    assert result.report.quality_budget["spread"]["windows"] == ["t.txt#4", "generated#3"]
+    monkeypatch.setenv("ONNX_NMM_CACHE", "off")  # sampled again, not read back
+    again = onnx_nmm.generated_text.generated_windows(generated, exported_model("llama", "dynamo"), 4, samples=4)
+    assert [" ".join(map(str, w)) for w in again.tokens] == statistics[4:] + [budget[1]]
+    assert all(window.split()[0] == "1" for window in statistics[4:])  # each starts with the start token
 
 
 def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):
@@ -176,3 +228,28 @@ def test_text_calibration_needs_a_tokenizer(capsys, export, tmp_path):
     text.write_text("some words")
     code, _, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text)
     assert code == 2 and "--tokenizer" in err and not (tmp_path / "o.onnx").exists()
+
+
+def test_calibration_sources_parse_generated_and_mix(tmp_path):
+    import onnx_nmm
+    from onnx_nmm.cli._common import calibration_sources
+
+    options = onnx_nmm.CalibrationOptions(["a.txt", "generated:8", "generated"])
+    assert options.source == ("a.txt", onnx_nmm.GeneratedText(samples=8), onnx_nmm.GeneratedText())
+    assert onnx_nmm.CalibrationOptions("generated:5").source == onnx_nmm.GeneratedText(samples=5)
+    with pytest.raises(onnx_nmm.OptionError, match="generated:N with N the number of windows"):
+        onnx_nmm.CalibrationOptions("generated:many")
+    assert calibration_sources(["a.txt"], None) == "a.txt"
+    assert calibration_sources(["a.txt", "generated:4"], "kv.onnx") == [
+        "a.txt", onnx_nmm.GeneratedText(samples=4, generator="kv.onnx")]
+
+
+def test_nucleus_sampling_keeps_to_the_nucleus_and_repeats_with_its_seed():
+    from onnx_nmm.generated_text import sample_nucleus
+
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    picks = sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0))
+    assert set(picks) == {0, 1}  # 0.5 + 0.3 crosses 0.75: the rest is cut
+    assert abs(np.mean(picks == 0) - 0.5 / 0.8) < 0.05
+    np.testing.assert_array_equal(picks, sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0)))
+    assert set(sample_nucleus(logits, 1.0, 0.4, np.random.default_rng(1))) == {0}

@@ -177,7 +177,6 @@ def test_write_back_keeps_the_dtype_and_refuses_non_finite_factors(rewritten_lla
 
 @pytest.mark.parametrize("extra, message", [
     (["--steps", "0"], "steps must be a positive integer"),
-    (["--loss", "distill"], "needs the dense model"),
     (["--batch", "9"], "batch of 9 windows"),
     (["--time-budget", "-1"], "--time-budget must be positive"),
 ])
@@ -202,3 +201,48 @@ def test_bad_models_and_data_are_one_line_errors(capsys, tmp_path, rewritten_lla
         code, _, err = _cli(capsys, "finetune", model, "--text", tmp_path / data, "-o", output)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (data, err)
         assert not output.exists()
+
+
+def test_finetune_with_no_loss_option_distils_from_the_recorded_dense_model(capsys, rewritten_llama, tmp_path):
+    """No --loss, no --teacher: the rewrite recorded its dense model, and finetune distils from it; the
+    report and the summary say which loss, teacher and text."""
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    report = tmp_path / "report.json"
+    code, out, err = _cli(capsys, "finetune", rewritten_llama, "--text", tmp_path / "train.npz", "--steps", "2",
+                          "--batch", "1", "-o", tmp_path / "tuned.onnx", "--report", report)
+    assert code == 0, err
+    written = json.loads(report.read_text())
+    dense = exported_model("llama", "dynamo").resolve()
+    assert written["loss"] == "distill" and written["teacher"] == str(dense)
+    assert "train.npz" in written["training_data"]
+    said = " ".join(out.split())
+    assert "distillation loss (KL to the dense" in said and "train.npz" in said
+
+
+def test_default_training_text_is_generated_by_the_dense_model(rewritten_llama, tmp_path, monkeypatch):
+    import onnx_nmm
+
+    monkeypatch.setenv("ONNX_NMM_CACHE", str(tmp_path / "cache"))
+    generated = onnx_nmm.GeneratedText(samples=2, batch=2, start_token=3)
+    data = onnx_nmm.TrainingData(generated, seq_len=12)
+    options = onnx_nmm.FinetuneOptions(TrainingOptions(steps=2, batch=1))
+    result = onnx_nmm.finetune(rewritten_llama, data, options)
+    assert result.loss == "distill" and result.teacher == str(exported_model("llama", "dynamo").resolve())
+    assert result.data.startswith("generated: 2 windows of 12 tokens")
+    assert onnx_nmm.TrainingData().text == "generated:64"
+
+
+def test_without_a_recorded_dense_model_finetune_asks_for_one(capsys, tmp_path):
+    """A model rewritten in memory names no dense model: distillation (the default) needs --teacher, and
+    next-token is there when asked for."""
+    import onnx_nmm
+
+    result = onnx_nmm.rewrite(load_model(exported_model("llama", "dynamo")), onnx_nmm.RewriteOptions())
+    rewritten = save_model(result.model, tmp_path / "rewritten.onnx", external_data=False)
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    common = ("finetune", rewritten, "--text", tmp_path / "train.npz", "--steps", "1", "--batch", "1", "-o",
+              tmp_path / "tuned.onnx", "--quiet")
+    code, _, err = _cli(capsys, *common)
+    assert code == 2 and "give the --teacher, or choose --loss next-token" in " ".join(err.split())
+    code, _, err = _cli(capsys, *common, "--loss", "next-token")
+    assert code == 0, err

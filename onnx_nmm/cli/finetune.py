@@ -19,8 +19,13 @@ def register(subparsers) -> None:
     parser.add_argument("-o", "--output", help="where to write the tuned model (default: MODEL.tuned.onnx)")
     parser.add_argument("--force", action="store_true", help="allow the output to replace the input model")
     data = parser.add_argument_group("training data")
-    data.add_argument("--text", metavar="FILE", required=True,
-                      help="a UTF-8 text file (with --tokenizer), or an .npz with input_ids [samples, seq_len]")
+    data.add_argument("--text", metavar="SOURCE", action="append",
+                      help="a UTF-8 text file (with --tokenizer), an .npz with input_ids [samples, seq_len], or "
+                           "'generated[:N]' (N windows sampled from the dense model, default 64); repeat to mix "
+                           f"(default {D.text}: text the model writes itself teaches no corpus's style)")
+    data.add_argument("--generator", metavar="MODEL.onnx",
+                      help="sample generated windows from this export of the dense model (e.g. one with a KV cache, "
+                           "much faster) instead of the teacher")
     data.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     data.add_argument("--seq-len", type=int, help="tokens per training window, cut from the text (default "
                                                   f"{default(D, 'seq_len')}; an .npz sets its own)")
@@ -28,10 +33,12 @@ def register(subparsers) -> None:
     _common.add_bos_option(data)
     training = parser.add_argument_group("training")
     training.add_argument("--loss", choices=LOSSES,
-                          help="next-token: cross-entropy on the text; distill: KL(teacher ‖ student) of the "
-                               "next-token distributions (default: distill with --teacher, else next-token)")
+                          help="distill (default): KL(teacher ‖ student) of the next-token distributions, which keeps "
+                               "the dense model's general behaviour; next-token: cross-entropy on the text, which "
+                               "also learns the text's style")
     training.add_argument("--teacher", metavar="ORIGINAL.onnx",
-                          help="the dense model the rewrite started from, run in onnxruntime (for --loss distill)")
+                          help="the dense model to distil from, run in onnxruntime (default: the one the rewrite "
+                               "recorded in the model)")
     training.add_argument("--temperature", type=float,
                           help=f"distillation temperature (default {default(T, 'temperature')})")
     training.add_argument("--steps", type=int, help=f"optimizer steps at most (default {default(T, 'steps')})")
@@ -66,7 +73,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    data = onnx_nmm.TrainingData(**_common.given(text=args.text, tokenizer=args.tokenizer, seq_len=args.seq_len,
+    text = _common.calibration_sources(args.text or [onnx_nmm.TrainingData.text], args.generator)
+    data = onnx_nmm.TrainingData(**_common.given(text=text, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                                  samples=args.samples, bos=False if args.no_bos else None))
     options = finetune_options(args)
     source = Path(args.model)
@@ -78,7 +86,7 @@ def run(args) -> int:
             result.save(output, overwrite_input=args.force)
     if result.loss_rose:  # said even with --quiet
         training = result.training
-        _common.stderr.print(f"warning: the {options.training.loss} loss rose during training "
+        _common.stderr.print(f"warning: the {result.loss} loss rose during training "
                              f"({training.mean_loss(first=True):.4f} → {training.mean_loss(first=False):.4f}); the "
                              f"tuned model is likely worse than its input: try a lower --lr (this run: "
                              f"{options.training.learning_rate:g})")
@@ -86,10 +94,9 @@ def run(args) -> int:
         from onnx_nmm.finetune_plot import plot_loss_curve
 
         plot_loss_curve(result.training, args.plot, _plot_title(source, options, result, args.eval_text),
-                        options.training.loss)
+                        result.loss)
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output),
-                                         "teacher": args.teacher if options.training.loss == "distill" else None,
                                          "eval_text": args.eval_text, **result.to_dict(options)})
     if not args.quiet:
         _print_summary(result, options, output)
@@ -110,7 +117,7 @@ def finetune_options(args) -> onnx_nmm.FinetuneOptions:
 def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nmm.FinetuneResult,
                 eval_text: str | None) -> str:
     training, records = options.training, result.training.records
-    title = (f"{source.name}: {training.loss} loss, {records[-1].step} steps of {result.data}, lr "
+    title = (f"{source.name}: {result.loss} loss, {records[-1].step} steps of {result.data}, lr "
              f"{training.learning_rate:g}" + (f", adapters of rank {training.adapter_rank}" if training.adapter_rank else ""))
     if result.before and result.after:
         title += (f"\nperplexity {result.before.perplexity:.3f} → {result.after.perplexity:.3f} on "
@@ -126,10 +133,16 @@ def _print_summary(result: onnx_nmm.FinetuneResult, options: onnx_nmm.FinetuneOp
                if training.adapter_rank else f"{trainable:.2f}M factor parameters")
     _common.stdout.print(
         f"trained {trained} for {last.step} steps ({last.tokens} tokens of {result.data}) in {last.seconds:.1f} s, "
-        f"stopped by {stopped}; {training.loss} loss {result.training.mean_loss(first=True):.4f} → "
+        f"stopped by {stopped}; {_loss_words(result)} {result.training.mean_loss(first=True):.4f} → "
         f"{result.training.mean_loss(first=False):.4f} (mean of the first and last tenth of the steps)")
     if result.before and result.after:
         _common.stdout.print(
             f"perplexity {result.before.perplexity:.4f} → {result.after.perplexity:.4f} in onnxruntime on "
             f"{result.after.tokens_scored} held-out tokens ({result.after.windows} windows of {result.after.window})")
     _common.stdout.print(f"wrote {output} ({sum(result.seconds.values()):.1f} s in all)")
+
+
+def _loss_words(result: onnx_nmm.FinetuneResult) -> str:
+    if result.loss == "distill":
+        return f"distillation loss (KL to the dense {result.teacher})"
+    return "next-token loss (learns the training text, its style included)"

@@ -34,9 +34,14 @@ def register(subparsers) -> None:
                              "removed where it raises the perplexity on calibration windows least (measured, as "
                              f"for --max-ppl-increase; needs --calib) (default {default(R, 'budget')})")
     calibration = parser.add_argument_group("calibration (activation-aware SVD)")
-    calibration.add_argument("--calib", metavar="SOURCE",
+    calibration.add_argument("--calib", metavar="SOURCE", action="append",
                              help="a text file (with --tokenizer), an .npz with input_ids [samples, seq], "
-                                  "statistics saved by --save-calib-stats, or 'random' (tests only)")
+                                  "statistics saved by --save-calib-stats, 'generated[:N]' (N windows sampled from "
+                                  "the model itself, default 64: the recommended calibration, docs/quality.md), or "
+                                  "'random' (tests only); repeat to mix sources (--calib a.txt --calib generated:64)")
+    calibration.add_argument("--calib-generator", metavar="MODEL.onnx",
+                             help="sample generated windows from this export of the same model (e.g. one with a KV "
+                                  "cache, which is much faster) instead of the model being rewritten")
     calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     calibration.add_argument("--calib-samples", type=int,
                              help=f"sequences to use (default {default(C, 'samples')})")
@@ -59,13 +64,14 @@ def register(subparsers) -> None:
                              help="keep the gathered XᵀX statistics, to reuse with --calib FILE.npz")
     budget = parser.add_argument_group("quality budget (choose layers and ranks; needs --calib tokens)")
     budget.add_argument("--max-ppl-increase", type=float, metavar="P",
-                        help="compress as many parameters as possible while the perplexity on the calibration windows "
-                             "grows by at most this fraction (0.1 = +10 %%); ranks stay multiples of --align")
+                        help="compress as many parameters as possible while the perplexity on calibration windows "
+                             "held out of the statistics grows by at most this fraction (0.1 = +10 %%); it holds for "
+                             "text like the calibration text; ranks stay multiples of --align")
     budget.add_argument("--max-kl", type=float, metavar="NATS",
                         help="the same, bounding the mean KL divergence to the dense model's next-token distributions")
     budget.add_argument("--sensitivity-windows", type=int,
-                        help="calibration windows the budget is measured on, chosen as --calib's are: from the start "
-                             f"of the text, or spread over it with --calib-spread (default "
+                        help="calibration windows the budget is measured on, drawn from the --calib sources beside "
+                             "and never among the windows the statistics come from (default "
                              f"{default(R, 'sensitivity_windows')})")
     budget.add_argument("--ranks-from", metavar="REPORT.json",
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
@@ -129,7 +135,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     calibration = None
     if args.calib is not None or args.calib_stats is not None:
         calibration = onnx_nmm.CalibrationOptions(**given(
-            source=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples, seq_len=args.seq_len,
+            source=_common.calibration_sources(args.calib, args.calib_generator), tokenizer=args.tokenizer, samples=args.calib_samples, seq_len=args.seq_len,
             spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch, mode=args.calib_mode,
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
@@ -173,3 +179,5 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"
         + (f"; {len(report.fused_mlps)} MLPs fused into one op each" if report.fused_mlps else "")
         + f". Wrote {output}")
+    if report.budget_summary:
+        _common.stdout.print(report.budget_summary)

@@ -25,6 +25,7 @@ from onnx_nmm.pipeline.plan import PlanRanks
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import GatherStatistics
 from onnx_nmm.progress import Progress
+from onnx_nmm.teacher import record_dense_model
 
 
 class FuseMlps(RewritePass):
@@ -63,6 +64,7 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     except ir.passes.PassError as error:
         raise _root_cause(error) from None
     context.report.weight_bytes_after = weight_bytes(source.model)
+    record_dense_model(source.model, source.path)  # finetune's teacher by default
     return RewriteResult(source.model, context.report, source.path, source.used_external_data)
 
 

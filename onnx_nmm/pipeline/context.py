@@ -29,11 +29,12 @@ class RewriteContext:
     plan: RankPlan | None = None  # PlanRanks
     factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
     report: RewriteReport | None = None  # every pass adds to it
+    _calibration: CalibrationData | None = field(default=None, repr=False)  # calibration_data()
 
     def __post_init__(self):
         o = self.options
         if o.calibration is not None:
-            CalibrationData(o.calibration, self.source.model.graph)  # refuse a bad source before any work
+            self.calibration_data()  # refuse a bad source before any work
         if self.report is None:
             self.report = RewriteReport(rule=o.ranks.describe(), selection=o.selection.describe(),
                                         method=o.factorization.describe() + f", {o.ranks.budget} budget")
@@ -43,9 +44,22 @@ class RewriteContext:
             self.factorizer = Factorizer(self.options.factorization, self.statistics, self.options.ranks.align)
         return self.factorizer
 
+    def calibration_data(self) -> CalibrationData:
+        """The calibration data, made once; a quality budget holds its measurement windows out of it."""
+        if self._calibration is None:
+            ranks = self.options.ranks
+            held_out = ranks.sensitivity_windows if ranks.measures_damage else 0
+            self._calibration = CalibrationData(self.options.calibration, self.source.model.graph, self.source,
+                                                held_out)
+        return self._calibration
+
     def calibration_windows(self, samples: int | None = None) -> TokenWindows:
-        """Windows of the calibration tokens (for sequential calibration and the quality budgets)."""
-        return CalibrationData(self.options.calibration, self.source.model.graph).windows(samples)
+        """Windows of the calibration tokens (statistics, sequential calibration), never a held-out one."""
+        return self.calibration_data().windows(samples)
+
+    def budget_windows(self) -> TokenWindows:
+        """The windows the quality budgets are measured on: held out of the calibration windows."""
+        return self.calibration_data().held_out_windows()
 
 
 def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer], list[LinearLayer], dict[str, str]]:

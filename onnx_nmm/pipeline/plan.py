@@ -1,7 +1,8 @@
 """Pass 2: the rank plan — a rank for every target, or Dense(reason) — by the rule the options name.
 
     ranks_from          the plan of an earlier report                    rank_plan.plan_from_report
-    max_ppl_increase,   measured damage on calibration windows, a       sensitivity (through a probe: this
+    max_ppl_increase,   measured damage on held-out calibration      sensitivity (through a probe: this
+                        windows (never the statistics' own), a
     max_kl, sensitivity greedy along each layer's convex hull            model factorized at full rank)
     global budget       the uniform rule's parameters, spent by spectrum rank_allocation
     rank                one rank everywhere                              rank_plan.explicit_ranks
@@ -97,8 +98,8 @@ class PlanRanks(RewritePass):
                                      method=f"{context.options.method}/exact") for layer in probe_layers]
         surgery = SvdFactorizationPass(full_rank)
         surgery(probe_model)
-        tokens = context.calibration_windows(ranks.sensitivity_windows).tokens  # chosen like calibration's
-        probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, tokens, metric,
+        held_out = context.budget_windows()  # never a window the statistics came from
+        probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, held_out.tokens, metric,
                                          context.source)
         fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
@@ -111,7 +112,9 @@ class PlanRanks(RewritePass):
         with context.progress.phase(measuring, total=len(candidates) if fisher_tokens is None else None) as phase:
             choice = sensitivity.choose(candidates, probe, ranks.align, metric, budget, to_remove, kept_dense,
                                         on_measured=lambda name: phase.advance(detail=f"sensitivity: {name}"))
-        context.report.quality_budget = choice.to_dict(ranks.keep)
+        context.report.quality_budget = choice.to_dict(ranks.keep) | {
+            "measured_on": held_out.description,
+            "spread": sensitivity.spread_over_windows(metric, probe.damage_per_window(choice.plan), held_out.ids)}
         unaligned = Dense(f"no rank that is a multiple of {ranks.align} saves parameters")
         return {layer.name: choice.plan.get(layer.name, unaligned) for layer in chosen}
 

@@ -58,6 +58,7 @@ class RewriteReport:
     selection: str
     method: str
     calibration: str = ""
+    calibration_windows: list[str] = field(default_factory=list)  # ids of the windows the statistics came from
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP/SvdMLP nodes made by fuse_mlp
@@ -65,6 +66,13 @@ class RewriteReport:
     quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
     weight_bytes_before: int = 0  # of every initializer of the model, before and after the rewrite
     weight_bytes_after: int = 0
+
+    @property
+    def budget_summary(self) -> str:
+        """What a quality budget measured on its held-out windows, in a line; "" without a quality budget."""
+        from onnx_nmm.sensitivity import describe_measurement
+
+        return describe_measurement(self.quality_budget) if self.quality_budget else ""
 
     @property
     def factorized(self) -> list[LayerOutcome]:
@@ -86,7 +94,8 @@ class RewriteReport:
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "selection": self.selection, "method": self.method,
-                "calibration": self.calibration, "totals": self.totals(), "seconds": self.seconds,
+                "calibration": self.calibration, "calibration_windows": self.calibration_windows,
+                "totals": self.totals(), "seconds": self.seconds,
                 "fused_mlps": self.fused_mlps, "unfused_mlps": self.unfused_mlps, "quality_budget": self.quality_budget,
                 "layers": [asdict(layer) for layer in self.layers]}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_nmm.calibration_data import CalibrationData
 from onnx_nmm.pipeline.context import RewritePass, targets
 
 
@@ -22,8 +21,10 @@ class GatherStatistics(RewritePass):
         context, options = self.context, self.context.options
         _, chosen, _ = targets(model, options)
         if options.needs_statistics:
-            data = CalibrationData(options.calibration, model.graph)
+            data = context.calibration_data()
             context.statistics = data.statistics(context.source, chosen, options.method,
                                                  options.factorization.seed, context.progress)
             context.report.calibration = context.statistics.description
+            if data.statistics_file is None:
+                context.report.calibration_windows = list(data.windows().ids)
         return False

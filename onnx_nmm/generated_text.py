@@ -1,0 +1,194 @@
+"""Calibration text the model writes itself: `--calib generated[:N]`.
+
+A book calibrates the model for that book. Windows sampled from the dense model represent what the model
+does in general — its own distribution of text — so statistics, quality budgets and distillation learned
+from them are not tied to one corpus (docs/quality.md measures the difference).
+
+Each window starts with the tokenizer's BOS token (`start_token`; without one, the end-of-text token that
+separates pretraining documents) and continues with
+`seq_len − 1` tokens sampled from softmax(logits / temperature) restricted to the nucleus holding `top_p`
+of the probability (Holtzman et al., 2020). Windows are generated `batch` at a time through the KV cache
+when the model has one (onnx_nmm.decoding; without one every step re-reads the sequence, which costs
+O(seq_len²) — give a `generator` export with a cache to go faster). Batch b samples with its own seed
+(`seed` + b), so a window depends only on the options and its position, and generating more windows
+keeps the first ones. An end-of-text token mid-window is kept: the model then starts a new document, as
+in its training data.
+
+Generated windows are cached on disk (ONNX_NMM_CACHE, default ~/.cache/onnx-nmm) under a key made of the
+generating model file (path, size, modification time) and the options: a second rewrite or a fine-tuning
+of the same model reads them back instead of generating them again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnx_nmm.errors import DataError, OptionError
+
+if TYPE_CHECKING:
+    from onnx_nmm.calibration_data import TokenWindows
+
+GENERATED = "generated"
+DEFAULT_GENERATED_SAMPLES = 64
+_SPEC = re.compile(rf"^{GENERATED}(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class GeneratedText:
+    """A token source sampled from a model: `samples` windows of the calibration's `seq_len` tokens.
+
+    generator:   the model that writes (default: the model being rewritten, or the teacher of a
+                 fine-tuning); another export of the same model, e.g. one with a KV cache, is faster
+    start_token: the id each window starts with (default: the tokenizer's BOS, else its end-of-text token)
+    """
+
+    samples: int = DEFAULT_GENERATED_SAMPLES
+    temperature: float = 1.0
+    top_p: float = 0.95
+    seed: int = 0
+    batch: int = 8
+    generator: str | os.PathLike | None = None
+    start_token: int | None = None
+
+    def __post_init__(self):
+        for name in ("samples", "batch"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"{{{name}}} of generated text must be a positive integer, got "
+                                  f"{getattr(self, name)}", **{name: f"generated.{name}"})
+        if not self.temperature > 0:
+            raise OptionError(f"{{temperature}} must be positive, got {self.temperature}",
+                              temperature="generated.temperature")
+        if not 0 < self.top_p <= 1:
+            raise OptionError(f"{{top_p}} must be in (0, 1], got {self.top_p}", top_p="generated.top_p")
+
+    @classmethod
+    def from_spec(cls, source) -> "GeneratedText | None":
+        """"generated" or "generated:N" as generated text; None for any other source."""
+        return parse_generated(source)
+
+    def describe(self, seq_len: int) -> str:
+        return (f"{GENERATED}: {self.samples} windows of {seq_len} tokens sampled from the model (temperature "
+                f"{self.temperature:g}, top-p {self.top_p:g}, seeds {self.seed}–{self.seed + self._batches() - 1})")
+
+    def _batches(self) -> int:
+        return -(-self.samples // self.batch)
+
+
+def parse_generated(source) -> GeneratedText | None:
+    """`source` as generated text when it is "generated" or "generated:N" (or already a GeneratedText)."""
+    if isinstance(source, GeneratedText):
+        return source
+    if not isinstance(source, str):
+        return None
+    match = _SPEC.match(source.strip())
+    if match is None:
+        if source.strip().startswith(GENERATED + ":"):
+            raise OptionError(f"{source!r}: write {GENERATED}:N with N the number of windows, e.g. {GENERATED}:64",
+                              source="calibration.source")
+        return None
+    return GeneratedText(samples=int(match.group(1)) if match.group(1) else DEFAULT_GENERATED_SAMPLES)
+
+
+def start_token(tokenizer) -> int:
+    """The token a generated window starts with: the tokenizer's BOS (SmolLM2's is "<|im_start|>", and its
+    windows read as general prose nonetheless), else the end-of-text token that separates pretraining
+    documents ("<|endoftext|>": GPT-2's, Qwen's), else EOS."""
+    if getattr(tokenizer, "bos_token_id", None) is not None:
+        return int(tokenizer.bos_token_id)
+    if "<|endoftext|>" in tokenizer.get_vocab():
+        return int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return int(tokenizer.eos_token_id)
+    raise DataError("the tokenizer has neither a BOS nor an end-of-text token to start generated windows with")
+
+
+def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, samples: int | None = None
+                      ) -> TokenWindows:
+    """`samples` (default text.samples) windows of `seq_len` tokens sampled from `text.generator` or `model`."""
+    from onnx_nmm.calibration_data import TokenWindows, load_tokenizer
+
+    samples = samples or text.samples
+    writer = text.generator if text.generator is not None else model
+    first = text.start_token
+    if first is None:
+        if tokenizer is None:
+            raise OptionError("generated windows start with the tokenizer's BOS token: give the "
+                              "{tokenizer}", tokenizer="calibration.tokenizer")
+        first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
+    cache = _cache_file(writer, text, seq_len, first)
+    rows = []
+    batches = -(-samples // text.batch)
+    for b in range(batches):
+        rows.append(_cached_batch(cache, b) if cache is not None else None)
+        if rows[-1] is None:
+            rows[-1] = sample_batch(writer, text, seq_len, first, b)
+            if cache is not None:
+                _store_batch(cache, b, rows[-1])
+    tokens = np.concatenate(rows)[:samples]
+    described = GeneratedText(**{**text.__dict__, "samples": samples}).describe(seq_len)
+    return TokenWindows(tokens, described, [f"{GENERATED}#{i}" for i in range(samples)])
+
+
+def sample_batch(model, text: GeneratedText, seq_len: int, first: int, index: int) -> np.ndarray:
+    """Batch `index`: text.batch windows [batch, seq_len], seeded by text.seed + index."""
+    from onnx_nmm.decoding import Decoder
+
+    rng = np.random.default_rng(text.seed + index)
+    decoder = Decoder(model)
+    tokens = np.full((text.batch, 1), first, np.int64)
+    logits = decoder.prefill(tokens)
+    while tokens.shape[1] < seq_len:
+        new = sample_nucleus(logits, text.temperature, text.top_p, rng)
+        tokens = np.concatenate([tokens, new[:, None]], axis=1)
+        if tokens.shape[1] < seq_len:
+            logits = decoder.step(new[:, None])
+    return tokens
+
+
+def sample_nucleus(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of `logits` [B, V]: softmax(logits / temperature) restricted to the most likely tokens
+    whose mass reaches top_p (the one crossing it included)."""
+    scaled = logits.astype(np.float64) / temperature
+    probabilities = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probabilities /= probabilities.sum(axis=-1, keepdims=True)
+    order = np.argsort(-probabilities, axis=-1)
+    sorted_p = np.take_along_axis(probabilities, order, axis=-1)
+    before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the more likely tokens
+    sorted_p = np.where(before < top_p, sorted_p, 0.0)
+    sorted_p /= sorted_p.sum(axis=-1, keepdims=True)
+    picks = (sorted_p.cumsum(axis=-1) < rng.random((len(logits), 1))).sum(axis=-1)
+    return order[np.arange(len(logits)), np.minimum(picks, logits.shape[-1] - 1)].astype(np.int64)
+
+
+def _cache_file(model, text: GeneratedText, seq_len: int, first: int) -> Path | None:
+    """Where the batches of this model and these options are cached; None for a model held in memory."""
+    path = getattr(model, "path", model)  # a ModelSource's file
+    if not isinstance(path, (str, os.PathLike)) or os.environ.get("ONNX_NMM_CACHE") == "off":
+        return None
+    path = Path(path).resolve()
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{seq_len}|{first}|{text.temperature}|{text.top_p}|" \
+          f"{text.seed}|{text.batch}"
+    root = Path(os.environ.get("ONNX_NMM_CACHE", Path.home() / ".cache" / "onnx-nmm"))
+    return root / "generated" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _cached_batch(folder: Path, index: int) -> np.ndarray | None:
+    path = folder / f"batch{index}.npy"
+    return np.load(path) if path.is_file() else None
+
+
+def _store_batch(folder: Path, index: int, tokens: np.ndarray) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = folder / f".batch{index}.{os.getpid()}.npy"
+    np.save(staged, tokens)
+    staged.replace(folder / f"batch{index}.npy")
