@@ -37,6 +37,7 @@ from onnx_nmm.scale.calibration import GatherStatisticsOnRay
 from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray, ray_cluster
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import write_streamed
+from onnx_nmm.teacher import record_dense_model
 
 
 def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, options: RewriteOptions | None = None,
@@ -67,6 +68,7 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
             work.remove_if_empty()  # bad input found before any matrix was finished: nothing to resume
             raise _root_cause(error) from None
     context.report.weight_bytes_after = weight_bytes(source.model)
+    record_dense_model(source.model, model_path)  # as the in-memory rewrite does: finetune's default teacher
     with progress.phase("writing"):
         write_streamed(source.model, output, work.staging, functools.partial(check_model_file, source=model_path))
     carry_genai_config(model_path, output)
