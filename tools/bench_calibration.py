@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
+from commands import run_measured  # noqa: E402
 
 
 def main() -> int:
@@ -36,14 +34,9 @@ def main() -> int:
                    "--keep", "0.8", "--align", "32", "--calib", str(text), "--tokenizer", str(tokenizer),
                    "--calib-samples", str(args.samples), "--seq-len", str(args.seq_len), "--report", str(report),
                    "--quiet"]
-        start = time.perf_counter()
-        child = subprocess.Popen(command)
-        _, status, usage = os.wait4(child.pid, 0)
-        wall = time.perf_counter() - start
-        if status != 0:
-            raise SystemExit(f"rewrite failed with status {status}")
+        measured = run_measured(command)
         data = json.loads(report.read_text())
-    rss = usage.ru_maxrss * 1024
+    wall, rss = measured["wall_s"], measured["peak_rss_bytes"]
     seconds = data["seconds"]
     print(f"machine: {machine()}")
     print(f"SmolLM2-135M-Instruct, MLP targets, whitened SVD, keep 0.8, align 32; calibration: {data['calibration']}")

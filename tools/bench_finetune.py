@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog  # noqa: E402
+from commands import CommandLog, run_measured  # noqa: E402
 
 MEMORY_BAR_BYTES = 8 * 2**30
 
@@ -46,13 +44,7 @@ def finetune(argv: list) -> dict:
     """Run `onnx-nmm finetune ARGV` in a fresh process; its wall time and its own peak RSS."""
     argv = [str(a) for a in argv]
     print("$", shlex.join(["onnx-nmm", "finetune", *argv]), flush=True)
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "onnx_nmm", "finetune", *argv])
-    _, status, usage = os.wait4(child.pid, 0)  # usage of that child alone: its own peak RSS
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"finetune failed with status {status}")
-    return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    return run_measured([sys.executable, "-m", "onnx_nmm", "finetune", *argv])
 
 
 def main() -> int:

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import onnx_nmm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import llama_1b_width, machine  # noqa: E402
+from commands import run_measured  # noqa: E402
 
 
 def rewrite(model: Path, method: str, folder: Path) -> dict:
@@ -32,13 +30,7 @@ def rewrite(model: Path, method: str, folder: Path) -> dict:
     output, report = folder / f"{method}.onnx", folder / f"{method}.json"
     command = [sys.executable, "-m", "onnx_nmm", "rewrite", str(model), "-o", str(output), "--keep", "0.8",
                "--svd", method, "--report", str(report), "--quiet"]
-    start = time.perf_counter()
-    child = subprocess.Popen(command)
-    _, status, usage = os.wait4(child.pid, 0)  # usage of that child alone: its own peak RSS
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"rewrite failed with status {status}")
-    return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "report": json.loads(report.read_text())}
+    return {**run_measured(command), "report": json.loads(report.read_text())}
 
 
 def weight_bytes(model: Path) -> int:

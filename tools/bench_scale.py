@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import onnx_nmm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from commands import run_measured  # noqa: E402
 from scale_model import LLAMA_3_8B, write_llama_shaped  # noqa: E402
 
 # Llama-3-70B: 80 layers, hidden 8192, intermediate 28672, 8 kv heads of 128.
@@ -40,15 +40,9 @@ def rewrite(model: Path, output: Path, include: str, threads: int, ray: bool) ->
     command = [sys.executable, "-m", "onnx_nmm", "rewrite", str(model), "-o", str(output), "--keep", "0.8",
                "--include", include, "--stream", "--threads", str(threads), "--report", str(report), "--quiet",
                *(["--ray"] if ray else [])]
-    start = time.perf_counter()
-    child = subprocess.Popen(command)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"rewrite failed with status {status}: {' '.join(command)}")
+    measured = run_measured(command)
     hashes = {path.name: _sha256(path) for path in (output, onnx_nmm.external_data_path(output))}
-    result = {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "hashes": hashes,
-              "report": json.loads(report.read_text())}
+    result = {**measured, "hashes": hashes, "report": json.loads(report.read_text())}
     shutil.rmtree(output.parent)
     return result
 

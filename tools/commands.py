@@ -4,9 +4,11 @@ the exact commands behind their numbers."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +63,19 @@ class CommandLog:
         result = self.json(*argv)
         kept.write_text(json.dumps(result))
         return result
+
+
+def run_measured(command: list) -> dict:
+    """Run `command` in a fresh process; its wall time and its own peak RSS (os.wait4 reports the usage of
+    that child alone). A failed command stops the benchmark."""
+    command = [str(a) for a in command]
+    start = time.perf_counter()
+    child = subprocess.Popen(command)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"command failed (exit {os.waitstatus_to_exitcode(status)}): {shlex.join(command)}")
+    return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
 def as_typed(argument: str) -> str:
