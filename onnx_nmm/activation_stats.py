@@ -38,12 +38,15 @@ _STATS_MARKER = "__onnx_nmm_gram_statistics__"
 @dataclass
 class GramStatistics:
     """G = XᵀX per layer-input value name (float64), and how many token rows went into each; with
-    `--method fisher` also the output-gradient Gram of each layer, by layer name (float32: onnx_nmm.fisher)."""
+    `--method fisher` also the output-gradient Gram of each layer, by layer name (float32: onnx_nmm.fisher).
+    `windows`: the ids of the calibration windows they came from (empty in files saved before they were kept),
+    so a quality budget on loaded statistics can refuse to be measured on one of them."""
 
     grams: dict[str, np.ndarray] = field(default_factory=dict)
     tokens: int = 0
     description: str = ""
     output_grams: dict[str, np.ndarray] = field(default_factory=dict)
+    windows: tuple[str, ...] = ()
 
     def gram(self, value_name: str) -> np.ndarray:
         if value_name not in self.grams:
@@ -63,7 +66,8 @@ class GramStatistics:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         staged = path.with_name(f".{path.name}.partial.npz")
-        np.savez(staged, **{_STATS_MARKER: np.array([self.tokens]), "__description__": np.array(self.description)},
+        np.savez(staged, **{_STATS_MARKER: np.array([self.tokens]), "__description__": np.array(self.description),
+                            "__windows__": np.array(self.windows, dtype=str)},
                  **{f"gram:{name}": gram for name, gram in self.grams.items()},
                  **{f"output_gram:{name}": gram for name, gram in self.output_grams.items()})
         staged.replace(path)
@@ -82,8 +86,10 @@ class GramStatistics:
             def entries(prefix):
                 return {key.removeprefix(prefix): archive[key] for key in archive.files if key.startswith(prefix)}
 
+            windows = tuple(str(w) for w in archive["__windows__"]) if "__windows__" in archive.files else ()
             return cls(grams=entries("gram:"), tokens=int(archive[_STATS_MARKER][0]),
-                       description=str(archive["__description__"]), output_grams=entries("output_gram:"))
+                       description=str(archive["__description__"]), output_grams=entries("output_gram:"),
+                       windows=windows)
 
 
 # Column blocks of X for the symmetric Gram: big enough for efficient GEMMs, small enough that

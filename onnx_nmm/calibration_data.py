@@ -264,10 +264,13 @@ class CalibrationData:
             if method == "fisher":
                 from onnx_nmm.fisher import collect_fisher_statistics
 
-                return collect_fisher_statistics(source, layers, batches, windows.description, seed=seed,
-                                                 on_batch=phase.advance)
-            return collect_gram_matrices(source, observed_inputs(layers), batches, windows.description,
-                                         on_batch=phase.advance)
+                statistics = collect_fisher_statistics(source, layers, batches, windows.description, seed=seed,
+                                                       on_batch=phase.advance)
+            else:
+                statistics = collect_gram_matrices(source, observed_inputs(layers), batches, windows.description,
+                                                   on_batch=phase.advance)
+        statistics.windows = tuple(windows.ids)
+        return statistics
 
     def windows(self, samples: int | None = None) -> TokenWindows:
         """The calibration windows (never a held-out one): all of them, or the first `samples`."""

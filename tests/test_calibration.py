@@ -196,6 +196,26 @@ def test_a_budget_is_never_measured_on_a_calibration_window(capsys, export, tmp_
     assert "held out of the statistics" in out and "per window" in out
 
 
+def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, export, tmp_path, monkeypatch):
+    """Statistics saved from 6 windows, loaded by a budget rewrite that calibrates on 4: its held-out windows
+    would be windows 5 and 6, which the statistics saw: a one-line error, and no output."""
+    text = _ten_lettered_windows(tmp_path)
+    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    model, stats, out = export("llama", "dynamo"), tmp_path / "s.npz", tmp_path / "o.onnx"
+    common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet"]
+    code, _, err = _run(capsys, "rewrite", model, "-o", tmp_path / "first.onnx", *common, "--calib-samples", "6",
+                        "--save-calib-stats", stats)
+    assert code == 0, err
+    assert calibration_data.GramStatistics.load(stats).windows == tuple(f"t.txt#{i}" for i in range(6))
+    budget = ["--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--calib-stats", stats]
+    code, _, err = _run(capsys, "rewrite", model, "-o", out, *common, "--calib-samples", "4", *budget)
+    assert code != 0 and not out.exists()
+    assert "came from 2 of the windows the quality budget is measured on (t.txt#4, t.txt#5)" in err
+    assert "--calib-samples" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(capsys, "rewrite", model, "-o", out, *common, "--calib-samples", "6", *budget)
+    assert code == 0, err
+
+
 @pytest.mark.slow
 def test_mixed_and_generated_calibration_hold_windows_out_of_each_source(tmp_path, monkeypatch):
     """A text mixed with windows the model generates: each source gives its windows, the budget windows are

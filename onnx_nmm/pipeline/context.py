@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from onnx_nmm.activation_stats import GramStatistics
 from onnx_nmm.calibration_data import CalibrationData, TokenWindows
-from onnx_nmm.errors import ModelError
+from onnx_nmm.errors import DataError, ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
@@ -58,8 +58,17 @@ class RewriteContext:
         return self.calibration_data().windows(samples)
 
     def budget_windows(self) -> TokenWindows:
-        """The windows the quality budgets are measured on: held out of the calibration windows."""
-        return self.calibration_data().held_out_windows()
+        """The windows the quality budgets are measured on: held out of the calibration windows, and of the
+        windows loaded statistics came from (when their file names them)."""
+        data = self.calibration_data()
+        held_out = data.held_out_windows()
+        shared = sorted(set(held_out.ids) & set(self.statistics.windows if self.statistics else ()))
+        if shared:
+            raise DataError(f"the statistics in {data.statistics_file} came from {len(shared)} of the windows the "
+                            f"quality budget is measured on ({', '.join(shared[:3])}{', …' if len(shared) > 3 else ''}"
+                            "): give {samples} the window count they were gathered with, or gather them again",
+                            samples="calibration.samples")
+        return held_out
 
 
 def targets(model: ir.Model, options: RewriteOptions) -> tuple[list[LinearLayer], list[LinearLayer], dict[str, str]]:

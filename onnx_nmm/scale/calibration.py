@@ -52,6 +52,7 @@ class GatherStatisticsOnRay(GatherStatistics):
                     parts[pending.pop(reference)] = part = ray.get(reference)
                     phase.advance(part.tokens)
         context.statistics = summed([parts[index] for index in range(workers)], windows.description)
+        context.statistics.windows = tuple(windows.ids)
         if options.calibration.save_statistics is not None:
             context.statistics.save(options.calibration.save_statistics)
         context.report.calibration = context.statistics.description
