@@ -83,6 +83,11 @@ def qwen25_onnx() -> Path:
     return _exported(qwen25_gguf(), "qwen2.5-coder-0.5b-instruct")
 
 
+def qwen25_kv_onnx() -> Path:
+    """Qwen2.5-Coder-0.5B with a KV cache, as `onnx-nmm export` writes it by default."""
+    return _exported(qwen25_gguf(), "qwen2.5-coder-0.5b-instruct-kv", cache=True)
+
+
 def kjv_text(part: str) -> Path:
     """The Old ("calibration") or New ("evaluation") Testament as plain text, one verse per line."""
     if part not in ("calibration", "evaluation"):

@@ -1,19 +1,22 @@
 """Which calibration text makes a rewrite hold on text it never saw: the King James Old Testament, text the
 model generates itself, or both mixed — scored on two domains.
 
-    python tools/calibration_study.py [--keeps 0.95 0.9] [--calib-samples 16] [--finetune-seconds 300]
+    python tools/calibration_study.py [--model smollm2|qwen] [--keeps 0.95 0.9] [--budgets global sensitivity]
+                                      [--calib-samples 16] [--finetune-for mixed] [--finetune-seconds 300]
 
 For each calibration (`--calib kjv.txt`, `--calib generated:N`, `--calib kjv.txt --calib generated:N/2`
-with N/2 Old Testament windows), with everything on (Fisher-weighted SVD, ranks where the predicted KL
-says they cost least, distillation fine-tuning), SmolLM2-135M's MLPs are rewritten:
+with N/2 Old Testament windows), with everything on (Fisher-weighted SVD, ranks where they cost least,
+distillation fine-tuning), the model's MLPs are rewritten:
 
-    --max-ppl-increase 0.1   the budget, measured on calibration windows held out of the statistics: what it
-                             promises (its measured mean and spread over those windows) against what it delivers
-    --keep K --budget global        fixed reductions, K in --keeps, spent where the predicted KL is least
-                                    (no measurement: the sensitivity budget would measure the same choice
-                                    once more on a probe, which costs minutes a model on a shared CPU)
-    + distillation           the smallest K fine-tuned with `finetune`'s defaults (distillation from the dense
-                             model) on the same calibration text, for --finetune-seconds
+    --max-ppl-increase P     the budget (--ppl-budget P; 0 skips it), measured on calibration windows held out
+                             of the statistics: what it promises (its measured mean and spread over those
+                             windows) against what it delivers
+    --keep K --budget B      fixed reductions, K in --keeps, for each B in --budgets: `global` spends them where
+                             the predicted KL is least (no measurement), `sensitivity` measures that choice
+                             once more on held-out windows and moves it where the measured damage is least
+    + distillation           for the calibrations in --finetune-for, the last of those rewrites fine-tuned by
+                             `finetune` with its default loss (distillation from the dense model) on
+                             --train-samples windows of the calibration's own kind of text
 
 Every model is scored on two texts neither step saw: the held-out part of the calibration corpus (the KJV
 New Testament) and modern English news (the Lee corpus, tools/assets.modern_text). The page reports, per
@@ -21,8 +24,10 @@ calibration, the largest share of the MLP parameters removed within +10 % on the
 
 Generated windows are sampled from an export of the same model with a KV cache (`--calib-generator`), which
 is much faster than re-reading each sequence; they are cached (onnx_nmm.generated_text), so the rewrites and
-the fine-tuning of one calibration share them. Models already in --work are kept: an interrupted study
-resumes; delete the folder to start afresh. Every command is recorded in the page (docs/quality.md).
+the fine-tuning of one calibration share them. The statistics are saved by a calibration's first rewrite
+when a later one reuses them; a study of one rewrite per calibration reuses the statistics an earlier study
+left in --work. Models already in --work are kept: an interrupted study resumes; delete the
+folder to start afresh. Every command is recorded in the page (docs/quality.md, one section per model).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
@@ -40,18 +47,47 @@ from commands import CommandLog, write_section  # noqa: E402
 
 TOLERANCE = 0.10  # perplexity increase allowed on the modern text
 BAR = 0.10  # share of the MLP parameters to remove within it (issue 17)
-BUDGET = 0.1  # the --max-ppl-increase row
+
+
+@dataclass(frozen=True)
+class StudiedModel:
+    title: str
+    model: Callable[[], Path]
+    tokenizer: Callable[[], Path]
+    generator: Callable[[], Path]  # the same model with a KV cache, to sample generated windows fast
+    work: str
+    section: str  # of docs/quality.md
+
+
+MODELS = {
+    "smollm2": StudiedModel("SmolLM2-135M-Instruct", assets.smollm2_onnx, assets.smollm2_gguf,
+                            assets.smollm2_kv_onnx, "out/calibration", "calibration-study"),
+    "qwen": StudiedModel("Qwen2.5-Coder-0.5B-Instruct", assets.qwen25_onnx, assets.qwen25_gguf,
+                         assets.qwen25_kv_onnx, "out/calibration-qwen", "calibration-study-qwen"),
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--keeps", type=float, nargs="*", default=[0.95, 0.9])
-    parser.add_argument("--calib-samples", type=int, default=16, help="windows of 512 tokens for the statistics")
-    parser.add_argument("--sensitivity-windows", type=int, default=4, help="held-out windows a budget is measured on")
-    parser.add_argument("--eval-windows", type=int, default=8, help="windows of 512 tokens scored per domain")
-    parser.add_argument("--finetune-seconds", type=int, default=300)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--calibrations", nargs="*", default=["kjv", "generated", "mixed"])
-    parser.add_argument("--work", default="out/calibration")
+    parser.add_argument("--calib-samples", type=int, default=16, help="windows of 512 tokens for the statistics")
+    parser.add_argument("--ppl-budget", type=float, default=0.1, help="the --max-ppl-increase row (0: none)")
+    parser.add_argument("--sensitivity-windows", type=int, default=4,
+                        help="held-out windows a budget is measured on")
+    parser.add_argument("--keeps", nargs="*", type=keep_spec, default=[(0.95, "global"), (0.9, "global")],
+                        metavar="KEEP[:BUDGET]",
+                        help="fixed reductions, each spent by its --budget (global, the default, or sensitivity)")
+    parser.add_argument("--finetune-for", nargs="*", help="calibrations whose last rewrite is fine-tuned (default: all)")
+    parser.add_argument("--finetune-seconds", type=int, default=300)
+    parser.add_argument("--finetune-steps", type=int, help="at most (default: finetune's)")
+    parser.add_argument("--finetune-lr", type=float, help="default: finetune's")
+    parser.add_argument("--train-samples", type=int, help="training windows (default: --calib-samples)")
+    parser.add_argument("--train-seq-len", type=int, default=512, help="tokens per training window")
+    parser.add_argument("--eval-windows", type=int, default=8, help="windows of 512 tokens scored per domain")
+    parser.add_argument("--work", help="where the models go (default: out/calibration[-qwen])")
+    parser.add_argument("--section", help="the page's section to write (default: the model's)")
+    parser.add_argument("--heading", help="that section's heading")
     parser.add_argument("--out", default="docs/quality.md")
     parser.add_argument("--only-kept", action="store_true",
                         help="run nothing new: write the page from the models an earlier run left in --work, and "
@@ -66,9 +102,12 @@ def main() -> int:
 class Study:
     def __init__(self, args):
         self.args = args
-        self.work = Path(args.work)
-        self.model, self.tokenizer, self.kjv, self.new_testament = assets.smollm2_study(self.work)
-        self.generator = assets.smollm2_kv_onnx()
+        self.studied = MODELS[args.model]
+        self.work = Path(args.work or self.studied.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.model, self.tokenizer, self.generator = (self.studied.model(), self.studied.tokenizer(),
+                                                      self.studied.generator())
+        self.kjv, self.new_testament = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
         self.modern = assets.modern_text()
         self.commands = CommandLog()
         self.rows: list[dict] = []
@@ -76,19 +115,17 @@ class Study:
         self.missing: list[str] = []  # steps --only-kept found no model for
 
     def calibration(self, name: str) -> list:
-        n = self.args.calib_samples
-        generated = ["--calib-generator", self.generator]
-        return {"kjv": ["--calib", self.kjv, "--calib-samples", n],
-                "generated": ["--calib", f"generated:{n}", *generated],
-                "mixed": ["--calib", self.kjv, "--calib-samples", n // 2, "--calib", f"generated:{n // 2}",
-                          *generated]}[name]
+        return self._sources(name, self.args.calib_samples, "--calib", "--calib-samples", "--calib-generator")
 
     def training_text(self, name: str) -> list:
-        n = self.args.calib_samples
-        return {"kjv": ["--text", self.kjv, "--samples", n],
-                "generated": ["--text", f"generated:{n}", "--generator", self.generator],
-                "mixed": ["--text", self.kjv, "--samples", n // 2, "--text", f"generated:{n // 2}",
-                          "--generator", self.generator]}[name]
+        samples = self.args.train_samples or self.args.calib_samples
+        return self._sources(name, samples, "--text", "--samples", "--generator")
+
+    def _sources(self, name: str, n: int, source: str, samples: str, generator: str) -> list:
+        generated = [generator, self.generator]
+        return {"kjv": [source, self.kjv, samples, n],
+                "generated": [source, f"generated:{n}", *generated],
+                "mixed": [source, self.kjv, samples, n // 2, source, f"generated:{n // 2}", *generated]}[name]
 
     def scores(self, path) -> dict[str, float]:
         return {domain: self.commands.perplexity(path, text, self.tokenizer, self.args.eval_windows)["perplexity"]
@@ -104,17 +141,22 @@ class Study:
         stats = self.work / f"{name}-stats.npz"
         common = [*self.calibration(name), "--tokenizer", self.tokenizer, "--seq-len", "512", "--align", "32",
                   "--method", "fisher", "--sensitivity-windows", a.sensitivity_windows, "--quiet", "--force"]
-        budget = self.rewrite(name, f"ppl-{BUDGET}", common + ["--save-calib-stats", stats,
-                                                               "--max-ppl-increase", BUDGET], outputs=[stats])
-        for keep in sorted(a.keeps, reverse=True):
-            self.rewrite(name, f"keep-{keep}", common + ["--calib-stats", stats, "--keep", keep, "--budget",
-                                                         "global"])
-        smallest = self.work / f"{name}-keep-{min(a.keeps)}.onnx" if a.keeps else None
-        if smallest is not None and smallest.exists():
-            self.finetune(name, smallest, self.rows[-1])
-        elif smallest is not None:
-            self.missing.append(f"{smallest.stem}-distilled")
-        del budget
+        steps = ([(f"ppl-{a.ppl_budget}", ["--max-ppl-increase", a.ppl_budget])] if a.ppl_budget else []) + [
+            (f"keep-{keep}" + ("" if budget == "global" else f"-{budget}"), ["--keep", keep, "--budget", budget])
+            for keep, budget in a.keeps]
+        last = None
+        for index, (tag, rule) in enumerate(steps):
+            if index == 0 and len(steps) > 1:  # gathers the statistics the later rewrites reuse
+                last = self.rewrite(name, tag, common + ["--save-calib-stats", stats, *rule], outputs=[stats])
+            elif index > 0 or stats.exists():  # a lone rewrite reuses what another study left in --work
+                last = self.rewrite(name, tag, common + ["--calib-stats", stats, *rule])
+            else:
+                last = self.rewrite(name, tag, common + rule)
+        if a.finetune_for is None or name in a.finetune_for:
+            if last is not None:
+                self.finetune(name, last, self.rows[-1])
+            elif steps:
+                self.missing.append(f"{name}-{steps[-1][0]}-distilled")
 
     def kept(self, out: Path, report: Path) -> bool:
         """Whether to go on with a step: always, unless --only-kept and it left no model."""
@@ -131,8 +173,8 @@ class Study:
         self.commands.produce([out, report, *(outputs or [])], "rewrite", self.model, "-o", out, *flags,
                               "--report", report)
         written = json.loads(report.read_text())
-        chosen_by = next(f"{flag} {value}" for flag, value in zip(flags, flags[1:])
-                         if flag in ("--max-ppl-increase", "--keep"))
+        chosen_by = " ".join(str(flag) for flag in flags[flags.index("--max-ppl-increase" if "--max-ppl-increase"
+                                                                    in flags else "--keep"):])
         self.rows.append({"calibration": name, "chosen_by": chosen_by, "fine-tuned": False,
                           "removed": 1 - written["totals"]["kept_fraction"],
                           "promised": written["quality_budget"].get("spread"),
@@ -141,16 +183,19 @@ class Study:
         return out
 
     def finetune(self, name: str, rewritten: Path, base: dict) -> Path | None:
+        a = self.args
         tuned = rewritten.with_name(f"{rewritten.stem}-distilled.onnx")
         report = tuned.with_suffix(".json")
         if not self.kept(tuned, report):
             return None
+        optional = [*(["--steps", a.finetune_steps] if a.finetune_steps else []),
+                    *(["--lr", a.finetune_lr] if a.finetune_lr else [])]
         self.commands.produce([tuned, report], "finetune", rewritten, "-o", tuned, *self.training_text(name),
-                              "--tokenizer", self.tokenizer, "--seq-len", "512", "--time-budget",
-                              self.args.finetune_seconds, "--report", report, "--quiet", "--force")
+                              "--tokenizer", self.tokenizer, "--seq-len", a.train_seq_len, *optional,
+                              "--time-budget", a.finetune_seconds, "--report", report, "--quiet", "--force")
         written = json.loads(report.read_text())
         self.rows.append({**base, "fine-tuned": True, "loss": written["loss"], "steps": written["steps"],
-                          "promised": None, "measured": None, **self.scores(tuned)})
+                          "seconds": written["seconds"], "promised": None, "measured": None, **self.scores(tuned)})
         print(self.rows[-1], flush=True)
         return tuned
 
@@ -164,14 +209,22 @@ class Study:
         names = {"kjv": f"KJV Old Testament ({a.calib_samples} windows)",
                  "generated": f"generated ({a.calib_samples} windows)",
                  "mixed": f"mixed ({a.calib_samples // 2} Old Testament + {a.calib_samples // 2} generated)"}
+        tuned_for = ", ".join(names[n] for n in (a.finetune_for if a.finetune_for is not None else a.calibrations))
+        training = (f"{a.train_samples or a.calib_samples} windows of {a.train_seq_len} tokens of the same kind of text "
+                    f"(mixed: half and half), at most {a.finetune_steps or 'its default'} steps and "
+                    f"{a.finetune_seconds} s" + (f", lr {a.finetune_lr:g}" if a.finetune_lr else ""))
+        heading = "## Calibration that holds off the calibration text: KJV, generated, mixed"
         lines = [
-            "## Calibration that holds off the calibration text: KJV, generated, mixed",
+            f"## {a.heading}" if a.heading else heading if a.model == "smollm2" else f"## The same on {self.studied.title}",
             "",
-            "SmolLM2-135M-Instruct, MLPs rewritten with everything on: Fisher-weighted SVD (`--method fisher`), ranks",
-            "aligned to 32 where the predicted KL says they cost least, then `finetune` with its defaults",
-            f"(distillation from the dense model) on the same calibration text for {a.finetune_seconds} s. Calibration",
-            "windows are 512 tokens; *generated* windows are sampled from the dense model itself",
-            "(`--calib generated:N`: the BOS token `<|im_start|>`, then temperature 1, top-p 0.95, one seed per batch of 8).",
+            f"{self.studied.title}, MLPs rewritten with everything on: Fisher-weighted SVD (`--method fisher`),",
+            "ranks aligned to 32 and spent where they cost least — by the predicted KL (`--budget global`), or",
+            "by that prediction checked on held-out windows (`--budget sensitivity`) — then `finetune` with its",
+            f"default loss (distillation from the dense model) on {training}" +
+            (f" (for {tuned_for})." if tuned_for else "; no fine-tuning here."),
+            "Calibration windows are 512 tokens; *generated* windows are sampled from the dense model itself",
+            "(`--calib generated:N`: the tokenizer's BOS token, or its end-of-text token when it has none, then",
+            "temperature 1, top-p 0.95, one seed per batch of 8).",
             f"Every model is scored on {a.eval_windows} windows of 512 tokens of two texts no step saw: **KJV NT**, the",
             "held-out New Testament (the calibration corpus's other part), and **modern**, English news prose of",
             "2001 from another source (the Lee corpus, 300 ABC news articles, shipped as test data in the PyPI",
@@ -187,7 +240,8 @@ class Study:
             promised = row["promised"]
             measured = "—" if not promised else (f"{_expm1(row['measured']):+.1%} ({promised['min']:+.1%} … "
                                                  f"{promised['max']:+.1%})")
-            tuned = f"distilled, {row['steps']} steps" if row["fine-tuned"] else "no"
+            tuned = (f"distilled, {row['steps']} steps ({row['seconds'] / 60:.0f} min)" if row["fine-tuned"]
+                     else "no")
             lines.append(f"| {names[row['calibration']]} | `{row['chosen_by']}` | {tuned} | {row['removed']:.2%} | "
                          f"{measured} | {_cell(row['kjv'], dense['kjv'])} | {_cell(row['modern'], dense['modern'])} |")
         best = self.best_within()
@@ -206,7 +260,15 @@ class Study:
         lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",
                   f"Generated by `{shlex.join(['python', 'tools/calibration_study.py', *sys.argv[1:]])}`:",
                   "", "```", *self.commands.lines, "```"]
-        write_section(path, "calibration-study", lines)
+        write_section(path, a.section or self.studied.section, lines)
+
+
+def keep_spec(text: str) -> tuple[float, str]:
+    """KEEP[:BUDGET], e.g. 0.9 or 0.9:sensitivity."""
+    keep, _, budget = text.partition(":")
+    if budget not in ("", "global", "sensitivity"):
+        raise argparse.ArgumentTypeError(f"{text}: the budget is global or sensitivity")
+    return float(keep), budget or "global"
 
 
 def _expm1(nats: float) -> float:
