@@ -91,8 +91,7 @@ class Study:
                           "--generator", self.generator]}[name]
 
     def scores(self, path) -> dict[str, float]:
-        return {domain: self.commands.perplexity(path, text, self.tokenizer, self.args.eval_windows)["perplexity"]
-                for domain, text in (("kjv", self.new_testament), ("modern", self.modern))}
+        return self.commands.two_domain_scores(path, self.tokenizer, self.args.eval_windows)
 
     def run(self) -> None:
         self.dense = self.scores(self.model)
