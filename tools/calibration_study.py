@@ -128,8 +128,7 @@ class Study:
                 "mixed": [source, self.kjv, samples, n // 2, source, f"generated:{n // 2}", *generated]}[name]
 
     def scores(self, path) -> dict[str, float]:
-        return {domain: self.commands.perplexity(path, text, self.tokenizer, self.args.eval_windows)["perplexity"]
-                for domain, text in (("kjv", self.new_testament), ("modern", self.modern))}
+        return self.commands.two_domain_scores(path, self.tokenizer, self.args.eval_windows)
 
     def run(self) -> None:
         self.dense = self.scores(self.model)

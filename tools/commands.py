@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DOMAINS = {"kjv": "KJV NT", "modern": "modern"}  # the two texts every quality table is scored on → its column
 
 
 class CommandLog:
@@ -63,6 +64,15 @@ class CommandLog:
         result = self.json(*argv)
         kept.write_text(json.dumps(result))
         return result
+
+    def two_domain_scores(self, model, tokenizer, windows: int) -> dict[str, float]:
+        """`model`'s perplexity on each text of DOMAINS (`perplexity`, so kept beside the model): "kjv", the
+        held-out King James New Testament (the calibration corpus's other half), and "modern", English news
+        from another source (the Lee corpus, assets.modern_text)."""
+        import assets
+
+        texts = {"kjv": assets.kjv_text("evaluation"), "modern": assets.modern_text()}
+        return {domain: self.perplexity(model, texts[domain], tokenizer, windows)["perplexity"] for domain in DOMAINS}
 
 
 def run_measured(command: list) -> dict:

@@ -2,8 +2,9 @@
 
     python tools/quality_sweep.py [--keeps 0.9 0.8 0.7 0.6] [--aligns 32 128] [--out docs/quality.md]
 
-Calibration: the Old Testament of the KJV; evaluation: the New Testament (tools/assets.py), so the two
-never share text. Every number in the written page comes from an `onnx-nmm` command the page lists.
+Calibration: the Old Testament of the KJV. Every model is scored on two texts (tools/assets.py): the held-out
+New Testament, which shares no text with the calibration, and modern English news from another source (the Lee
+corpus). Every number in the written page comes from an `onnx-nmm` command the page lists.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, write_section  # noqa: E402
+from commands import DOMAINS, CommandLog, write_section  # noqa: E402
 
 from onnx_nmm import external_data_path  # noqa: E402
 
@@ -37,9 +38,9 @@ def main() -> int:
     parser.add_argument("--out", default="docs/quality.md")
     args = parser.parse_args()
     work = Path(args.work)
-    model, tokenizer, calibration, evaluation = assets.smollm2_study(work)
+    model, tokenizer, calibration, _ = assets.smollm2_study(work)
     run = CommandLog()
-    dense = run.perplexity(model, evaluation, tokenizer, args.eval_windows)
+    dense = run.two_domain_scores(model, tokenizer, args.eval_windows)
     stats = work / "smollm2-stats.npz"
     if not stats.exists():
         run.run("rewrite", model, "-o", work / "calibrated.onnx", "--calib", calibration, "--tokenizer", tokenizer,
@@ -54,7 +55,7 @@ def main() -> int:
                 run.run("rewrite", model, "-o", out, "--keep", keep, "--align", align, *flags, "--calib", stats,
                              "--report", report, "--quiet")
                 totals = json.loads(report.read_text())["totals"]
-                row[column] = run.perplexity(out, evaluation, tokenizer, args.eval_windows)["perplexity"]
+                row[column] = run.two_domain_scores(out, tokenizer, args.eval_windows)
                 row[f"{column} kept"] = totals["kept_fraction"]
                 out.unlink()
                 external_data_path(out).unlink(missing_ok=True)
@@ -64,28 +65,31 @@ def main() -> int:
     return 0
 
 
-def write_page(path: Path, dense: dict, rows: list[dict], commands: list[str], args) -> None:
-    ppl = dense["perplexity"]
+def write_page(path: Path, dense: dict[str, float], rows: list[dict], commands: list[str], args) -> None:
     lines = [
         "## Uniform compression of every MLP: plain SVD, whitened, whitened with a global budget",
         "",
         "SmolLM2-135M-Instruct ([models.md](models.md): a LlamaForCausalLM, hidden 576, intermediate 1536, 30 layers),",
         "exported with the dynamo exporter. Only the MLPs are rewritten (gate, up, down: 90 matrices, 79.6M of its",
         "134.5M parameters), as in the paper. Perplexity is token-level, in onnxruntime on CPU, over the first",
-        f"{dense['windows']} disjoint windows of {dense['window']} tokens of the **New Testament** of the King James",
-        f"Bible ({dense['tokens_scored']} tokens scored). Calibration uses {args.calib_samples} windows of 512 tokens of",
-        "the **Old Testament**: calibration and evaluation share no text.",
+        f"{args.eval_windows} disjoint windows of 512 tokens of each of two texts no step saw: **KJV NT**, the",
+        "held-out **New Testament** of the King James Bible, and **modern**, English news prose of 2001 from another",
+        f"source (the Lee corpus, 300 ABC news articles; tools/assets.py). Calibration uses {args.calib_samples}",
+        "windows of 512 tokens of the **Old Testament**: calibration and evaluation share no text.",
         "",
-        f"**Dense model: perplexity {ppl:.3f}.** Each cell: perplexity, then its ratio to dense. *kept* is the",
-        "fraction of the MLP parameters the rewrite keeps (block alignment rounds the rank, so it differs from",
-        "`--keep`; the global budget keeps the same total as uniform).",
+        f"**Dense: KJV NT {dense['kjv']:.3f}, modern {dense['modern']:.3f}.** Each cell: perplexity, then its ratio",
+        "to dense on the same text. *kept* is the fraction of the MLP parameters the rewrite keeps (block alignment",
+        "rounds the rank, so it differs from `--keep`; the global budget keeps the same total as uniform).",
         "",
-        "| align | --keep | kept | plain SVD | whitened | whitened, global budget | whitened beats plain |",
-        "|---:|---:|---:|---:|---:|---:|:---:|",
+        "| align | --keep | kept | " + " | ".join(f"{column}, {heading}" for column in METHODS
+                                               for heading in DOMAINS.values())
+        + " | whitened beats plain (" + ", ".join(DOMAINS.values()) + ") |",
+        "|---:|---:|---:|" + "---:|" * (len(METHODS) * len(DOMAINS)) + ":---:|",
     ]
     for row in rows:
-        cells = [f"{row[column]:,.2f} ({row[column] / ppl:,.1f}×)" for column in METHODS]
-        beats = "yes" if row["whitened"] < row["plain SVD"] and row["whitened, global budget"] < row["plain SVD"] else "**no**"
+        cells = [f"{row[column][d]:,.2f} ({row[column][d] / dense[d]:,.1f}×)" for column in METHODS for d in DOMAINS]
+        beats = ", ".join("yes" if row["whitened"][d] < row["plain SVD"][d]
+                          and row["whitened, global budget"][d] < row["plain SVD"][d] else "**no**" for d in DOMAINS)
         lines.append(f"| {row['align']} | {row['keep']} | {row['whitened kept']:.3f} | " + " | ".join(cells) + f" | {beats} |")
     lines += [
         "",

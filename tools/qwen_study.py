@@ -5,7 +5,8 @@ Fisher-weighted SVD at the same ranks and with its global budget.
 
 A second real model for docs/quality.md (a section of its own): 24 layers, hidden 896, intermediate
 4864, q/k/v with biases, untied lm_head. MLP targets, ranks aligned to 32; calibration on the Old
-Testament, perplexity on the held-out New Testament. One fisher calibration pass gathers the statistics
+Testament, perplexity on two texts: the held-out New Testament and modern English news from another source
+(the Lee corpus, tools/assets.modern_text). One fisher calibration pass gathers the statistics
 of both methods. Every command is recorded in the page; models already in --work are kept, so an
 interrupted study resumes.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, write_section  # noqa: E402
+from commands import DOMAINS, CommandLog, write_section  # noqa: E402
 
 
 def main() -> int:
@@ -39,10 +40,10 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = assets.qwen25_onnx(), assets.qwen25_gguf()
-    calibration, evaluation = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
+    calibration = assets.kjv_text("calibration")
     run = CommandLog()
-    def perplexity(path) -> float:
-        return run.perplexity(path, evaluation, tokenizer, args.eval_windows)["perplexity"]
+    def perplexity(path) -> dict[str, float]:
+        return run.two_domain_scores(path, tokenizer, args.eval_windows)
 
     dense = perplexity(model)
     stats = work / "stats.npz"
@@ -83,7 +84,7 @@ def _kept(report: Path) -> float:
 METHODS = ("whitened", "sequential", "sequential + fine-tuning", "fisher", "fisher, global budget")
 
 
-def write_page(path: Path, dense: float, rows: list[dict], commands: list[str], args) -> None:
+def write_page(path: Path, dense: dict[str, float], rows: list[dict], commands: list[str], args) -> None:
     lines = [
         "## A second model: Qwen2.5-Coder-0.5B-Instruct",
         "",
@@ -91,16 +92,21 @@ def write_page(path: Path, dense: float, rows: list[dict], commands: list[str], 
         "biases, untied lm_head; 630M parameters in fp32), MLPs rewritten, ranks aligned to 32. Statistics from",
         f"{args.calib_samples} Old Testament windows of 512 tokens; sequential calibration runs on {args.sequential_samples}",
         f"of them; fine-tuning distils from the dense model for {args.finetune_minutes:g} minutes on the CPU",
-        f"(lr {args.finetune_lr:g}). Perplexity on the first {args.eval_windows} windows of 512 tokens of the held-out",
-        f"New Testament; **dense: {dense:.3f}**. *fisher* is Fisher-weighted SVD at the whitened model's ranks;",
-        "*fisher, global budget* spends the same parameters where the predicted KL is least (its share kept in",
-        "brackets: alignment makes it a little lower).",
+        f"(lr {args.finetune_lr:g}). Perplexity on the first {args.eval_windows} windows of 512 tokens of two texts",
+        "no step saw: **KJV NT**, the held-out New Testament, and **modern**, English news prose of 2001 from another",
+        "source (the Lee corpus, 300 ABC news articles; tools/assets.py); each cell: perplexity, then its increase",
+        "over dense on the same text. *fisher* is Fisher-weighted SVD at the whitened model's ranks; *fisher, global",
+        "budget* spends the same parameters where the predicted KL is least (its share kept in brackets: alignment",
+        "makes it a little lower).",
         "",
-        f"| --keep | MLP parameters kept | {' | '.join(METHODS)} |",
-        "|---:|---:|" + "---:|" * len(METHODS),
+        f"**Dense: KJV NT {dense['kjv']:.3f}, modern {dense['modern']:.3f}.**",
+        "",
+        "| --keep | MLP parameters kept | "
+        + " | ".join(f"{m}, {heading}" for m in METHODS for heading in DOMAINS.values()) + " |",
+        "|---:|---:|" + "---:|" * (len(METHODS) * len(DOMAINS)),
     ]
     for row in rows:
-        cells = [f"{row[m]:.3f} ({row[m] / dense - 1:+.1%})" for m in METHODS]
+        cells = [f"{row[m][d]:.3f} ({row[m][d] / dense[d] - 1:+.1%})" for m in METHODS for d in DOMAINS]
         cells[-1] += f" [{row['kept, global']:.1%}]"
         lines.append(f"| {row['keep']} | {row['kept']:.1%} | " + " | ".join(cells) + " |")
     lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",
