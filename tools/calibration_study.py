@@ -107,8 +107,7 @@ class Study:
         self.work.mkdir(parents=True, exist_ok=True)
         self.model, self.tokenizer, self.generator = (self.studied.model(), self.studied.tokenizer(),
                                                       self.studied.generator())
-        self.kjv, self.new_testament = assets.kjv_text("calibration"), assets.kjv_text("evaluation")
-        self.modern = assets.modern_text()
+        self.kjv = assets.kjv_text("calibration")
         self.commands = CommandLog()
         self.rows: list[dict] = []
         self.dense: dict[str, float] = {}
