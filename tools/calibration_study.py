@@ -2,7 +2,7 @@
 model generates itself, or both mixed — scored on two domains.
 
     python tools/calibration_study.py [--model smollm2|qwen] [--keeps 0.95 0.9] [--budgets global sensitivity]
-                                      [--calib-samples 16] [--finetune-for mixed] [--finetune-seconds 300]
+                                      [--calib-samples 16] [--finetune mixed:keep-0.9:900]
 
 For each calibration (`--calib kjv.txt`, `--calib generated:N`, `--calib kjv.txt --calib generated:N/2`
 with N/2 Old Testament windows), with everything on (Fisher-weighted SVD, ranks where they cost least,
@@ -14,9 +14,10 @@ distillation fine-tuning), the model's MLPs are rewritten:
     --keep K --budget B      fixed reductions, K in --keeps, for each B in --budgets: `global` spends them where
                              the predicted KL is least (no measurement), `sensitivity` measures that choice
                              once more on held-out windows and moves it where the measured damage is least
-    + distillation           for the calibrations in --finetune-for, the last of those rewrites fine-tuned by
-                             `finetune` with its default loss (distillation from the dense model) on
-                             --train-samples windows of the calibration's own kind of text
+    + distillation           the rewrites named in --finetune (CALIBRATION:TAG[:SECONDS], the tag as in the
+                             file names: ppl-0.1, keep-0.9, keep-0.9-sensitivity) fine-tuned by `finetune`
+                             with its default loss (distillation from the dense model) on --train-samples
+                             windows of the calibration's own kind of text
 
 Every model is scored on two texts neither step saw: the held-out part of the calibration corpus (the KJV
 New Testament) and modern English news (the Lee corpus, tools/assets.modern_text). The page reports, per
@@ -36,6 +37,7 @@ import argparse
 import json
 import shlex
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -78,7 +80,8 @@ def main() -> int:
     parser.add_argument("--keeps", nargs="*", type=keep_spec, default=[(0.95, "global"), (0.9, "global")],
                         metavar="KEEP[:BUDGET]",
                         help="fixed reductions, each spent by its --budget (global, the default, or sensitivity)")
-    parser.add_argument("--finetune-for", nargs="*", help="calibrations whose last rewrite is fine-tuned (default: all)")
+    parser.add_argument("--finetune", nargs="*", type=finetune_spec, default=[], metavar="CALIBRATION:TAG[:SECONDS]",
+                        help="rewrites to distil, each for SECONDS at most (default --finetune-seconds)")
     parser.add_argument("--finetune-seconds", type=int, default=300)
     parser.add_argument("--finetune-steps", type=int, help="at most (default: finetune's)")
     parser.add_argument("--finetune-lr", type=float, help="default: finetune's")
@@ -142,19 +145,18 @@ class Study:
         steps = ([(f"ppl-{a.ppl_budget}", ["--max-ppl-increase", a.ppl_budget])] if a.ppl_budget else []) + [
             (f"keep-{keep}" + ("" if budget == "global" else f"-{budget}"), ["--keep", keep, "--budget", budget])
             for keep, budget in a.keeps]
-        last = None
+        tuning = {tag: seconds for calibration, tag, seconds in a.finetune if calibration == name}
         for index, (tag, rule) in enumerate(steps):
             if index == 0 and len(steps) > 1:  # gathers the statistics the later rewrites reuse
-                last = self.rewrite(name, tag, common + ["--save-calib-stats", stats, *rule], outputs=[stats])
+                rewritten = self.rewrite(name, tag, common + ["--save-calib-stats", stats, *rule], outputs=[stats])
             elif index > 0 or stats.exists():  # a lone rewrite reuses what another study left in --work
-                last = self.rewrite(name, tag, common + ["--calib-stats", stats, *rule])
+                rewritten = self.rewrite(name, tag, common + ["--calib-stats", stats, *rule])
             else:
-                last = self.rewrite(name, tag, common + rule)
-        if a.finetune_for is None or name in a.finetune_for:
-            if last is not None:
-                self.finetune(name, last, self.rows[-1])
-            elif steps:
-                self.missing.append(f"{name}-{steps[-1][0]}-distilled")
+                rewritten = self.rewrite(name, tag, common + rule)
+            if tag in tuning and rewritten is not None:
+                self.finetune(name, rewritten, self.rows[-1], tuning[tag] or a.finetune_seconds)
+            elif tag in tuning:
+                self.missing.append(f"{name}-{tag}-distilled")
 
     def kept(self, out: Path, report: Path) -> bool:
         """Whether to go on with a step: always, unless --only-kept and it left no model."""
@@ -180,7 +182,7 @@ class Study:
         print(self.rows[-1], flush=True)
         return out
 
-    def finetune(self, name: str, rewritten: Path, base: dict) -> Path | None:
+    def finetune(self, name: str, rewritten: Path, base: dict, seconds: int) -> Path | None:
         a = self.args
         tuned = rewritten.with_name(f"{rewritten.stem}-distilled.onnx")
         report = tuned.with_suffix(".json")
@@ -190,7 +192,7 @@ class Study:
                     *(["--lr", a.finetune_lr] if a.finetune_lr else [])]
         self.commands.produce([tuned, report], "finetune", rewritten, "-o", tuned, *self.training_text(name),
                               "--tokenizer", self.tokenizer, "--seq-len", a.train_seq_len, *optional,
-                              "--time-budget", a.finetune_seconds, "--report", report, "--quiet", "--force")
+                              "--time-budget", seconds, "--report", report, "--quiet", "--force")
         written = json.loads(report.read_text())
         self.rows.append({**base, "fine-tuned": True, "loss": written["loss"], "steps": written["steps"],
                           "seconds": written["seconds"], "promised": None, "measured": None, **self.scores(tuned)})
@@ -207,27 +209,31 @@ class Study:
         names = {"kjv": f"KJV Old Testament ({a.calib_samples} windows)",
                  "generated": f"generated ({a.calib_samples} windows)",
                  "mixed": f"mixed ({a.calib_samples // 2} Old Testament + {a.calib_samples // 2} generated)"}
-        tuned_for = ", ".join(names[n] for n in (a.finetune_for if a.finetune_for is not None else a.calibrations))
-        training = (f"{a.train_samples or a.calib_samples} windows of {a.train_seq_len} tokens of the same kind of text "
-                    f"(mixed: half and half), at most {a.finetune_steps or 'its default'} steps and "
-                    f"{a.finetune_seconds} s" + (f", lr {a.finetune_lr:g}" if a.finetune_lr else ""))
-        heading = "## Calibration that holds off the calibration text: KJV, generated, mixed"
-        lines = [
-            f"## {a.heading}" if a.heading else heading if a.model == "smollm2" else f"## The same on {self.studied.title}",
-            "",
+        limits = (f", {a.finetune_steps} steps at most" if a.finetune_steps else "") + (
+            f", lr {a.finetune_lr:g}" if a.finetune_lr else "")
+        training = (f"{a.train_samples or a.calib_samples} windows of {a.train_seq_len} tokens of the calibration's "
+                    f"kind of text (mixed: half and half){limits}")
+        tuning = (f" Some are then fine-tuned by `finetune` with its default loss (distillation from the dense "
+                  f"model) on {training}; each row says for how long." if a.finetune else " No fine-tuning here.")
+        heading = a.heading or ("Calibration that holds off the calibration text: KJV, generated, mixed"
+                                if a.model == "smollm2" else f"The same on {self.studied.title}")
+        intro = " ".join([
             f"{self.studied.title}, MLPs rewritten with everything on: Fisher-weighted SVD (`--method fisher`),",
             "ranks aligned to 32 and spent where they cost least — by the predicted KL (`--budget global`), or",
-            "by that prediction checked on held-out windows (`--budget sensitivity`) — then `finetune` with its",
-            f"default loss (distillation from the dense model) on {training}" +
-            (f" (for {tuned_for})." if tuned_for else "; no fine-tuning here."),
+            "by that prediction checked on held-out windows (`--budget sensitivity`)." + tuning,
             "Calibration windows are 512 tokens; *generated* windows are sampled from the dense model itself",
             "(`--calib generated:N`: the tokenizer's BOS token, or its end-of-text token when it has none, then",
             "temperature 1, top-p 0.95, one seed per batch of 8).",
-            f"Every model is scored on {a.eval_windows} windows of 512 tokens of two texts no step saw: **KJV NT**, the",
-            "held-out New Testament (the calibration corpus's other part), and **modern**, English news prose of",
-            "2001 from another source (the Lee corpus, 300 ABC news articles, shipped as test data in the PyPI",
+            f"Every model is scored on {a.eval_windows} windows of 512 tokens of two texts no step saw: **KJV NT**,",
+            "the held-out New Testament (the calibration corpus's other part), and **modern**, English news prose",
+            "of 2001 from another source (the Lee corpus, 300 ABC news articles, shipped as test data in the PyPI",
             "package gensim; tools/assets.py). *budget measured*: what `--max-ppl-increase` measured on its",
-            f"{a.sensitivity_windows} calibration windows held out of the statistics (mean, and min … max over the windows).",
+            f"{a.sensitivity_windows} calibration windows held out of the statistics (mean, and min … max over the",
+            "windows)."])
+        lines = [
+            f"## {heading}",
+            "",
+            *textwrap.wrap(intro, 110, break_on_hyphens=False),
             "",
             f"**Dense: KJV NT {dense['kjv']:.3f}, modern {dense['modern']:.3f}.**",
             "",
@@ -243,8 +249,8 @@ class Study:
             lines.append(f"| {names[row['calibration']]} | `{row['chosen_by']}` | {tuned} | {row['removed']:.2%} | "
                          f"{measured} | {_cell(row['kjv'], dense['kjv'])} | {_cell(row['modern'], dense['modern'])} |")
         best = self.best_within()
-        lines += ["", "Largest share of the MLP parameters removed within +10 % on the modern text, of the models tried:",
-                  ""]
+        lines += ["", "Largest share of the MLP parameters removed within +10 % on the modern text, of the models "
+                      "tried:", ""]
         ran = {row["calibration"] for row in self.rows}
         lines += [f"- {names[name]}: **{removed:.2%}**" if removed is not None else
                   f"- {names[name]}: {'none of the models tried' if name in ran else 'not run'}"
@@ -259,6 +265,15 @@ class Study:
                   f"Generated by `{shlex.join(['python', 'tools/calibration_study.py', *sys.argv[1:]])}`:",
                   "", "```", *self.commands.lines, "```"]
         write_section(path, a.section or self.studied.section, lines)
+
+
+def finetune_spec(text: str) -> tuple[str, str, int | None]:
+    """CALIBRATION:TAG[:SECONDS], e.g. mixed:keep-0.9-sensitivity:2700."""
+    calibration, _, rest = text.partition(":")
+    tag, _, seconds = rest.partition(":")
+    if not tag or (seconds and not seconds.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text}: give CALIBRATION:TAG[:SECONDS], e.g. mixed:keep-0.9:900")
+    return calibration, tag, int(seconds) if seconds else None
 
 
 def keep_spec(text: str) -> tuple[float, str]:
