@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -305,8 +305,8 @@ class CalibrationData:
             rows = [i for i in range(len(windows.tokens)) if i not in held_rows][:count]
             kept.append(_recounted(windows.take(rows), len(windows.tokens)))
             if held_rows:
-                held.append(TokenWindows(windows.tokens[sorted(held_rows)], f"{len(held_rows)} windows held out "
-                                         f"from {windows.description}", [windows.ids[i] for i in sorted(held_rows)]))
+                held.append(replace(windows.take(sorted(held_rows)), description=f"{len(held_rows)} windows "
+                                   f"held out from {windows.description}"))
         self._split = joined_windows(kept), joined_windows(held)
         return self._split
 

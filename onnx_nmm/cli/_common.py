@@ -3,7 +3,6 @@ and how an option's path in the API is spelt as a flag."""
 
 from __future__ import annotations
 
-
 import argparse
 import contextlib
 import dataclasses
@@ -237,10 +236,10 @@ def calibration_sources(sources: list[str] | None, generator: str | None):
         if generator is not None:
             raise onnx_nmm.OptionError("--calib-generator samples --calib generated:N windows: give --calib generated")
         return None
-    parsed = []
+    chosen = []
     for source in sources:
         generated = onnx_nmm.GeneratedText.from_spec(source)
-        parsed.append(generated if generated is None or generator is None
-                      else dataclasses.replace(generated, generator=generator))
-    chosen = [g if g is not None else s for g, s in zip(parsed, sources)]
+        if generated is not None and generator is not None:
+            generated = dataclasses.replace(generated, generator=generator)
+        chosen.append(source if generated is None else generated)
     return chosen[0] if len(chosen) == 1 else chosen

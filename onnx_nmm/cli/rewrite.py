@@ -135,7 +135,8 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     calibration = None
     if args.calib is not None or args.calib_stats is not None:
         calibration = onnx_nmm.CalibrationOptions(**given(
-            source=_common.calibration_sources(args.calib, args.calib_generator), tokenizer=args.tokenizer, samples=args.calib_samples, seq_len=args.seq_len,
+            source=_common.calibration_sources(args.calib, args.calib_generator), tokenizer=args.tokenizer,
+            samples=args.calib_samples, seq_len=args.seq_len,
             spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch, mode=args.calib_mode,
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
