@@ -273,3 +273,18 @@ def test_nucleus_sampling_keeps_to_the_nucleus_and_repeats_with_its_seed():
     assert abs(np.mean(picks == 0) - 0.5 / 0.8) < 0.05
     np.testing.assert_array_equal(picks, sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0)))
     assert set(sample_nucleus(logits, 1.0, 0.4, np.random.default_rng(1))) == {0}
+
+
+def test_a_generator_without_generated_windows_is_refused_in_one_line(tmp_path, capsys):
+    from onnx_nmm.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("some words " * 200)
+    for command in (["rewrite", "m.onnx", "-o", str(tmp_path / "o.onnx"), "--calib", str(text),
+                     "--calib-generator", "kv.onnx"],
+                    ["finetune", "m.onnx", "-o", str(tmp_path / "o.onnx"), "--text", str(text),
+                     "--generator", "kv.onnx"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "generated:N" in err, err
+        assert not (tmp_path / "o.onnx").exists()

@@ -1,23 +1,23 @@
 """Which calibration text makes a rewrite hold on text it never saw: the King James Old Testament, text the
 model generates itself, or both mixed — scored on two domains.
 
-    python tools/calibration_study.py [--model smollm2|qwen] [--keeps 0.95 0.9] [--budgets global sensitivity]
-                                      [--calib-samples 16] [--finetune mixed:keep-0.9:900]
+    python tools/calibration_study.py [--model smollm2|qwen] [--ppl-budget 0.1 0.05] [--keeps 0.97 0.9:sensitivity]
+                                      [--align 32] [--calib-samples 16] [--finetune mixed:keep-0.9:900]
 
 For each calibration (`--calib kjv.txt`, `--calib generated:N`, `--calib kjv.txt --calib generated:N/2`
 with N/2 Old Testament windows), with everything on (Fisher-weighted SVD, ranks where they cost least,
 distillation fine-tuning), the model's MLPs are rewritten:
 
-    --max-ppl-increase P     the budget (--ppl-budget P; 0 skips it), measured on calibration windows held out
-                             of the statistics: what it promises (its measured mean and spread over those
-                             windows) against what it delivers
-    --keep K --budget B      fixed reductions, K in --keeps, for each B in --budgets: `global` spends them where
-                             the predicted KL is least (no measurement), `sensitivity` measures that choice
-                             once more on held-out windows and moves it where the measured damage is least
+    --max-ppl-increase P     the budgets (--ppl-budget P [P ...]; 0 skips them), measured on calibration windows
+                             held out of the statistics: what each promises (its measured mean and spread over
+                             those windows) against what it delivers
+    --keep K --budget B      fixed reductions, KEEP[:BUDGET] in --keeps (global unless named): `global` spends
+                             them where the predicted KL is least (no measurement), `sensitivity` measures that
+                             choice once more on held-out windows and moves it where the measured damage is least
     + distillation           the rewrites named in --finetune (CALIBRATION:TAG[:SECONDS], the tag as in the
-                             file names: ppl-0.1, keep-0.9, keep-0.9-sensitivity) fine-tuned by `finetune`
-                             with its default loss (distillation from the dense model) on --train-samples
-                             windows of the calibration's own kind of text
+                             file names: ppl-0.1, keep-0.9, keep-0.9-sensitivity, ending -alignN when --align is
+                             not 32) fine-tuned by `finetune` with its default loss (distillation from the
+                             dense model) on --train-samples windows of the calibration's own kind of text
 
 Every model is scored on two texts neither step saw: the held-out part of the calibration corpus (the KJV
 New Testament) and modern English news (the Lee corpus, tools/assets.modern_text). The page reports, per
@@ -74,7 +74,9 @@ def main() -> int:
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--calibrations", nargs="*", default=["kjv", "generated", "mixed"])
     parser.add_argument("--calib-samples", type=int, default=16, help="windows of 512 tokens for the statistics")
-    parser.add_argument("--ppl-budget", type=float, default=0.1, help="the --max-ppl-increase row (0: none)")
+    parser.add_argument("--ppl-budget", type=float, nargs="*", default=[0.1],
+                        help="the --max-ppl-increase rows (0: none)")
+    parser.add_argument("--align", type=int, default=32, help="rank alignment of every rewrite")
     parser.add_argument("--sensitivity-windows", type=int, default=4,
                         help="held-out windows a budget is measured on")
     parser.add_argument("--keeps", nargs="*", type=keep_spec, default=[(0.95, "global"), (0.9, "global")],
@@ -140,11 +142,12 @@ class Study:
     def study(self, name: str) -> None:
         a = self.args
         stats = self.work / f"{name}-stats.npz"
-        common = [*self.calibration(name), "--tokenizer", self.tokenizer, "--seq-len", "512", "--align", "32",
+        common = [*self.calibration(name), "--tokenizer", self.tokenizer, "--seq-len", "512", "--align", a.align,
                   "--method", "fisher", "--sensitivity-windows", a.sensitivity_windows, "--quiet", "--force"]
-        steps = ([(f"ppl-{a.ppl_budget}", ["--max-ppl-increase", a.ppl_budget])] if a.ppl_budget else []) + [
-            (f"keep-{keep}" + ("" if budget == "global" else f"-{budget}"), ["--keep", keep, "--budget", budget])
-            for keep, budget in a.keeps]
+        aligned = "" if a.align == 32 else f"-align{a.align}"
+        steps = [(f"ppl-{budget}{aligned}", ["--max-ppl-increase", budget]) for budget in a.ppl_budget if budget] + [
+            (f"keep-{keep}" + ("" if budget == "global" else f"-{budget}") + aligned,
+             ["--keep", keep, "--budget", budget]) for keep, budget in a.keeps]
         tuning = {tag: seconds for calibration, tag, seconds in a.finetune if calibration == name}
         for index, (tag, rule) in enumerate(steps):
             if index == 0 and len(steps) > 1:  # gathers the statistics the later rewrites reuse
@@ -219,7 +222,7 @@ class Study:
                                 if a.model == "smollm2" else f"The same on {self.studied.title}")
         intro = " ".join([
             f"{self.studied.title}, MLPs rewritten with everything on: Fisher-weighted SVD (`--method fisher`),",
-            "ranks aligned to 32 and spent where they cost least — by the predicted KL (`--budget global`), or",
+            f"ranks aligned to {a.align} and spent where they cost least — by the predicted KL (`--budget global`), or",
             "by that prediction checked on held-out windows (`--budget sensitivity`)." + tuning,
             "Calibration windows are 512 tokens; *generated* windows are sampled from the dense model itself",
             "(`--calib generated:N`: the tokenizer's BOS token, or its end-of-text token when it has none, then",

@@ -229,17 +229,18 @@ def windows_line(result) -> str:
     return f"{result.tokens_scored} tokens in {result.windows} windows of {result.window} (stride {result.stride}{bos})"
 
 
-def calibration_sources(sources: list[str] | None, generator: str | None):
+def calibration_sources(sources: list[str] | None, generator: str | None,
+                        flags: tuple[str, str] = ("--calib", "--calib-generator")):
     """--calib given once or repeated (a list, mixed), each "generated[:N]" sampled from --calib-generator
-    when given."""
-    if not sources:
-        if generator is not None:
-            raise onnx_nmm.OptionError("--calib-generator samples --calib generated:N windows: give --calib generated")
+    when given. `flags` names the two options in errors (finetune calls them --text and --generator)."""
+    source_flag, generator_flag = flags
+    chosen = [onnx_nmm.GeneratedText.from_spec(source) or source for source in sources or []]
+    if generator is not None and not any(isinstance(source, onnx_nmm.GeneratedText) for source in chosen):
+        raise onnx_nmm.OptionError(f"{generator_flag} samples {source_flag} generated:N windows, and none is asked "
+                                   f"for: add {source_flag} generated:N or drop {generator_flag}")
+    if not chosen:
         return None
-    chosen = []
-    for source in sources:
-        generated = onnx_nmm.GeneratedText.from_spec(source)
-        if generated is not None and generator is not None:
-            generated = dataclasses.replace(generated, generator=generator)
-        chosen.append(source if generated is None else generated)
+    if generator is not None:
+        chosen = [dataclasses.replace(source, generator=generator) if isinstance(source, onnx_nmm.GeneratedText)
+                  else source for source in chosen]
     return chosen[0] if len(chosen) == 1 else chosen

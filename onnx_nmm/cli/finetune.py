@@ -73,7 +73,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    text = _common.calibration_sources(args.text or [onnx_nmm.TrainingData.text], args.generator)
+    text = _common.calibration_sources(args.text or [onnx_nmm.TrainingData.text], args.generator,
+                                        ("--text", "--generator"))
     data = onnx_nmm.TrainingData(**_common.given(text=text, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                                  samples=args.samples, bos=False if args.no_bos else None))
     options = finetune_options(args)
