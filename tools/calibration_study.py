@@ -150,10 +150,13 @@ class Study:
              ["--keep", keep, "--budget", budget]) for keep, budget in a.keeps]
         tuning = {tag: seconds for calibration, tag, seconds in a.finetune if calibration == name}
         for index, (tag, rule) in enumerate(steps):
-            if index == 0 and len(steps) > 1:  # gathers the statistics the later rewrites reuse
-                rewritten = self.rewrite(name, tag, common + ["--save-calib-stats", stats, *rule], outputs=[stats])
-            elif index > 0 or stats.exists():  # a lone rewrite reuses what another study left in --work
+            # the first rewrite gathers the statistics the later ones reuse, unless another study left them in
+            # --work: then a lone rewrite, or a first one still to be made, reuses them
+            fresh = not (self.work / f"{name}-{tag}.onnx").exists()
+            if index > 0 or (stats.exists() and (len(steps) == 1 or fresh)):
                 rewritten = self.rewrite(name, tag, common + ["--calib-stats", stats, *rule])
+            elif len(steps) > 1:
+                rewritten = self.rewrite(name, tag, common + ["--save-calib-stats", stats, *rule], outputs=[stats])
             else:
                 rewritten = self.rewrite(name, tag, common + rule)
             if tag in tuning and rewritten is not None:
