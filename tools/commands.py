@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOMAINS = {"kjv": "KJV NT", "modern": "modern"}  # the two texts every quality table is scored on → its column
 
 
+def invocation() -> str:
+    """How the running study script was called, as a user types it: `python tools/NAME.py ARGS`."""
+    return shlex.join(["python", f"tools/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
 class CommandLog:
     def __init__(self):
         self.lines: list[str] = []
