@@ -139,17 +139,18 @@ class Study:
         return tuned
 
     def best_within(self, domain: str) -> dict[str, float | None]:
-        """Per method family, the largest share removed within the tolerance on one text of DOMAINS (a family
-        that fine-tunes counts the models it starts from too)."""
+        """Per method family the study tried, the largest share removed within the tolerance on one text of
+        DOMAINS (a family that fine-tunes counts the models it starts from too)."""
         limit = self.dense[domain] * (1 + TOLERANCE)
         families = {"whitened": ("whitened",), "fisher": ("fisher",), "fisher + sequential": ("fisher+sequential",),
                     "fisher + distillation fine-tuning": ("fisher", "fisher + distillation fine-tuning"),
                     "fisher + next-token fine-tuning": ("fisher", "fisher + next-token fine-tuning"),
                     SPREAD: (SPREAD,),
                     f"{SPREAD} + distillation fine-tuning": (SPREAD, f"{SPREAD} + distillation fine-tuning")}
+        tried = {method for method, *_ in self.rows}
         return {family: max((removed for method, _, removed, ppl in self.rows
                              if method in methods and ppl[domain] <= limit), default=None)
-                for family, methods in families.items()}
+                for family, methods in families.items() if methods[-1] in tried}
 
     def write_page(self, path: Path) -> None:
         a, dense = self.args, self.dense
@@ -169,11 +170,11 @@ class Study:
             "512 tokens. *whitened*",
             "measures where to compress (every matrix truncated at two ranks on two calibration windows); *fisher*",
             "predicts it from the KL each rank adds (onnx_nmm/fisher.py). *+sequential* refits the fisher ranks with",
-            f"error-aware calibration on {a.sequential_samples} windows. *{SPREAD}*: the fisher statistics again, from",
-            f"{a.calib_samples} windows evenly spaced over the whole Old Testament (`--calib-spread`) instead of its first",
-            f"{a.calib_samples}. Fine-tuning: {a.finetune_steps} steps (about ten",
-            "minutes on this CPU) from the fisher model, only the factors trained, on Old Testament windows",
-            "(2 × 512 tokens a step, lr 1e-4).",
+            f"error-aware calibration on {a.sequential_samples} windows.",
+            *([f"*{SPREAD}*: the fisher statistics again, from {a.calib_samples} windows evenly spaced over the whole",
+               f"Old Testament (`--calib-spread`) instead of its first {a.calib_samples}."] if a.spread_keeps else []),
+            f"Fine-tuning: {a.finetune_steps} steps (about ten minutes on this CPU) from the fisher model, only the",
+            "factors trained, on Old Testament windows (2 × 512 tokens a step, lr 1e-4).",
             "",
             "| method | chosen by | MLP parameters removed | "
             + " | ".join(f"{heading} | within +10 %" for heading in DOMAINS.values()) + " |",
@@ -216,9 +217,9 @@ class Study:
 
 def _met(best: dict[str, float | None]) -> str:
     """Whether, and by which fine-tuning, the bar is met on one text (`best`: Study.best_within of it)."""
-    distilled = max(best["fisher + distillation fine-tuning"] or 0.0,
-                    best[f"{SPREAD} + distillation fine-tuning"] or 0.0)
-    next_token = best["fisher + next-token fine-tuning"] or 0.0
+    distilled = max(best.get("fisher + distillation fine-tuning") or 0.0,
+                    best.get(f"{SPREAD} + distillation fine-tuning") or 0.0)
+    next_token = best.get("fisher + next-token fine-tuning") or 0.0
     if distilled >= BAR:
         return "**met** with distillation"
     if next_token >= BAR:
