@@ -27,8 +27,8 @@ Generated windows are sampled from an export of the same model with a KV cache (
 is much faster than re-reading each sequence; they are cached (onnx_nmm.generated_text), so the rewrites and
 the fine-tuning of one calibration share them. The statistics are saved by a calibration's first rewrite
 when a later one reuses them; a study of one rewrite per calibration, or one given --reuse-stats, reuses the
-statistics an earlier study left in --work. Models already in --work are kept: an interrupted study resumes; delete the
-folder to start afresh. Every command is recorded in the page (docs/quality.md, one section per model).
+statistics an earlier study left in --work. Models already in --work are kept: an interrupted study
+resumes; delete the folder to start afresh. Every command is recorded in the page (docs/quality.md, one section per model).
 """
 
 from __future__ import annotations
