@@ -1,9 +1,10 @@
-"""Fine-tune the SVD factors of a rewritten model in PyTorch, everything else frozen, and write them back.
+"""Fine-tune what a rewrite compressed in PyTorch, everything else frozen, and write it back.
 
 The rewritten graph lowered to PyTorch (onnx_nmm.lowering) has the factors U, V of every SvdMatMul and
-SvdGatedMLP as its only parameters; the dense weights are buffers. AdamW trains the factors themselves, or
-low-rank adapters on them (factor_adapters, merged back afterwards), on windows of token ids x₁..x_S with
-one of two losses:
+SvdGatedMLP as its parameters, and the narrowed weights of a nystrom rewrite's MLPs when they are given
+(`weights`); the other dense weights are buffers. AdamW trains the factors themselves, or low-rank adapters
+on them (factor_adapters, merged back afterwards; narrowed weights are trained themselves), on windows of
+token ids x₁..x_S with one of two losses:
 
     next-token   L = −1/(B(S−1)) Σ_b Σ_{t<S} log q(x_{t+1} | x_≤t)
     distill      L = T²/(BS) Σ_b Σ_t KL( softmax(z_t / T) ‖ softmax(y_t / T) )
@@ -76,18 +77,20 @@ class TrainingResult:
 
 
 def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,
-             teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None) -> TrainingResult:
-    """Train the factors of the lowered `module` in place on `windows` [samples, S] of token ids.
+             teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None,
+             weights: dict[str, nn.Parameter] | None = None) -> TrainingResult:
+    """Train the factors of the lowered `module`, and the narrowed `weights` (lowering.weights_as_parameters),
+    in place on `windows` [samples, S] of token ids.
 
     `teacher` (token ids [B, S] → logits [B, S, vocab]) is needed for the distillation loss. On return the
-    module holds the tuned factors (adapters merged) and no parameter requires a gradient.
+    module holds the tuned factors (adapters merged) and weights, and no parameter requires a gradient.
     """
-    factors = factor_parameters(module)
-    _check_ready(factors, windows, options, teacher)
+    factors, weights = factor_parameters(module), weights or {}
+    _check_ready(factors | weights, windows, options, teacher)
     torch.manual_seed(options.seed)
-    adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank else None
+    adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank and factors else None
     trainable = ([p for adapter in adapters.values() for p in adapter.parameters()] if adapters
-                 else list(factors.values()))
+                 else list(factors.values())) + list(weights.values())
     for parameter in trainable:
         parameter.requires_grad_(True)
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=0.0)
@@ -168,11 +171,11 @@ def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
 def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options: TrainingOptions,
                  teacher: LogitsFn | None) -> None:
     if not factors:
-        raise ModelError("the model has no SVD factors to fine-tune; rewrite it first")
+        raise ModelError("the model has no SVD factors or narrowed weights to fine-tune; rewrite it first")
     wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
     if wrong:
-        raise ModelError(f"fine-tuning trains float32 factors; this model's are {', '.join(wrong)}: rewrite the "
-                        "float32 export and fine-tune that")
+        raise ModelError(f"fine-tuning trains float32 factors and weights; this model's are {', '.join(wrong)}: "
+                        "rewrite the float32 export and fine-tune that")
     if options.loss is None:
         raise ValueError("choose the loss first (FinetuneOptions chooses it from the teacher)")
     if options.loss == "distill" and teacher is None:

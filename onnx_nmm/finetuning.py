@@ -1,10 +1,11 @@
-"""Fine-tune the SVD factors of a rewritten model and put them back into the same graph (`finetune`).
+"""Fine-tune what a rewrite compressed and put it back into the same graph (`finetune`): the SVD factors,
+and the narrowed MLP weights of a nystrom rewrite.
 
     read the training windows (and held-out text) ─ perplexity before (onnxruntime)
-    ─ lower to PyTorch ─ train the factors only (factor_training) ─ write them into the ONNX graph
-    ─ perplexity after (onnxruntime, the tuned model)
+    ─ lower to PyTorch ─ train the factors and narrowed weights only (factor_training) ─ write them into the
+    ONNX graph ─ perplexity after (onnxruntime, the tuned model)
 
-Only the factor initializers change, each in its dtype; the result saves like a rewrite's.
+Only those initializers change, each in its dtype; the result saves like a rewrite's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from onnx_nmm.graph_probe import first_step
 from onnx_nmm.model_io import (PROTOBUF_LIMIT, carry_genai_config, check_model_file, check_output_path, save_model,
                                weight_bytes)
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes.mlp_narrowing import NARROWED_KEY
 from onnx_nmm.passes.svd_ops import DOMAIN
 from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.progress import Progress
@@ -195,18 +197,24 @@ LOSS_ROSE = 1.5
 
 def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None = None,
              progress: Progress | None = None) -> FinetuneResult:
-    """Train the factors of the rewritten `model` on `data`; the tuned model (same graph) and how it went."""
+    """Train the factors and narrowed weights of the rewritten `model` on `data`; the tuned model (same graph)
+    and how it went."""
     from onnx_nmm.factor_training import check_windows, replace_factors
     from onnx_nmm.lowering import CausalLmInputs
 
     options, progress = options or FinetuneOptions(), progress or Progress()
     source = ModelSource.of(model)
-    if not any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+    narrowed = narrowed_weights(source.model)
+    if not narrowed and not any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+        if any(".narrowed" in name for name in source.model.graph.initializers):
+            raise ModelError(f"the narrowed weights of {source.label} are stored quantized (or in float16), and "
+                             "fine-tuning trains float32 weights: narrow the float32 export to fine-tune")
         if any(".svd_" in name for name in source.model.graph.initializers):
             raise ModelError(f"the factors of {source.label} are written quantized, and fine-tuning trains float "
                              "factors: rewrite it with {factor_dtype} float32 (or float16) to fine-tune",
                              factor_dtype="factorization.factor_dtype")
-        raise ModelError(f"{source.label} has no {DOMAIN} SVD ops, so no factors to fine-tune; rewrite it first")
+        raise ModelError(f"{source.label} has no {DOMAIN} SVD ops and no narrowed MLPs, so nothing to fine-tune; "
+                         "rewrite it first")
     vocabulary = vocabulary_size(source.model.graph)
     options = _with_teacher(options, source)
     teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None
@@ -234,24 +242,37 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         with phases("perplexity before"):
             result.before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
     with phases("lowering"):
-        from onnx_nmm.lowering import factor_parameters, lower
+        from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
 
         module = lower(first_step(source.full_proto()))
+        weights = weights_as_parameters(module, narrowed)
     with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
                                             total=options.training.steps) as phase:
         from onnx_nmm.factor_training import finetune as train_factors
 
         result.training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
                                         teacher.logits if teacher is not None else None,
-                                        on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"))
+                                        on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"),
+                                        weights=weights)
     del teacher  # its onnxruntime session
     with phases("writing the factors"):
-        replace_factors(source.model, factor_parameters(module))
+        replace_factors(source.model, factor_parameters(module) | weights)
         del module
     if evaluation is not None:
         with phases("perplexity after"):
             result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress, "perplexity after")
     return result
+
+
+def narrowed_weights(model: ir.Model) -> list[str]:
+    """The float32 weight initializers of a nystrom rewrite's narrowed MLPs, which fine-tuning trains."""
+    names = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        weight = node.inputs[1] if NARROWED_KEY in node.metadata_props and node.op_type == "MatMul" else None
+        if weight is not None and weight.is_initializer() and weight.const_value.dtype == ir.DataType.FLOAT \
+                and weight.name not in names:
+            names.append(weight.name)
+    return names
 
 
 def _with_teacher(options: FinetuneOptions, source: ModelSource) -> FinetuneOptions:

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field, replace
 
 from onnx_nmm.errors import OptionError
 from onnx_nmm.lowrank import SVD_METHODS
+from onnx_nmm.nystrom import DEFAULT_SCORE, NEURON_SCORES
 from onnx_nmm.passes import TARGETS
 
 DEFAULT_KEEP = 0.8
 DEFAULT_WINDOW = 512  # tokens per perplexity window
 DEFAULT_ALIGN = 128  # the TensorE tile
 FULL_RANK = "full"
-METHODS = ("svd", "whiten", "fisher")
+METHODS = ("svd", "whiten", "fisher", "nystrom")
+CALIBRATED_METHODS = ("whiten", "fisher", "nystrom")
 BUDGETS = ("uniform", "global", "sensitivity")
 CALIBRATION_MODES = ("independent", "sequential")
 FACTOR_DTYPES = ("float16", "float32")
@@ -174,8 +176,10 @@ class Selection:
 @dataclass(frozen=True)
 class FactorizationOptions:
     """method: svd (truncated SVD of W), whiten (SVD-LLM: minimise the layer's output error on the
-    calibration data), or fisher (also weigh each output direction by the loss's gradients); None means
-    whiten with calibration data, else svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
+    calibration data), fisher (also weigh each output direction by the loss's gradients), or nystrom
+    (narrow each targeted MLP to the intermediate neurons it keeps, by `neuron_score`, and refit its output
+    projection: onnx_nmm.nystrom; other targets are whitened); None means whiten with calibration data, else
+    svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
     the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling).
     factor_dtype: how U and V are stored — None: as the weight was (a quantized weight's factors quantized
     the same way, a float weight's in its dtype), or "float16" / "float32"."""
@@ -186,8 +190,12 @@ class FactorizationOptions:
     oversample: int = 64
     seed: int = 0
     factor_dtype: str | None = None
+    neuron_score: str = DEFAULT_SCORE
 
     def __post_init__(self):
+        if self.neuron_score not in NEURON_SCORES:
+            raise OptionError(f"{{neuron_score}} must be one of {', '.join(NEURON_SCORES)}, got {self.neuron_score!r}",
+                              neuron_score="factorization.neuron_score")
         if self.method is not None and self.method not in METHODS:
             raise OptionError(f"{{method}} must be one of {', '.join(METHODS)}, got {self.method!r}",
                               method="factorization.method")
@@ -206,6 +214,8 @@ class FactorizationOptions:
         inner = self.svd
         if self.svd == "randomized":
             inner = f"randomized(power_iterations={self.power_iterations}, oversample={self.oversample})"
+        if self.method == "nystrom":
+            return f"nystrom ({self.neuron_score} neuron scores), MLPs narrowed; other targets whitened, {inner} SVD"
         return f"{self.method}, {inner} SVD"
 
 
@@ -279,16 +289,20 @@ class RewriteOptions:
             method = "whiten" if self.calibration is not None else "svd"
             object.__setattr__(self, "factorization", replace(self.factorization, method=method))
         method, calibration, ranks = self.method, self.calibration, self.ranks
-        if method in ("whiten", "fisher") and calibration is None:
+        if method in CALIBRATED_METHODS and calibration is None:
             raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",
                               method="factorization.method", calibration="calibration.source")
-        if calibration is not None and calibration.mode == "sequential" and method == "svd":
+        if calibration is not None and calibration.mode == "sequential" and method in ("svd", "nystrom"):
             raise OptionError("sequential calibration fits whitened factors: use it with {method} whiten or fisher",
                               method="factorization.method")
         if ranks.measures_damage and (calibration is None or calibration.source is None):
             raise OptionError("{rule} measures the damage on calibration windows: give {calibration}",
                               rule=f"ranks.{'budget' if ranks.budget == 'sensitivity' else ranks.rule}",
                               calibration="calibration.source")
+        if method == "nystrom" and ranks.rule in ("rank", "energy"):
+            raise OptionError(f"{{method}} nystrom narrows MLPs to a kept width, which {{{ranks.rule}}} does not "
+                              "choose: give {keep} or a quality budget", method="factorization.method",
+                              keep="ranks.keep", **{ranks.rule: f"ranks.{ranks.rule}"})
         if self.factorization.svd == "randomized" and ranks.rule == "energy":
             raise OptionError("{energy} needs every singular value: use it with {svd} exact",
                               energy="ranks.energy", svd="factorization.svd")

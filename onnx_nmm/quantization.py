@@ -17,7 +17,7 @@ import logging
 import numpy as np
 
 from onnx_nmm.passes.quantized_weights import NBITS, QuantizedWeight
-from onnx_nmm.passes.svd_factorization import QuantizedFactor
+from onnx_nmm.passes.stored_weights import QuantizedFactor
 
 
 def quantize_like(weight: QuantizedWeight, matrix: np.ndarray) -> QuantizedFactor:
@@ -64,3 +64,20 @@ def _per_channel(weight: QuantizedWeight, matrix: np.ndarray, scales_dtype) -> Q
         zero_points.append(zero_point)
     return QuantizedFactor(codes, np.asarray(scales, scales_dtype).reshape(-1), np.asarray(zero_points, integer).reshape(-1),
                            {"axis": 1})
+
+
+def kept_columns(weight: QuantizedWeight, n: int, kept: np.ndarray, columns: np.ndarray) -> QuantizedFactor:
+    """The columns `kept` of a quantized weight W [K, N], stored as W is. MatMulNBits stores Wᵀ's rows, so its
+    codes, scales and zero points are sliced: the kept columns stay exactly as they were. Other forms are
+    quantized again from `columns`, W[:, kept] as float."""
+    if weight.format != NBITS:
+        return quantize_like(weight, columns)
+
+    def rows(value, keep_shape: bool = True):
+        array = value.const_value.numpy()
+        sliced = array.reshape(n, -1)[kept]
+        return sliced.reshape(len(kept), *array.shape[1:]) if keep_shape and array.ndim > 1 else sliced.reshape(-1)
+
+    zero_points = rows(weight.zero_points) if weight.zero_points is not None else None
+    return QuantizedFactor(rows(weight.codes), rows(weight.scales), zero_points,
+                           {**weight.attributes, "N": len(kept)})

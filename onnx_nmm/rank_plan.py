@@ -1,8 +1,10 @@
 """Ranks: the rules that pick them, and the plan every way of choosing them returns.
 
-    RankPlan = {target layer's name: rank | Dense(reason)}
+    RankPlan = {target layer's name: rank | Dense(reason) | Narrowed(width)}
 
-Every target has an entry, which the factorization consumes; Dense says why a target keeps its weight.
+Every target has an entry, which the factorization consumes; Dense says why a target keeps its weight;
+Narrowed says that the target is a projection of an MLP that keeps `width` of its intermediate neurons
+(onnx_nmm.nystrom), every projection of the MLP alike.
 The simple rules are here — the block-aligned keep rule (DESIGN.md §4), one explicit rank, an energy
 threshold, the ranks of an earlier report; the global budget is in rank_allocation, the quality budgets
 in sensitivity.
@@ -30,7 +32,15 @@ class Dense:
     reason: str
 
 
-RankPlan = dict[str, "int | Dense"]
+@dataclass(frozen=True, order=True)
+class Narrowed:
+    """A projection of an MLP narrowed to `width` of its `of` intermediate neurons."""
+
+    width: int
+    of: int
+
+
+RankPlan = dict[str, "int | Dense | Narrowed"]
 
 
 def break_even_rank(k: int, n: int) -> float:
@@ -63,9 +73,27 @@ def energy_rank(singular_values: np.ndarray, energy: float, align: int) -> int:
     return min(align * math.ceil(needed / align), len(singular_values))
 
 
-def parameters(k: int, n: int, choice: int | Dense) -> int:
-    """Parameters of a K×N layer at a rank, or dense."""
+def parameters(k: int, n: int, choice: int | Dense | Narrowed) -> int:
+    """Parameters of a K×N layer at a rank, dense, or narrowed (an input projection loses columns, the output
+    projection rows)."""
+    if isinstance(choice, Narrowed):
+        return k * choice.width if n == choice.of else choice.width * n
     return k * n if isinstance(choice, Dense) else choice * (k + n)
+
+
+def aligned_widths(width: int, align: int) -> list[int]:
+    """The multiples of `align` below an MLP's `width`: the widths narrowing it may keep, largest first."""
+    return list(range(align * ((width - 1) // align), 0, -align))
+
+
+def keep_width(width: int, keep: float, align: int) -> Narrowed | Dense:
+    """The `align`-ed width keeping the fraction `keep` of an MLP's neurons (and so of its parameters)."""
+    kept = align * round(keep * width / align)
+    if kept == 0:
+        return Dense(f"width rounds to 0 at align {align} (a smaller align keeps some neurons)")
+    if kept >= width:
+        return Dense(f"width {kept} keeps every neuron of {width}")
+    return Narrowed(kept, width)
 
 
 def worth_factorizing(rank: int, k: int, n: int, align: int) -> int | Dense:
@@ -99,10 +127,10 @@ def explicit_ranks(layers: list[LinearLayer], rank: int | str) -> RankPlan:
     return {layer.name: min(layer.k, layer.n) if not isinstance(rank, int) else rank for layer in layers}
 
 
-def plan_from_report(source: str | os.PathLike | Mapping[str, int | None], layers: list[LinearLayer],
+def plan_from_report(source: str | os.PathLike | Mapping[str, int | Narrowed | None], layers: list[LinearLayer],
                      all_layers: list[LinearLayer]) -> RankPlan:
-    """The ranks an earlier rewrite of this model chose: from its report, or from a mapping layer → rank
-    (None: dense). Refused when it names layers this model does not have with that shape."""
+    """The ranks (and widths) an earlier rewrite of this model chose: from its report, or from a mapping layer →
+    rank or Narrowed (None: dense). Refused when it names layers this model does not have with that shape."""
     if isinstance(source, Mapping):
         ranks, shapes, label = dict(source), {}, "the given plan"
     else:
@@ -120,9 +148,16 @@ def plan_from_report(source: str | os.PathLike | Mapping[str, int | None], layer
 def _report_ranks(path: str | os.PathLike) -> tuple[dict[str, int | None], dict[str, tuple[int, int]]]:
     try:
         targeted = [layer for layer in json.loads(Path(path).read_text())["layers"] if layer["status"] != "skipped"]
-        ranks = {layer["name"]: layer["rank"] if layer["status"] == "factorized" else None for layer in targeted}
+        ranks = {layer["name"]: _reported_choice(layer) for layer in targeted}
         shapes = {layer["name"]: (layer["k"], layer["n"]) for layer in targeted}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise OptionError(f"{{ranks_from}} {path} is not a rewrite report ({error})",
                           ranks_from="ranks.ranks_from") from None
     return ranks, shapes
+
+
+def _reported_choice(row: dict) -> int | Narrowed | None:
+    """A report row's choice: its rank, its MLP's kept width (of the width its MLP had), or None (dense)."""
+    if row["status"] == "narrowed":
+        return Narrowed(row["width"], row["k"] if row["role"] in ("down", "fc2") else row["n"])
+    return row["rank"] if row["status"] == "factorized" else None

@@ -36,7 +36,8 @@ from onnx_nmm import fisher, lowrank, rank_allocation
 from onnx_nmm.errors import OptionError
 from onnx_nmm.graph_probe import first_step
 from onnx_nmm.metrics import log_softmax
-from onnx_nmm.rank_plan import Dense, RankPlan, aligned_ranks, parameters
+from onnx_nmm.nystrom import MlpNarrowing
+from onnx_nmm.rank_plan import Dense, Narrowed, RankPlan, aligned_ranks, aligned_widths, parameters
 
 METRICS = ("ppl", "kl")
 
@@ -91,6 +92,28 @@ class Candidate:
 
 
 @dataclass
+class NarrowingCandidate(Candidate):
+    """A targeted MLP, narrowed as a module: its choices are kept widths (Narrowed), its truncation loss the
+    refit's relative error E(S)/‖h·W_d‖² on the calibration activations (onnx_nmm.nystrom). `k` is its width
+    I and `n` the parameters one neuron costs, so k·n is its dense size."""
+
+    narrowing: MlpNarrowing | None = None
+    _losses: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def ranks(self, align: int) -> list[Narrowed]:
+        return [Narrowed(width, self.k) for width in aligned_widths(self.k, align)]
+
+    def truncation_loss(self, rank: Narrowed) -> float:
+        if rank.width not in self._losses:
+            kept = self.narrowing.kept(rank.width)
+            self._losses[rank.width] = self.narrowing.relative_error(kept, self.narrowing.refit(kept))
+        return self._losses[rank.width]
+
+    def parameters(self, rank: Narrowed | Dense) -> int:
+        return self.k * self.n if isinstance(rank, Dense) else rank.width * self.n
+
+
+@dataclass
 class BudgetChoice:
     """The ranks a quality budget chose, and how: what the report's `quality_budget` holds."""
 
@@ -116,8 +139,8 @@ DamageOf = Callable[[RankPlan], float]
 def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
     """(candidate, new rank) moves, most parameters saved per predicted damage first, each candidate's
     along the lower convex hull of its (saving, damage) points (rank_allocation.cheapest_moves)."""
-    return rank_allocation.cheapest_moves({c.name: rank_allocation.rank_options(c.k, c.n, align, c.predicted_damage)
-                                           for c in candidates})
+    return rank_allocation.cheapest_moves({c.name: (c.parameters(Dense("")), [
+        (rank, c.parameters(rank), c.predicted_damage(rank)) for rank in c.ranks(align)]) for c in candidates})
 
 
 def plan_after(moves: list[tuple[str, int]], candidates: list[Candidate], kept_dense: Dense) -> RankPlan:
@@ -210,14 +233,16 @@ class DamageProbe:
     """
 
     def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
-                 tokens: np.ndarray, metric: str, source):
-        from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower
+                 tokens: np.ndarray, metric: str, source, narrowings: dict[str, tuple[MlpNarrowing, str]] | None = None):
+        from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower, weights_as_parameters
 
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
         ir.external_data.load_to_model(model)  # the lowering reads weights from the proto
         self.module = lower(first_step(ir.to_proto(model)))
-        self.parameters = factor_parameters(self.module)
+        self.narrowings = narrowings or {}
+        self.parameters = factor_parameters(self.module) | weights_as_parameters(
+            self.module, [weight for _, weight in self.narrowings.values()])
         missing = [name for pair in factor_names.values() for name in pair if name not in self.parameters]
         if missing:
             raise RuntimeError(f"the lowered model has no factor parameters {missing[:3]}")
@@ -241,17 +266,27 @@ class DamageProbe:
         import torch
 
         originals = {}
-        for name, rank in plan.items():
-            if isinstance(rank, Dense):
-                continue
-            for factor, array in zip(self.factor_names[name], self.decompositions[name].factors(rank, np.float32)):
-                originals[factor] = self.parameters[factor].data
-                self.parameters[factor].data = torch.from_numpy(array)
+        for name, array in self._swapped(plan):
+            originals[name] = self.parameters[name].data
+            self.parameters[name].data = torch.from_numpy(array)
         try:
             return log_loss_and_kl_per_window(self._logits(), self.tokens, self.reference)
         finally:
             for factor, data in originals.items():
                 self.parameters[factor].data = data
+
+    def _swapped(self, plan: RankPlan):
+        """(parameter, the array it holds under `plan`): each factor at its rank; a narrowed MLP's output weight
+        with its refit in the kept rows and zeros in the others, which computes what the narrower MLP does."""
+        for name, choice in plan.items():
+            if isinstance(choice, Narrowed):
+                narrowing, weight = self.narrowings[name]
+                kept = narrowing.kept(choice.width)
+                rows = np.zeros_like(narrowing.down, dtype=np.float32)
+                rows[kept] = narrowing.refit(kept)
+                yield weight, rows
+            elif not isinstance(choice, Dense):
+                yield from zip(self.factor_names[name], self.decompositions[name].factors(choice, np.float32))
 
     def _logits(self) -> np.ndarray:
         from onnx_nmm.lowering import call_lowered

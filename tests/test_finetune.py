@@ -246,3 +246,28 @@ def test_without_a_recorded_dense_model_finetune_asks_for_one(capsys, tmp_path):
     assert code == 2 and "give the --teacher, or choose --loss next-token" in " ".join(err.split())
     code, _, err = _cli(capsys, *common, "--loss", "next-token")
     assert code == 0, err
+
+
+def test_finetune_trains_a_narrowed_mlp(capsys, tmp_path):
+    """A nystrom rewrite's MLPs are plain, narrower MatMuls: their weights are what finetune trains, written back
+    into the same graph; nothing else changes."""
+    source = exported_model("llama", "dynamo")
+    narrowed = tmp_path / "narrowed.onnx"
+    assert main(["rewrite", str(source), "-o", str(narrowed), "--method", "nystrom", "--calib", "random",
+                 "--calib-samples", "4", "--seq-len", "32", "--keep", "0.5", "--align", "32", "--quiet"]) == 0
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 24))
+    output, report = tmp_path / "tuned.onnx", tmp_path / "report.json"
+    code, _, err = _cli(capsys, "finetune", narrowed, "--text", tmp_path / "train.npz", "--steps", "20", "--lr", "1e-2",
+                        "--batch", "4", "-o", output, "--report", report)
+    assert code == 0, err
+    result = json.loads(report.read_text())
+    before, after = _factor_arrays(narrowed), _factor_arrays(output)
+    weights = {name for name in before if name.endswith(".narrowed")}
+    assert len(weights) == 6 and {before[name].shape for name in weights} == {(256, 256)}  # 3 per MLP, 512 → 256
+    assert result["loss"] == "distill" and result["trainable_parameters"] == sum(before[n].size for n in weights)
+    assert all(not np.array_equal(before[name], after[name]) for name in weights)
+    assert all(np.array_equal(before[name], after[name]) for name in set(before) - weights)
+    losses = [record["loss"] for record in result["records"]]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4])
+    tokens = _token_ids(2, 12, seed=3)
+    assert ModelRunner(output).logits(tokens).shape == (2, 12, VOCAB)

@@ -9,7 +9,7 @@ from rich.table import Table
 import onnx_nmm
 from onnx_nmm.cli import _common, _scale
 from onnx_nmm.cli._common import default
-from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, SVD_METHODS
+from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, NEURON_SCORES, SVD_METHODS
 
 EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
 
@@ -26,8 +26,15 @@ def register(subparsers) -> None:
                         help="svd: truncated SVD of W; whiten: SVD-LLM activation-aware SVD, minimising the error of "
                              "the layer's outputs on the calibration data; fisher: also weighs each output direction by "
                              "how much the model's predictions depend on it (gradients through the model in PyTorch; "
-                             "the best quality, and --budget global then spends parameters by predicted KL) "
+                             "the best quality, and --budget global then spends parameters by predicted KL); "
+                             "nystrom: narrow each targeted MLP to the intermediate neurons it keeps and refit its "
+                             "down projection (dense, narrower MatMuls; other targets are whitened) "
                              "(default: whiten with --calib, else svd)")
+    parser.add_argument("--neuron-score", choices=NEURON_SCORES,
+                        help="nystrom: which neurons an MLP keeps — energy: the activation energy each writes through "
+                             "the down projection; leverage: ridge leverage of the activations' correlation "
+                             "(MoDeGPT); greedy: backward elimination of the refit's error "
+                             f"(default {default(F, 'neuron_score')})")
     parser.add_argument("--budget", choices=BUDGETS,
                         help="uniform: every matrix keeps --keep of its parameters; global: the same total, spent "
                              "per layer where it removes the most truncation loss; sensitivity: the same total, "
@@ -141,7 +148,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
         method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
-        factor_dtype=args.factor_dtype))
+        factor_dtype=args.factor_dtype, neuron_score=args.neuron_score))
     return onnx_nmm.RewriteOptions(ranks, _common.selection_from(args), factorization, calibration, args.fuse_mlp)
 
 
@@ -159,7 +166,7 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         if layer.status == "skipped":
             continue
         table.add_row(layer.module_path.removeprefix(prefix) or layer.name, layer.role, f"{layer.k}×{layer.n}",
-                      str(layer.rank) if layer.rank else "dense", _common.millions(layer.parameters_before),
+                      _choice(layer), _common.millions(layer.parameters_before),
                       _common.millions(layer.parameters_after),
                       f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—",
                       f"{layer.whitened_loss:.4f}" if layer.whitened_loss is not None else "—",
@@ -173,8 +180,10 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
                              f"{', …' if len(conditioned) > 5 else ''}): it was damped, and the note column says why")
     totals = report.totals()
     skipped = totals["layers_found"] - sum(1 for layer in report.layers if layer.status != "skipped")
+    narrowed = sum(1 for layer in report.layers if layer.status == "narrowed")
     _common.stdout.print(
-        f"{_common.count(totals['layers_factorized'], 'layer')} factorized, {skipped} left alone (not targeted); "
+        f"{_common.count(totals['layers_factorized'], 'layer')} factorized, "
+        + (f"{narrowed} narrowed, " if narrowed else "") + f"{skipped} left alone (not targeted); "
         f"targeted parameters {_common.millions(totals['parameters_before'])} → "
         f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept), the model's weights "
         f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"
@@ -182,3 +191,10 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         + f". Wrote {output}")
     if report.budget_summary:
         _common.stdout.print(report.budget_summary)
+
+
+def _choice(layer) -> str:
+    """The rank column: a rank, "dense", or a narrowed MLP's kept width."""
+    if layer.width is not None:
+        return f"width {layer.width}"
+    return str(layer.rank) if layer.rank else "dense"

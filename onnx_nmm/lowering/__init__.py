@@ -26,7 +26,8 @@ from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, Kernel
 from onnx_nmm.lowering.onnx2torch_compat import convert, extend_to_newer_versions, lowering_domain, modules_by_output
 # Each registers its converters on import.
 from onnx_nmm.lowering import microsoft_ops, quantized_converters, standard_ops  # noqa: F401
-from onnx_nmm.lowering.svd_converters import factor_parameters, reset_shared_parameters, set_backend, svd_ops_of
+from onnx_nmm.lowering.svd_converters import (factor_parameters, reset_shared_parameters, set_backend, svd_ops_of,
+                                              weights_as_parameters)
 
 extend_to_newer_versions()
 
@@ -188,4 +189,5 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
 
 
 __all__ = ["BACKENDS", "CausalLmInputs", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
-           "factor_parameters", "lower", "modules_by_output", "set_backend", "svd_ops_of", "unsupported_nodes"]
+           "factor_parameters", "lower", "modules_by_output", "set_backend", "svd_ops_of", "unsupported_nodes",
+           "weights_as_parameters"]

@@ -117,3 +117,33 @@ def factor_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     for op in svd_ops_of(module):
         found.update(zip(op.factor_names, op.factors))
     return found
+
+
+def weights_as_parameters(module: nn.Module, names: set[str] | list[str]) -> dict[str, nn.Parameter]:
+    """The tensors holding the ONNX initializers `names` in a lowered model (onnx2torch keeps them as buffers of
+    its `initializers` container, read by the nodes' modules), turned into parameters that need no gradient
+    yet: what fine-tuning trains and the damage probe swaps, besides the SVD factors. Refused when a name is
+    not an initializer some node reads."""
+    import torch.fx
+
+    wanted, found = set(names), {}
+    for node in module.graph.nodes:
+        mapping = getattr(module.get_submodule(node.target), "onnx_mapping", None) if node.op == "call_module" else None
+        if mapping is None:
+            continue
+        for name, argument in zip(mapping.inputs, node.args):
+            if name in wanted and isinstance(argument, torch.fx.Node) and argument.op == "get_attr":
+                found[name] = argument.target
+    missing = wanted - set(found)
+    if missing:
+        raise ValueError(f"the lowered model reads no initializer named {sorted(missing)[:3]}")
+    parameters = {}
+    for name, target in found.items():
+        owner_path, _, attribute = target.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        tensor = getattr(owner, attribute)
+        if not isinstance(tensor, nn.Parameter):
+            delattr(owner, attribute)
+            owner.register_parameter(attribute, nn.Parameter(tensor.detach().clone(), requires_grad=False))
+        parameters[name] = getattr(owner, attribute)
+    return parameters

@@ -1,7 +1,8 @@
 """The rewrite as a sequence of passes over one shared context (onnx-ir's pass infrastructure):
 
-    model ─ GatherStatistics ─ PlanRanks ─ FactorizeLayers ─ (FuseMlps) ─ model'
-              XᵀX, GᵀG          {layer: rank | Dense}   SvdMatMul ops     SvdGatedMLP ops
+    model ─ GatherStatistics ─ PlanRanks ─ (NarrowMlps) ─ FactorizeLayers ─ (FuseMlps) ─ model'
+              XᵀX, GᵀG          {layer: rank | Dense   narrower      SvdMatMul ops     SvdGatedMLP ops
+                                 | Narrowed(width)}    MLPs (nystrom)
 
 Each pass is a model → model unit (the first two only read the model); `rewrite` composes them.
 """
@@ -21,6 +22,7 @@ from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FuseMlpPass
 from onnx_nmm.pipeline.context import RewriteContext, RewritePass
 from onnx_nmm.pipeline.factorize import FactorizeLayers
+from onnx_nmm.pipeline.narrow import NarrowMlps
 from onnx_nmm.pipeline.plan import PlanRanks
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import GatherStatistics
@@ -45,7 +47,8 @@ class FuseMlps(RewritePass):
 
 
 def rewrite_passes(context: RewriteContext) -> list[ir.passes.PassBase]:
-    passes = [GatherStatistics(context), PlanRanks(context), FactorizeLayers(context)]
+    narrowing = [NarrowMlps(context)] if context.options.method == "nystrom" else []
+    passes = [GatherStatistics(context), PlanRanks(context), *narrowing, FactorizeLayers(context)]
     return passes + [FuseMlps(context)] if context.options.fuse_mlp else passes
 
 
@@ -75,5 +78,5 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = ["FactorizeLayers", "FuseMlps", "GatherStatistics", "LayerOutcome", "PlanRanks", "RewriteContext",
+__all__ = ["FactorizeLayers", "FuseMlps", "GatherStatistics", "LayerOutcome", "NarrowMlps", "PlanRanks", "RewriteContext",
            "RewriteReport", "RewriteResult", "rewrite", "rewrite_passes"]

@@ -13,9 +13,11 @@ from onnx_nmm.calibration_data import CalibrationData, TokenWindows
 from onnx_nmm.errors import DataError, ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
+from onnx_nmm.nystrom import MlpNarrowing
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
+from onnx_nmm.passes.mlp_modules import Mlp, find_mlps
 from onnx_nmm.pipeline.factorizer import Factorizer
-from onnx_nmm.pipeline.report import RewriteReport
+from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport
 from onnx_nmm.progress import Progress
 from onnx_nmm.rank_plan import RankPlan
 
@@ -29,7 +31,9 @@ class RewriteContext:
     plan: RankPlan | None = None  # PlanRanks
     factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
     report: RewriteReport | None = None  # every pass adds to it
+    narrowed: dict[str, LayerOutcome] = field(default_factory=dict)  # NarrowMlps: the narrowed layers' rows
     _calibration: CalibrationData | None = field(default=None, repr=False)  # calibration_data()
+    _narrowings: dict[str, MlpNarrowing] = field(default_factory=dict, repr=False)  # narrowing()
 
     def __post_init__(self):
         o = self.options
@@ -43,6 +47,22 @@ class RewriteContext:
         if self.factorizer is None:
             self.factorizer = Factorizer(self.options.factorization, self.statistics, self.options.ranks.align)
         return self.factorizer
+
+    def mlps(self, layers: list[LinearLayer]) -> list[Mlp]:
+        """The MLPs a nystrom rewrite narrows: those whose every projection is a target (every site)."""
+        if self.options.method != "nystrom":
+            return []
+        chosen = {layer.name for layer in select_layers(layers, self.options.selection)[0]}
+        return [mlp for mlp in find_mlps(layers)[0] if all(layer.name in chosen for layer in mlp.layers)]
+
+    def narrowing(self, mlp: Mlp) -> MlpNarrowing:
+        """The MLP's Nyström compression from the calibration statistics, made once (the plan and the narrowing
+        share it)."""
+        if mlp.down.name not in self._narrowings:
+            gram = self.statistics.gram(mlp.down.x.name)
+            self._narrowings[mlp.down.name] = MlpNarrowing(gram, mlp.down.weight_matrix(),
+                                                           self.options.factorization.neuron_score)
+        return self._narrowings[mlp.down.name]
 
     def calibration_data(self) -> CalibrationData:
         """The calibration data, made once; a quality budget holds its measurement windows out of it."""

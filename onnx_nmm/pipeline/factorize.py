@@ -21,7 +21,7 @@ from onnx_nmm import sequential
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
 from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.rank_plan import Dense
+from onnx_nmm.rank_plan import Dense, Narrowed
 
 
 class FactorizeLayers(RewritePass):
@@ -52,12 +52,14 @@ class FactorizeLayers(RewritePass):
             if observer is not None:
                 observer.prepare({group[0].x.name: group[0].k for group in groups})
             for group in groups:
-                ranked = [layer for layer in group if not isinstance(plan[layer.name], Dense)]
+                ranked = [layer for layer in group if isinstance(plan[layer.name], int)]
                 statistics = observer.observe(model, group[0].x.name) if observer is not None and ranked else None
                 factorized = []
                 for layer in group:
                     choice = plan[layer.name]
-                    if isinstance(choice, Dense):
+                    if isinstance(choice, Narrowed):  # done by NarrowMlps
+                        outcomes[layer.name] = context.narrowed[layer.name]
+                    elif isinstance(choice, Dense):
                         outcomes[layer.name] = LayerOutcome.of(layer, "dense", choice.reason,
                                                                parameters_after=layer.parameters)
                     elif layer.name in made:  # another subgraph's site of a target: the same factors

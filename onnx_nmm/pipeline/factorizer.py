@@ -37,8 +37,13 @@ class Factorizer:
         self.decompositions: dict[str, lowrank.RankedFactors] = {}
 
     @property
+    def method(self) -> str:
+        """How layers are factorized: a nystrom rewrite narrows its MLPs and whitens what else it targets."""
+        return "whiten" if self.options.method == "nystrom" else self.options.method
+
+    @property
     def weighted(self) -> bool:
-        return self.options.method in ("whiten", "fisher")
+        return self.method in ("whiten", "fisher")
 
     def decompose(self, layer: LinearLayer, rank: int | None = None) -> lowrank.RankedFactors:
         """The layer's decomposition: exact and complete when `rank` is None, else enough for that rank."""
@@ -78,7 +83,7 @@ class Factorizer:
             raise ExecutionError(f"factorizing {layer.name} gave non-finite factors; nothing was written "
                                  "(please report this with the model)")
         factors = FactorizedLayer(layer=layer, u=u, v=v, align=self.align, storage=self.storage_dtype(),
-                                  method=f"{self.options.method}/{self.options.svd}", quantized=self._quantized(layer, u, v))
+                                  method=f"{self.method}/{self.options.svd}", quantized=self._quantized(layer, u, v))
         outcome = LayerOutcome.of(layer, "factorized", rank=rank, parameters_after=rank * (layer.k + layer.n),
                                   relative_error=decomposition.relative_error(rank), bytes_after=_bytes(factors))
         self._measure(outcome, layer, weight, decomposition, u, v, group)
@@ -138,7 +143,7 @@ class Factorizer:
         return {"power_iterations": o.power_iterations, "oversample": o.oversample, "seed": o.seed}
 
     def _output_gram(self, layer: LinearLayer) -> np.ndarray | None:
-        return self.statistics.output_gram(layer.name) if self.options.method == "fisher" else None
+        return self.statistics.output_gram(layer.name) if self.method == "fisher" else None
 
     @staticmethod
     def _weight(layer: LinearLayer) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Pass 2: the rank plan — a rank for every target, or Dense(reason) — by the rule the options name.
+"""Pass 2: the rank plan — a rank for every target, Dense(reason), or with nystrom a kept width for every
+targeted MLP (Narrowed, on each of its projections) — by the rule the options name.
 
     ranks_from          the plan of an earlier report                    rank_plan.plan_from_report
     max_ppl_increase,   measured damage on held-out calibration      sensitivity (through a probe: this
@@ -8,8 +9,10 @@
     rank                one rank everywhere                              rank_plan.explicit_ranks
     energy              the rank holding a fraction of Σσ²               rank_plan.energy_choice
     keep                the block-aligned rank (DESIGN.md §4)            rank_plan.keep_choice
+                        (nystrom: the block-aligned width)               rank_plan.keep_width
 
-The model is not changed.
+The budgets spend parameters across layers and methods alike: an MLP's narrowing is one more candidate,
+its choices the widths, its loss the refit's relative error (onnx_nmm.nystrom). The model is not changed.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm import rank_allocation, sensitivity
+from onnx_nmm.errors import OptionError
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
+from onnx_nmm.passes.mlp_modules import Mlp
+from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
 from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.factorizer import Factorizer
-from onnx_nmm.rank_plan import (Dense, RankPlan, aligned_ranks, energy_choice, explicit_ranks, keep_choice,
-                                parameters, plan_from_report)
+from onnx_nmm.rank_plan import (Dense, Narrowed, RankPlan, aligned_ranks, energy_choice, explicit_ranks, keep_choice,
+                                keep_width, parameters, plan_from_report)
 
 
 class PlanRanks(RewritePass):
@@ -33,19 +39,26 @@ class PlanRanks(RewritePass):
 
     def run(self, model: ir.Model) -> bool:
         layers, chosen, _ = targets(model, self.context.options)
-        self.context.plan = self._plan(model, layers, chosen, self.context.make_factorizer())
+        mlps = self.context.mlps(layers)
+        self.context.plan = self._plan(model, layers, chosen, self.context.make_factorizer(), mlps)
         _warn_about_shared_weights(chosen, self.context.plan)
         return False
 
     def _plan(self, model: ir.Model, layers: list[LinearLayer], chosen: list[LinearLayer],
-              factorizer: Factorizer) -> RankPlan:
+              factorizer: Factorizer, mlps: list[Mlp]) -> RankPlan:
         ranks = self.context.options.ranks
         if ranks.rule == "ranks_from":
-            return plan_from_report(ranks.ranks_from, chosen, layers)
+            plan = plan_from_report(ranks.ranks_from, chosen, layers)
+            if not mlps and any(isinstance(choice, Narrowed) for choice in plan.values()):
+                raise OptionError("{ranks_from} narrows MLPs: give {method} nystrom as the rewrite it reports did",
+                                  ranks_from="ranks.ranks_from", method="factorization.method")
+            return plan
+        narrowed = {layer.name for mlp in mlps for layer in mlp.layers}
+        chosen = [layer for layer in chosen if layer.name not in narrowed]  # the targets left to factorize
         if ranks.measures_damage:
-            return self._measured(model, chosen, factorizer)
+            return self._measured(model, chosen, factorizer, mlps)
         if ranks.budget == "global":
-            return self._global(chosen, factorizer)
+            return self._global(chosen, factorizer, mlps)
         if ranks.rule == "rank":
             return explicit_ranks(chosen, ranks.rank)
         if ranks.rule == "energy":
@@ -56,11 +69,13 @@ class PlanRanks(RewritePass):
                     plan[layer.name] = energy_choice(layer, spectrum.singular_values, ranks.energy, ranks.align)
                     phase.advance(detail=layer.module_path or layer.name)
                 return plan
-        return {layer.name: keep_choice(layer, ranks.keep, ranks.align) for layer in chosen}
+        plan = {layer.name: keep_choice(layer, ranks.keep, ranks.align) for layer in chosen}
+        return plan | _by_layer(mlps, {mlp.name: keep_width(mlp.width, ranks.keep, ranks.align) for mlp in mlps})
 
-    def _global(self, chosen: list[LinearLayer], factorizer: Factorizer) -> RankPlan:
+    def _global(self, chosen: list[LinearLayer], factorizer: Factorizer, mlps: list[Mlp]) -> RankPlan:
         """The parameters uniform `keep` would keep, spent where each layer's spectrum says they remove the
-        most truncation loss, or with Fisher statistics the most predicted KL."""
+        most truncation loss, or with Fisher statistics the most predicted KL; with narrowed MLPs, where the
+        loss of every layer's output (whitened truncation, or the narrowing's refit error) is least."""
         ranks = self.context.options.ranks
         budget = sum(parameters(layer.k, layer.n, keep_choice(layer, ranks.keep, ranks.align)) for layer in chosen)
         fisher = self.context.options.method == "fisher"
@@ -71,22 +86,46 @@ class PlanRanks(RewritePass):
                 if fisher:
                     options[layer.name] = rank_allocation.rank_options(
                         layer.k, layer.n, ranks.align, lambda rank: factorizer.predicted_kl(spectrum, rank))
+                elif mlps:
+                    candidate = sensitivity.Candidate(layer.name, layer.k, layer.n, spectrum)
+                    options[layer.name] = rank_allocation.rank_options(layer.k, layer.n, ranks.align,
+                                                                       candidate.truncation_loss)
                 else:
                     spectra.append(rank_allocation.LayerSpectrum(layer.name, layer.k, layer.n,
                                                                  spectrum.singular_values))
                 phase.advance(detail=layer.module_path or layer.name)
-        if fisher:
-            return rank_allocation.allocate_by_damage(options, sum(layer.parameters for layer in chosen) - budget)
+        if mlps:
+            candidates = self._narrowing_candidates(mlps)
+            budget += sum(candidate.parameters(keep_width(candidate.k, ranks.keep, ranks.align))
+                          for candidate in candidates)
+            with self.context.progress.phase("ordering neurons", total=len(candidates)) as phase:
+                for candidate in candidates:
+                    options[candidate.name] = (candidate.parameters(Dense("")), [
+                        (width, candidate.parameters(width), candidate.truncation_loss(width))
+                        for width in candidate.ranks(ranks.align)])
+                    phase.advance(detail=candidate.name)
+        if fisher or mlps:
+            dense = sum(layer.parameters for layer in chosen) + sum(mlp.parameters() for mlp in _unique(mlps))
+            plan = rank_allocation.allocate_by_damage(options, dense - budget)
+            return _by_layer(mlps, plan) | {layer.name: plan[layer.name] for layer in chosen}
         return rank_allocation.allocate_ranks(spectra, budget, ranks.align)
 
-    def _measured(self, model: ir.Model, chosen: list[LinearLayer], factorizer: Factorizer) -> RankPlan:
-        """A quality budget: ranks by the damage each does on calibration windows, measured on a probe (this
-        model with every target at full rank) or, with Fisher statistics, predicted."""
+    def _narrowing_candidates(self, mlps: list[Mlp]) -> list[sensitivity.NarrowingCandidate]:
+        """Every targeted MLP (once, whatever its sites) as a candidate of the budgets."""
+        return [sensitivity.NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None,
+                                               narrowing=self.context.narrowing(mlp)) for mlp in _unique(mlps)]
+
+    def _measured(self, model: ir.Model, chosen: list[LinearLayer], factorizer: Factorizer,
+                  mlps: list[Mlp]) -> RankPlan:
+        """A quality budget: ranks (and widths) by the damage each does on calibration windows, measured on a
+        probe (this model with every target at full rank, every narrowed MLP at full width) or, with Fisher
+        statistics, predicted."""
         context, ranks = self.context, self.context.options.ranks
         metric = "kl" if ranks.rule == "max_kl" else "ppl"
         probe_model = model.clone()
+        factored = {layer.name for layer in chosen}
         probe_layers, probe_targets, _ = targets(probe_model, context.options)
-        probe_layers = sites(probe_layers, probe_targets)
+        probe_layers = sites(probe_layers, [layer for layer in probe_targets if layer.name in factored])
         with context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
             for layer in probe_layers:
                 factorizer.decompositions[layer.name] = factorizer.decompose(layer)
@@ -95,18 +134,21 @@ class PlanRanks(RewritePass):
         factors = {name: decomposition.factors(decomposition.max_rank, np.float64)
                    for name, decomposition in decompositions.items()}  # one pair per target, for all its sites
         full_rank = [FactorizedLayer(layer, *factors[layer.name], align=ranks.align,
-                                     method=f"{context.options.method}/exact") for layer in probe_layers]
+                                     method=f"{factorizer.method}/exact") for layer in probe_layers]
         surgery = SvdFactorizationPass(full_rank)
         surgery(probe_model)
+        narrowings = self._full_width(probe_model, mlps)
         held_out = context.budget_windows()  # never a window the statistics came from
         probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, held_out.tokens, metric,
-                                         context.source)
+                                         context.source, narrowings)
         fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)
                       for layer in chosen if aligned_ranks(layer.k, layer.n, ranks.align)]
+        candidates += [candidate for candidate in self._narrowing_candidates(mlps) if candidate.ranks(ranks.align)]
         budget = None if ranks.budget == "sensitivity" else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
-        to_remove = math.ceil((1 - ranks.keep) * sum(l.parameters for l in chosen)) if budget is None else None
+        dense = sum(layer.parameters for layer in chosen) + sum(mlp.parameters() for mlp in _unique(mlps))
+        to_remove = math.ceil((1 - ranks.keep) * dense) if budget is None else None
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
         measuring = "measuring sensitivity" if fisher_tokens is None else "measuring the predicted choice"
         with context.progress.phase(measuring, total=len(candidates) if fisher_tokens is None else None) as phase:
@@ -116,7 +158,34 @@ class PlanRanks(RewritePass):
             "measured_on": held_out.description,
             "spread": sensitivity.spread_over_windows(metric, probe.damage_per_window(choice.plan), held_out.ids)}
         unaligned = Dense(f"no rank that is a multiple of {ranks.align} saves parameters")
-        return {layer.name: choice.plan.get(layer.name, unaligned) for layer in chosen}
+        plan = {name: choice.plan.get(name, unaligned) for name in [layer.name for layer in chosen]
+                + [mlp.name for mlp in mlps]}
+        return _by_layer(mlps, plan) | {layer.name: plan[layer.name] for layer in chosen}
+
+    def _full_width(self, probe_model: ir.Model, mlps: list[Mlp]) -> dict:
+        """Every targeted MLP of the probe model narrowed to its full width with float weights (the same
+        function, its output weight now a plain initializer): for each MLP, its narrowing and the name of that
+        weight, which the probe swaps for the refit at any width."""
+        if not mlps:
+            return {}
+        layers, _, _ = targets(probe_model, self.context.options)
+        names = {mlp.down.name for mlp in mlps}
+        probe_mlps = [mlp for mlp in self.context.mlps(layers) if mlp.down.name in names]
+        surgery = NarrowMlpPass([NarrowedMlp(mlp, np.arange(mlp.width), [NarrowedWeight(layer, layer.weight_matrix())
+                                                                          for layer in mlp.layers])
+                                 for mlp in probe_mlps])
+        surgery(probe_model)
+        return {mlp.name: (self.context.narrowing(mlp), surgery.weight_names[mlp.down.name]) for mlp in mlps}
+
+
+def _unique(mlps: list[Mlp]) -> list[Mlp]:
+    """One site of each MLP."""
+    return list({mlp.down.name: mlp for mlp in reversed(mlps)}.values())[::-1]
+
+
+def _by_layer(mlps: list[Mlp], widths: dict) -> RankPlan:
+    """Each MLP's choice (a width, or Dense) on every one of its projections."""
+    return {layer.name: widths[mlp.name] for mlp in mlps for layer in mlp.layers}
 
 
 def _warn_about_shared_weights(chosen: list[LinearLayer], plan: RankPlan) -> None:
@@ -124,7 +193,7 @@ def _warn_about_shared_weights(chosen: list[LinearLayer], plan: RankPlan) -> Non
     top, so the model grows. Say what it costs before the work is done."""
     for layer in chosen:
         rank = plan[layer.name]
-        if layer.shared_with and not isinstance(rank, Dense):
+        if layer.shared_with and isinstance(rank, int):
             added = parameters(layer.k, layer.n, rank)
             warnings.warn(f"{layer.module_path or layer.name} shares its weight with {', '.join(layer.shared_with)} "
                           f"(a tied embedding), which keeps it: its rank-{rank} factors add {added / 1e6:.2f}M "

@@ -1,0 +1,126 @@
+"""Compress an MLP as a module: keep k of its I intermediate neurons and refit the output projection
+(MoDeGPT's Nyström compression of the MLP, arXiv 2408.09632).
+
+With h = f(X·W_g, X·W_u) the intermediate activation (tokens × I), C = Σ hᵀh its correlation over the
+calibration tokens (the Gram of the output projection's input, gathered as for whitening) and W_d [I, H]:
+
+    keep       S ⊂ {1..I}, |S| = k, the neurons by a score (NEURON_SCORES)
+    refit      W_d' = (C_SS + λ·I)⁻¹ C_S: W_d          the ridge regression of h·W_d on h_S
+    error      E(S) = ‖h·W_d − h_S·W_d'‖² = tr(W_dᵀ C W_d) − 2 tr(W_d'ᵀ C_S: W_d) + tr(W_d'ᵀ C_SS W_d')
+
+and the input projections simply lose the columns outside S. λ = ρ·tr(C)/I, with ρ chosen on the Gram of
+calibration windows held out of C (the error above with the held-out Gram), else RIDGE_DEFAULT.
+
+Scores:
+    leverage    ridge leverage diag(C (C + λI)⁻¹): the neurons the others explain least (MoDeGPT)
+    energy      C_jj · ‖W_d[j, :]‖²: what a neuron alone writes into the residual stream
+    greedy      backward elimination on E: drop, one block at a time, the neurons whose removal (with the
+                refit) raises E least, ‖X_j‖² / (A⁻¹)_jj for X = A⁻¹B, A = C_SS + λI, B = C_S: W_d — the
+                Optimal Brain Surgeon criterion for a row of the output projection
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NEURON_SCORES = ("energy", "leverage", "greedy")
+DEFAULT_SCORE = "energy"
+RIDGE_DEFAULT = 1e-3  # ρ when no held-out Gram is there to choose it
+RIDGE_CANDIDATES = (1e-4, 1e-3, 1e-2, 1e-1)
+# Backward elimination drops this share of the neurons still to go at each step (at least one).
+_ELIMINATION_STEPS = 64
+
+
+@dataclass
+class MlpNarrowing:
+    """One MLP's Nyström compression: its intermediate correlation `gram` C [I, I] (float64) and output weight
+    `down` W_d [I, H]; the neurons kept at any width, their refit, and its error."""
+
+    gram: np.ndarray
+    down: np.ndarray
+    score: str = DEFAULT_SCORE
+    ridge: float = RIDGE_DEFAULT
+    _order: np.ndarray | None = field(default=None, repr=False)  # neurons, the first to drop first
+
+    def __post_init__(self):
+        if self.score not in NEURON_SCORES:
+            raise ValueError(f"score must be one of {NEURON_SCORES}, got {self.score!r}")
+        self.down = np.asarray(self.down, np.float64)
+
+    @property
+    def width(self) -> int:
+        return len(self.gram)
+
+    @property
+    def damping(self) -> float:
+        """λ: ρ times the mean diagonal of C."""
+        return self.ridge * float(np.trace(self.gram)) / self.width
+
+    def kept(self, width: int) -> np.ndarray:
+        """The `width` neurons kept, ascending."""
+        if not 0 < width <= self.width:
+            raise ValueError(f"width must be in [1, {self.width}], got {width}")
+        return np.sort(self.order()[self.width - width:])
+
+    def order(self) -> np.ndarray:
+        """Every neuron, the first to drop first (the greedy order is one backward elimination to one neuron)."""
+        if self._order is None:
+            if self.score == "greedy":
+                self._order = _elimination_order(self.gram, self.down, self.damping)
+            else:
+                self._order = np.argsort(self._scores(), kind="stable")
+        return self._order
+
+    def refit(self, kept: np.ndarray) -> np.ndarray:
+        """W_d' [k, H]: the ridge least-squares output weight on the kept neurons' activations."""
+        if len(kept) == self.width:
+            return self.down.copy()  # every neuron kept: the refit is exact, and W_d itself
+        a = self.gram[np.ix_(kept, kept)] + self.damping * np.eye(len(kept))
+        return np.linalg.solve(a, self.gram[kept] @ self.down)
+
+    def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None) -> float:
+        """E(S) / ‖h·W_d‖² on the activations whose correlation is `gram` (default: the calibration's C)."""
+        c = self.gram if gram is None else gram
+        w = self.down
+        full = np.einsum("ih,ij,jh->", w, c, w)
+        cross = np.einsum("ih,ij,jh->", w, c[:, kept], refit)
+        narrowed = np.einsum("ih,ij,jh->", refit, c[np.ix_(kept, kept)], refit)
+        return float(max(full - 2 * cross + narrowed, 0.0) / full) if full > 0 else 0.0
+
+    def choose_ridge(self, held_out_gram: np.ndarray, width: int) -> float:
+        """ρ among RIDGE_CANDIDATES whose refit at `width` errs least on held-out activations; kept as self.ridge."""
+        kept = self.kept(width)
+        errors = {}
+        for ridge in RIDGE_CANDIDATES:
+            self.ridge = ridge
+            errors[ridge] = self.relative_error(kept, self.refit(kept), held_out_gram)
+        self.ridge = min(errors, key=errors.get)
+        return self.ridge
+
+    def _scores(self) -> np.ndarray:
+        c, w = self.gram, self.down
+        if self.score == "energy":
+            return np.diag(c) * np.einsum("ih,ih->i", w, w)
+        return np.diag(np.linalg.solve(c + self.damping * np.eye(self.width), c))  # leverage; C symmetric
+
+
+def _elimination_order(gram: np.ndarray, down: np.ndarray, damping: float) -> np.ndarray:
+    """Neurons in the order backward elimination drops them, the last one left last."""
+    remaining = np.arange(len(gram))
+    inverse = np.linalg.inv(gram + damping * np.eye(len(gram)))
+    fit = inverse @ (gram @ down)  # X = A⁻¹B, the refit on the neurons remaining
+    dropped = []
+    while len(remaining) > 1:
+        step = max(1, len(remaining) // _ELIMINATION_STEPS)
+        cost = np.einsum("ih,ih->i", fit, fit) / np.diag(inverse)
+        drop = np.argsort(cost, kind="stable")[:step]
+        stay = np.setdiff1d(np.arange(len(remaining)), drop)
+        # Removing the rows/columns J of A: A_RR⁻¹ = (A⁻¹)_RR − (A⁻¹)_RJ ((A⁻¹)_JJ)⁻¹ (A⁻¹)_JR, and X follows.
+        coupling = np.linalg.solve(inverse[np.ix_(drop, drop)], inverse[np.ix_(drop, stay)]).T
+        fit = fit[stay] - coupling @ fit[drop]
+        inverse = inverse[np.ix_(stay, stay)] - coupling @ inverse[np.ix_(drop, stay)]
+        dropped.extend(remaining[drop])
+        remaining = remaining[stay]
+    return np.array(dropped + list(remaining))

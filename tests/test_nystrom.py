@@ -1,0 +1,222 @@
+"""MLP compression as a module (--method nystrom): the maths (onnx_nmm.nystrom), the rule that finds MLPs
+(passes/mlp_modules), the surgery (passes/mlp_narrowing), and the rewrite that plans widths."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import graphs
+import onnx_nmm
+from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions
+from onnx_nmm.errors import OptionError
+from onnx_nmm.nystrom import NEURON_SCORES, MlpNarrowing
+from onnx_nmm.passes import find_linear_layers
+from onnx_nmm.passes.mlp_modules import find_mlps
+from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+HIDDEN, WIDTH = 16, 24
+
+
+def _swiglu() -> tuple[ir.Model, dict[str, np.ndarray]]:
+    proto = graphs.swiglu_mlp(HIDDEN, WIDTH)
+    weights = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in proto.graph.initializer}
+    return ir.serde.deserialize_model(proto), weights
+
+
+def _intermediate(x: np.ndarray, weights: dict[str, np.ndarray]) -> np.ndarray:
+    """h = silu(X·W_g) ⊙ (X·W_u), in float64."""
+    g, u = x @ weights["Wg"].astype(np.float64), x @ weights["Wu"].astype(np.float64)
+    return g / (1 + np.exp(-g)) * u
+
+
+def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"X": x.astype(np.float32)})[0].astype(np.float64)
+
+
+def _narrowed(model: ir.Model, kept: np.ndarray, down: np.ndarray) -> ir.Model:
+    """`model` with its one MLP narrowed to `kept` and `down` as the output weight, through the pass."""
+    (mlp,), _ = find_mlps(find_linear_layers(model))
+    weights = [NarrowedWeight(layer, layer.weight_matrix()[:, kept]) for layer in mlp.projections]
+    NarrowMlpPass([NarrowedMlp(mlp, kept, weights + [NarrowedWeight(mlp.down, down)])])(model)
+    return model
+
+
+def test_keeping_every_neuron_reproduces_the_mlp_exactly():
+    model, weights = _swiglu()
+    x = np.random.default_rng(0).standard_normal((2, 8, HIDDEN))
+    expected = _run(model, x)
+    h = _intermediate(x.reshape(-1, HIDDEN), weights)
+    narrowing = MlpNarrowing(h.T @ h, weights["Wd"])
+    everything = narrowing.kept(WIDTH)
+    np.testing.assert_array_equal(narrowing.refit(everything), weights["Wd"].astype(np.float64))
+    np.testing.assert_array_equal(_run(_narrowed(model, everything, narrowing.refit(everything)), x), expected)
+
+
+@pytest.mark.parametrize("score", NEURON_SCORES)
+def test_dropping_one_neuron_moves_the_output_by_the_predicted_amount(score):
+    model, weights = _swiglu()
+    x = np.random.default_rng(1).standard_normal((4, 32, HIDDEN))
+    expected = _run(model, x)
+    h = _intermediate(x.reshape(-1, HIDDEN), weights)
+    narrowing = MlpNarrowing(h.T @ h, weights["Wd"], score=score)
+    kept = narrowing.kept(WIDTH - 1)
+    refit = narrowing.refit(kept)
+    actual = _run(_narrowed(model, kept, refit), x)
+    measured = np.sum((actual - expected) ** 2) / np.sum(expected ** 2)  # on the very tokens C came from
+    assert measured > 0
+    assert measured == pytest.approx(narrowing.relative_error(kept, refit), rel=1e-3)
+    assert _run(model, x).shape[-1] == HIDDEN and actual.shape == expected.shape
+
+
+def test_the_refit_beats_keeping_the_rows_and_the_scores_order_the_neurons():
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((512, WIDTH)) * rng.uniform(0.1, 3.0, WIDTH)
+    h[:, 0] = h[:, 1] + h[:, 2]  # a neuron the others explain: the refit can do without it
+    down = rng.standard_normal((WIDTH, HIDDEN))
+    for score in NEURON_SCORES:
+        narrowing = MlpNarrowing(h.T @ h, down, score=score, ridge=1e-9)
+        order = narrowing.order()
+        assert sorted(order) == list(range(WIDTH))  # every neuron, once
+        kept = narrowing.kept(WIDTH - 4)
+        assert narrowing.relative_error(kept, narrowing.refit(kept)) < narrowing.relative_error(kept, down[kept])
+    greedy = MlpNarrowing(h.T @ h, down, score="greedy", ridge=1e-9)
+    assert greedy.relative_error(greedy.kept(WIDTH - 1), greedy.refit(greedy.kept(WIDTH - 1))) < 1e-12
+
+
+def test_the_ridge_is_chosen_on_held_out_activations():
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((40, WIDTH))  # few tokens: the calibration correlation is noisy
+    held_out = rng.standard_normal((4000, WIDTH))
+    narrowing = MlpNarrowing(h.T @ h, rng.standard_normal((WIDTH, HIDDEN)))
+    chosen = narrowing.choose_ridge(held_out.T @ held_out, WIDTH - 8)
+    errors = {}
+    for ridge in (1e-4, 1e-1):
+        narrowing.ridge = ridge
+        kept = narrowing.kept(WIDTH - 8)
+        errors[ridge] = narrowing.relative_error(kept, narrowing.refit(kept), held_out.T @ held_out)
+    narrowing.ridge = chosen
+    kept = narrowing.kept(WIDTH - 8)
+    assert narrowing.relative_error(kept, narrowing.refit(kept), held_out.T @ held_out) <= min(errors.values()) + 1e-12
+
+
+@pytest.mark.parametrize("architecture, exporter", [("llama", "dynamo"), ("gpt2", "torchscript"), ("gpt2", "dynamo"),
+                                                    ("phi", "dynamo"), ("qwen2", "torchscript"),
+                                                    ("gemma", "dynamo-noopt")])
+def test_a_narrowed_mlp_computes_what_its_zeroed_rows_do(export, architecture, exporter):
+    """Dropping neurons is exactly zeroing their rows of the output projection: the narrowed graph (its
+    reshapes, biases and activation rewired to the kept width) must compute what that does."""
+    path = export(architecture, exporter)
+    narrowed, zeroed = onnx_nmm.model_io.load_model(path), onnx_nmm.model_io.load_model(path)
+    rng = np.random.default_rng(4)
+    items = []
+    for mlp in find_mlps(find_linear_layers(narrowed))[0]:
+        kept = np.sort(rng.choice(mlp.width, mlp.width // 2, replace=False))
+        down = rng.standard_normal((len(kept), mlp.down.n)).astype(np.float32) * 0.05
+        weights = [NarrowedWeight(layer, layer.weight_matrix()[:, kept], bias=None if layer.bias is None
+                                  else layer.bias_vector()[kept]) for layer in mlp.projections]
+        items.append(NarrowedMlp(mlp, kept, weights + [NarrowedWeight(mlp.down, down)]))
+        zero_rows = np.zeros((mlp.width, mlp.down.n), np.float32)
+        zero_rows[kept] = down
+        (twin,) = [layer for layer in find_linear_layers(zeroed) if layer.name == mlp.down.name]
+        NarrowMlpPass([NarrowedMlp(_mlp_of(zeroed, twin.name), np.arange(mlp.width), [
+            NarrowedWeight(layer, layer.weight_matrix(), bias=None if layer.bias is None else layer.bias_vector())
+            for layer in _mlp_of(zeroed, twin.name).projections] + [NarrowedWeight(twin, zero_rows)])])(zeroed)
+    assert len(items) == 2
+    NarrowMlpPass(items)(narrowed)
+    tokens = rng.integers(0, 1000, (2, 12))
+    outputs = [_logits(model, tokens) for model in (narrowed, zeroed)]
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
+    widths = {value.shape[-1] for node in narrowed.graph for value in node.outputs
+              if value.shape is not None and len(value.shape) and node.op_type in ("Mul", "Sigmoid")}
+    assert items[0].mlp.width not in widths  # the values between the projections are declared narrower
+
+
+def _mlp_of(model: ir.Model, down_name: str):
+    return next(mlp for mlp in find_mlps(find_linear_layers(model))[0] if mlp.down.name == down_name)
+
+
+def _logits(model: ir.Model, tokens: np.ndarray) -> np.ndarray:
+    from onnx_nmm.causal_lm import CausalLm
+    from onnx_nmm.model_source import ModelSource
+
+    source = ModelSource(model)
+    return source.session().run(None, CausalLm.of_source(source).feeds(tokens))[0]
+
+
+def test_an_mlp_that_cannot_be_narrowed_says_why(export):
+    layers = find_linear_layers(onnx_nmm.model_io.load_model(export("phi3", "dynamo")))
+    mlps, why = find_mlps(layers)
+    assert not mlps and all("Split" in reason for reason in why.values()) and len(why) == 2
+    model = ir.serde.deserialize_model(graphs.swiglu_mlp(HIDDEN, WIDTH))
+    reader = ir.Node("", "Relu", [next(node for node in model.graph if node.name == "mul").outputs[0]], num_outputs=1)
+    model.graph.append(reader)
+    model.graph.outputs.append(reader.outputs[0])
+    assert find_mlps(find_linear_layers(model))[1] == {
+        "/mlp/down_proj/MatMul": "a Relu node outside the MLP reads a value between its projections"}
+
+
+def _nystrom(ranks: RankOptions, **selection) -> RewriteOptions:
+    return RewriteOptions(ranks=ranks, selection=onnx_nmm.Selection(**selection),
+                          factorization=FactorizationOptions(method="nystrom"),
+                          calibration=CalibrationOptions("random", samples=8, seq_len=32))
+
+
+def test_a_nystrom_rewrite_narrows_every_mlp_to_the_aligned_width(export):
+    result = onnx_nmm.rewrite(export("llama", "dynamo"), _nystrom(RankOptions(keep=0.75, align=32)))
+    rows = [layer for layer in result.report.layers if layer.status != "skipped"]
+    assert {layer.status for layer in rows} == {"narrowed"} and {layer.width for layer in rows} == {384}
+    assert result.report.totals()["kept_fraction"] == pytest.approx(0.75)
+    products = [node for node in result.model.graph if node.op_type == "MatMul" and node.inputs[1].is_initializer()]
+    assert {tuple(node.inputs[1].const_value.shape) for node in products} >= {(256, 384), (384, 256)}
+
+
+def test_one_budget_spends_parameters_across_narrowing_and_factorization(export):
+    path = export("llama", "dynamo")
+    result = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.6, align=32, budget="global"), targets="all"))
+    statuses = {layer.role: layer.status for layer in result.report.layers if layer.status != "skipped"}
+    assert set(statuses.values()) >= {"narrowed", "factorized"}
+    assert {statuses[role] for role in ("gate", "up", "down")} <= {"narrowed", "dense"}
+    uniform = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.6, align=32), targets="all"))
+    assert result.report.totals()["kept_fraction"] <= uniform.report.totals()["kept_fraction"] + 1e-9
+
+
+def test_a_quality_budget_measures_widths_on_held_out_windows(export):
+    result = onnx_nmm.rewrite(export("llama", "dynamo"), _nystrom(RankOptions(max_kl=0.05, align=64)))
+    budget = result.report.quality_budget
+    assert budget["measured"] <= 0.05 and budget["moves_considered"] > 0
+    assert set(budget["sensitivity"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+
+
+def test_quantized_mlps_stay_quantized_and_their_kept_columns_exact(tmp_path):
+    source = FORMATS / "genai-int4" / "model.onnx"
+    before = onnx_nmm.model_io.load_model(source)
+    with pytest.warns(UserWarning):
+        result = onnx_nmm.rewrite(source, _nystrom(RankOptions(keep=0.5, align=16)))
+    after = result.model
+    count = lambda model, op: sum(1 for node in model.graph if node.op_type == op)  # noqa: E731
+    assert count(after, "MatMulNBits") == count(before, "MatMulNBits") and count(after, "MatMul") == count(before, "MatMul")
+    old = {layer.name: layer for layer in find_linear_layers(before)}
+    for layer in find_linear_layers(after):
+        if layer.role in ("gate", "up"):
+            assert layer.weight.quantized is not None and layer.n == old[layer.name].n // 2
+            dense = old[layer.name].weight_matrix()
+            kept = [j for j in range(dense.shape[1]) if any(np.array_equal(dense[:, j], column)
+                                                            for column in layer.weight_matrix().T)]
+            assert len(kept) == layer.n  # every kept column exactly as it was stored
+    result.save(tmp_path / "model.onnx")
+    assert ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
+def test_nystrom_options_are_refused_where_they_mean_nothing():
+    with pytest.raises(OptionError, match="nystrom narrows MLPs to a kept width"):
+        _nystrom(RankOptions(rank=8))
+    with pytest.raises(OptionError, match="learns from calibration data"):
+        RewriteOptions(factorization=FactorizationOptions(method="nystrom"))
+    with pytest.raises(OptionError, match="neuron_score"):
+        FactorizationOptions(method="nystrom", neuron_score="best")
