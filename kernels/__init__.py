@@ -6,6 +6,8 @@ Kernels (`@nki.jit`, HBM tensors in and out; x is row-major [tokens, features], 
     fused_xuv(x [M,K], u [K,r], v [r,N]) -> y [M,N]
     fused_svd_mlp(x [M,H], ug, vg, uu, vu, ud, vd) -> y [M,H]
     fused_svd_ungated_mlp(x [M,H], u1, v1, b1, u2, v2) -> y [M,H]
+    dense_gated_mlp(x [M,H], wg [H,I], wu [H,I], wd [I,H]) -> y [M,H]
+    dense_ungated_mlp(x [M,H], w1 [H,I], b1 [I], w2 [I,H]) -> y [M,H]
     silu_mul(gate [M,I], up [M,I]) -> act [M,I]
 and lowrank_unfused(x, u, v), which launches dense_matmul twice.
 
@@ -15,6 +17,7 @@ dtype=..., target=...)` returns a modelled KernelCost without doing the arithmet
 
 from onnx_nmm.kernels.cost_model import KernelCost
 from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
 from onnx_nmm.kernels.gated_activation import silu_mul
@@ -25,8 +28,10 @@ from onnx_nmm.kernels.runner import estimate, run, trace
 __all__ = [
     "USING_EMULATOR",
     "KernelCost",
+    "dense_gated_mlp",
     "dense_matmul",
     "dense_matmul_lhsT",
+    "dense_ungated_mlp",
     "estimate",
     "fused_svd_mlp",
     "fused_svd_ungated_mlp",

@@ -3,7 +3,7 @@
 estimate_plan counts what a kernel's loop nest does under a plan — every matmul, transpose, PSUM eviction
 and DMA transfer, with its size and contiguous run — and prices each one with instruction_costs, the
 formulas cost_model applies to a traced kernel. The helpers below follow the kernels' loop nests call for
-call (dense_matmul.output_block, strip_stages, fused_mlp.act_down_strip, tiles), so for any plan the
+call (dense_matmul.output_block, strip_stages, fused_mlp.act_down_strip, dense_mlp, tiles), so for any plan the
 estimate's busy time per engine and its HBM bytes are those cost_model finds in the kernel's trace
 (tests/kernels/test_planner_agrees_with_trace.py). Nothing is traced here: kernels plan while NKI builds
 them, on Trainium too, where there is no emulator.
@@ -15,7 +15,7 @@ reproduces: DMA runs ahead of compute through the loop nests, each nest pipeline
 (_Work.pipelined), each HBM tensor's transfers are an issue interval apart, and the kernel takes the longest
 path through the two streams (_overlapped_seconds).
 
-plan_dense, plan_xuv, plan_mlp and plan_ungated_mlp price every candidate blocking of the shape on the target. A candidate
+plan_dense, plan_xuv, plan_mlp, plan_ungated_mlp and plan_dense_mlp price every candidate blocking of the shape on the target. A candidate
 that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, estimates within
 TIE of it counting as a tie that the fewest HBM bytes, then the least SBUF, break. Bigger blocks raise arithmetic intensity (fewer re-reads of
 x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
@@ -48,8 +48,10 @@ COLUMN_BLOCKS = (512, 1024, 2048, 4096, 8192)  # output columns per weight block
 ROW_BLOCKS = (128, 256, 512, 1024, 2048)  # rows of x per lhsT block (dense)
 TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached strip / output stripe
 
-KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp")
+KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
+           "dense_gated_mlp", "dense_ungated_mlp")
 MLP_KERNELS = ("fused_svd_mlp", "fused_svd_ungated_mlp")
+DENSE_MLP_KERNELS = ("dense_gated_mlp", "dense_ungated_mlp")
 ENGINES = ("pe", "act", "dve", "dma")  # the engines the kernels use
 
 
@@ -75,6 +77,13 @@ class MlpPlan(nl.NKIObject):
     i_tiles: int  # tiles of the intermediate dimension per gate/up block (actᵀ block)
     down_tiles: int  # tiles of I per Ud load in the down projection's stage 1
     n_block: int  # output columns per Vd block
+
+
+@dataclass
+class DenseMlpPlan(nl.NKIObject):
+    token_block: int  # tokens whose x^T and fp32 sums of y stay in SBUF while the weights stream
+    k_tiles: int  # contraction tiles (over H) per block of the gate and up weights
+    i_tiles: int  # tiles of the intermediate dimension per block (actᵀ block, Wd rows)
 
 
 @dataclass(frozen=True)
@@ -121,10 +130,20 @@ def plan_ungated_mlp(M, H, intermediate, rank_1, rank_2, dtype, target=None):
     return _fastest("fused_svd_ungated_mlp", (M, H, intermediate, rank_1, rank_2), dtype, target)
 
 
+def plan_dense_mlp(M, H, intermediate, gated, dtype, target=None):
+    """The blocking of dense_gated_mlp (gated) or dense_ungated_mlp: tokens per block, then the blocks of H and
+    of I."""
+    return _fastest("dense_gated_mlp" if gated else "dense_ungated_mlp", (M, H, intermediate), dtype, target)
+
+
 def candidate_plans(kernel, shape):
     """Every blocking the planner considers for `kernel` (one of KERNELS) on `shape`, the dimensions plan_*
     takes: (M, K, N) for the dense kernels, (M, K, rank, N) for fused_xuv, (M, H, I, rg, ru, rd) for
-    fused_svd_mlp, (M, H, I, r1, r2) for fused_svd_ungated_mlp."""
+    fused_svd_mlp, (M, H, I, r1, r2) for fused_svd_ungated_mlp, (M, H, I) for the dense MLPs."""
+    if kernel in DENSE_MLP_KERNELS:
+        M, H, intermediate = shape
+        return [DenseMlpPlan(tokens, k, i) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
+                for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX))]
     if kernel == "fused_xuv":
         M, K, _, N = shape
         return [XuvPlan(tokens, k, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(K)
@@ -166,6 +185,11 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
                      _expand_work(tokens, ranks[-1], H, s, core, plan.n_block)])
             for tokens, count in _spans(M, plan.token_block)
         ], core)
+    if kernel in DENSE_MLP_KERNELS:
+        M, H, intermediate = shape
+        gated = kernel == "dense_gated_mlp"
+        return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles, plan.i_tiles)])
+                          for tokens, count in _spans(M, plan.token_block)], core)
     return _estimate([(1, [_dense_work(*shape, s, core, plan, kernel == "dense_matmul_lhsT")])], core)
 
 
@@ -412,6 +436,47 @@ def _expand_work(tokens, rank, N, s, core, n_block):
 
     results = N * s if whole_rows else 2 * min(n_block, N) * s
     work.sbuf = _tiles(rank) * tokens * s + 2 * _tiles(rank) * min(n_block, N) * s + results
+    return work
+
+
+@lru_cache(maxsize=4096)
+def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
+    """dense_mlp._token_blocks for one block of tokens: x^T of every block of H, then per block of I the gate
+    (and up) weight blocks and their matmuls with the activation (and the up's product) as they leave PSUM,
+    the Wd block, and the down projection's matmuls into fp32 sums of y across the I blocks; the last I
+    block stores y."""
+    work = _Work(core, s)
+    h_blocks = k_blocks(H, k_tiles)
+    for (P, t), count in Counter((P, t) for _, P, t in h_blocks).items():
+        _transposed_x(work, count, tokens, P, t, waited_for=len(h_blocks) == 1)
+    h_tiles = len(h_blocks) and sum(t for _, _, t in h_blocks)
+    projections = ("wg", "wu") if gated else ("w1",)
+    i_blocks = k_blocks(intermediate, i_tiles)
+    for (P, t, first, last), count in _kinds([(P, t) for _, P, t in i_blocks]).items():
+        for tensor in projections:
+            for (kp, kt), h_count in Counter((kp, kt) for _, kp, kt in h_blocks).items():
+                _load_interleaved_rows(work, tensor, count * h_count, kp, kt, P * t, whole_rows=P * t == intermediate)
+        if not gated:
+            work.load("bias", count, P * t * s, t * s)
+        for cw, pieces in _spans(tokens, TILE_N):
+            work.group(count * t * pieces, work.matmuls(h_tiles, cw), act=work.scalar(cw))
+            if gated:
+                work.group(count * t * pieces, work.matmuls(h_tiles, cw), dve=work.vector(cw))
+        _load_interleaved_rows(work, "wd", count, P, t, H, whole_rows=True)
+        for T, token_tiles in _spans(tokens, TILE_M):
+            for nt, pieces in _spans(H, TILE_N):
+                work.group(count * token_tiles * pieces, work.matmuls(t, nt), *work.evict(nt, first))
+            if last:
+                work.store("y", count * token_tiles, T * H * s, H * s)
+    work.steps = len(h_blocks) + len(i_blocks) * (len(projections) + 1)
+
+    t_max = max(t for _, _, t in i_blocks)
+    columns = t_max * PMAX
+    x_tiles = h_tiles * tokens * s + 2 * max(t for _, _, t in h_blocks) * PMAX * s  # x^T and the rows it comes from
+    weights = 2 * len(projections) * h_tiles * columns * s + 2 * t_max * H * s + (0 if gated else 2 * t_max * s)
+    act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 0)
+    sums = cdiv(tokens, TILE_M) * H * 4 if len(i_blocks) > 1 else 0
+    work.sbuf = x_tiles + weights + act + sums + 2 * H * s
     return work
 
 

@@ -68,8 +68,8 @@ class CausalLm:
 
     @classmethod
     def of_source(cls, source) -> "CausalLm":
-        """The causal LM of a model_source.ModelSource: its graph, and the folder the file is in."""
-        head_size = genai_head_size(source.path.parent) if source.path is not None else None
+        """The causal LM of a model_source.ModelSource: its graph, and the folder that describes it."""
+        head_size = genai_head_size(source.folder) if source.folder is not None else None
         return cls.of_graph(source.model.graph, source.label, head_size)
 
     @classmethod

@@ -73,18 +73,34 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
     source = ModelSource.of(model)
     tokenizer = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_beside(source))
     decoder = Decoder(source, options.threads, options.backend, options.target)
-    templated = options.chat and bool(getattr(tokenizer, "chat_template", None))
+    prompt, ids = prompt_ids(tokenizer, prompt, options.chat)
+    check_token_ids(ids, decoder.model.vocabulary, "the prompt", decoder.label)
+    stream = _TextStream(tokenizer, on_text)
+    new, stopped_by, first_token_s, decode_s = continuation(decoder, ids, _sampler(options), stop_tokens(tokenizer),
+                                                            options.max_new_tokens, stream.add)
+    stream.finish(new)
+    return Generation(prompt, int(ids.size), new, tokenizer.decode(new, skip_special_tokens=True), stopped_by,
+                      first_token_s, decode_s)
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool = True) -> tuple[str, np.ndarray]:
+    """The prompt as the model reads it (as a user turn of the tokenizer's chat template, when it has one and
+    `chat`), and its token ids."""
+    templated = chat and bool(getattr(tokenizer, "chat_template", None))
     if templated:  # the template writes the special tokens itself
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                tokenize=False)
     ids = np.asarray(tokenizer(prompt, add_special_tokens=not templated)["input_ids"], np.int64)
     if ids.size == 0:
         raise DataError("the prompt is empty; give some text to continue")
-    check_token_ids(ids, decoder.model.vocabulary, "the prompt", decoder.label)
-    stops = _stop_tokens(tokenizer)
-    pick = _sampler(options)
-    stream = _TextStream(tokenizer, on_text)
+    return prompt, ids
 
+
+def continuation(decoder: Decoder, ids: np.ndarray, pick: Callable[[np.ndarray], int], stops: set[int],
+                 max_new_tokens: int, on_tokens: Callable[[list[int]], None] | None = None
+                 ) -> tuple[list[int], str, float, float]:
+    """The new tokens after `ids` (a prefill, then one step a token), how it stopped ("eos" or
+    "max_new_tokens"), and the seconds to the first token and for the rest."""
     start = time.perf_counter()
     token = pick(decoder.prefill(ids[None])[0])
     first_token_s = time.perf_counter() - start
@@ -96,14 +112,12 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
             stopped_by = "eos"
             break
         new.append(token)
-        stream.add(new)
-        if len(new) == options.max_new_tokens:
+        if on_tokens is not None:
+            on_tokens(new)
+        if len(new) == max_new_tokens:
             break
         token = pick(decoder.step(np.array([[token]]))[0])
-    decode_s = time.perf_counter() - start
-    stream.finish(new)
-    return Generation(prompt, int(ids.size), new, tokenizer.decode(new, skip_special_tokens=True), stopped_by,
-                      first_token_s, decode_s)
+    return new, stopped_by, first_token_s, time.perf_counter() - start
 
 
 def _tokenizer_beside(source: ModelSource):
@@ -113,7 +127,8 @@ def _tokenizer_beside(source: ModelSource):
     return folder
 
 
-def _stop_tokens(tokenizer) -> set[int]:
+def stop_tokens(tokenizer) -> set[int]:
+    """The token ids that end an answer: the EOS, and the end-of-turn token of a chat template."""
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     # A chat template ends a turn with its own token (<|im_end|>, <|eot_id|>, <end_of_turn>), not always the EOS.
     for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):

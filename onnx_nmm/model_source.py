@@ -19,13 +19,18 @@ from onnx_nmm.model_io import load_model, uses_external_data
 
 
 class ModelSource:
-    def __init__(self, model: str | os.PathLike | ir.Model | onnx.ModelProto):
+    """`folder`: for an in-memory model, the folder whose files describe it (an onnxruntime-genai folder's
+    genai_config.json), as a file's own folder does."""
+
+    def __init__(self, model: str | os.PathLike | ir.Model | onnx.ModelProto, folder: str | os.PathLike | None = None):
         if isinstance(model, ModelSource):
             raise TypeError("already a ModelSource")
         self.path: Path | None = None
         self.original: ir.Model | None = None
+        self.folder = Path(folder) if folder is not None else None
         if isinstance(model, (str, os.PathLike)):
             self.path = Path(model)
+            self.folder = self.path.parent
             self.model = load_model(self.path)
         elif isinstance(model, (ir.Model, onnx.ModelProto)):
             self.original = model if isinstance(model, ir.Model) else ir.serde.deserialize_model(model)

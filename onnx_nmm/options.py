@@ -283,6 +283,7 @@ class RewriteOptions:
     factorization: FactorizationOptions = field(default_factory=FactorizationOptions)
     calibration: CalibrationOptions | None = None
     fuse_mlp: bool = False
+    check_answers: bool = True  # with a tokenizer: compare greedy answers to check prompts with the dense model's
 
     def __post_init__(self):
         if self.factorization.method is None:

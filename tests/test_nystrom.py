@@ -220,3 +220,26 @@ def test_nystrom_options_are_refused_where_they_mean_nothing():
         RewriteOptions(factorization=FactorizationOptions(method="nystrom"))
     with pytest.raises(OptionError, match="neuron_score"):
         FactorizationOptions(method="nystrom", neuron_score="best")
+
+
+def test_the_answer_check_compares_greedy_answers_with_the_dense_model(tmp_path):
+    """The rewrite asks the check prompts when it has a tokenizer: a rewrite that keeps everything answers as the
+    dense model does; one that keeps almost nothing does not, and the warning names a prompt and both answers."""
+    from onnx_nmm.answers import COMPARED_TOKENS, check_answers
+    from onnx_nmm.calibration_data import load_tokenizer
+    from onnx_nmm.model_source import ModelSource
+
+    folder = FORMATS / "genai-fp32"
+    np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 300, (6, 32)))
+    kept = RewriteOptions(ranks=RankOptions(rank="full"), factorization=FactorizationOptions(factor_dtype="float32"),
+                          calibration=CalibrationOptions(str(tmp_path / "ids.npz"), tokenizer=folder))
+    report = onnx_nmm.rewrite(folder / "model.onnx", kept).report
+    assert report.answers["agreeing"] == [True] * 4 and report.answers["compared_tokens"] == COMPARED_TOKENS
+    assert report.answers["dense"] == report.answers["rewritten"]
+
+    broken = onnx_nmm.model_io.load_model(folder / "model.onnx")
+    for layer in find_linear_layers(broken):
+        layer.weight.storage.const_value = ir.tensor(np.zeros(layer.weight.tensor.shape, np.float32))
+    check = check_answers(folder / "model.onnx", ModelSource(broken, folder=folder), load_tokenizer(folder))
+    assert sum(check.agreeing) < 2 and "greedy answers differ from the dense model's" in check.warning()
+    assert check.prompts[check.diverged[0]] in check.warning()

@@ -83,6 +83,9 @@ def register(subparsers) -> None:
     budget.add_argument("--ranks-from", metavar="REPORT.json",
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
                              "a quality budget's choice with --calib-mode sequential without measuring it again")
+    parser.add_argument("--no-answer-check", action="store_true",
+                        help="skip comparing the rewritten model's greedy answers to a few check prompts with the dense "
+                             "model's (done when --tokenizer is given; a warning says when they differ)")
     parser.add_argument("--fuse-mlp", action="store_true",
                         help="fuse each factorized MLP into one SvdGatedMLP or SvdMLP (what `compile` does "
                              "for Trainium; onnxruntime still runs it)")
@@ -149,7 +152,8 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     factorization = onnx_nmm.FactorizationOptions(**given(
         method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
         factor_dtype=args.factor_dtype, neuron_score=args.neuron_score))
-    return onnx_nmm.RewriteOptions(ranks, _common.selection_from(args), factorization, calibration, args.fuse_mlp)
+    return onnx_nmm.RewriteOptions(ranks, _common.selection_from(args), factorization, calibration, args.fuse_mlp,
+                                   check_answers=not args.no_answer_check)
 
 
 def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
@@ -191,6 +195,10 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         + f". Wrote {output}")
     if report.budget_summary:
         _common.stdout.print(report.budget_summary)
+    if report.answers:
+        agreeing, asked = sum(report.answers["agreeing"]), len(report.answers["prompts"])
+        _common.stdout.print(f"Greedy answers to {asked} check prompts: {agreeing} begin as the dense model's do "
+                             f"(first {report.answers['compared_tokens']} tokens).")
 
 
 def _choice(layer) -> str:

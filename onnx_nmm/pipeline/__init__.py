@@ -67,8 +67,25 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     except ir.passes.PassError as error:
         raise _root_cause(error) from None
     context.report.weight_bytes_after = weight_bytes(source.model)
+    calibration = context.options.calibration
+    if context.options.check_answers and calibration is not None and calibration.tokenizer is not None:
+        _check_answers(source, context, calibration.tokenizer)
     record_dense_model(source.model, source.path)  # finetune's teacher by default
     return RewriteResult(source.model, context.report, source.path, source.used_external_data)
+
+
+def _check_answers(source: ModelSource, context: RewriteContext, tokenizer) -> None:
+    """The rewritten model's greedy answers to the check prompts against the dense model's (onnx_nmm.answers),
+    in the report; a warning when they differ."""
+    from onnx_nmm.answers import check_answers
+    from onnx_nmm.calibration_data import load_tokenizer
+
+    with context.progress.phase("checking answers against the dense model"):
+        rewritten = ModelSource(source.model, folder=source.folder)  # the in-memory model, described as its input
+        check = check_answers(source.path or source.original, rewritten, load_tokenizer(tokenizer))
+    context.report.answers = check.to_dict()
+    if check.warning():
+        warnings.warn(check.warning(), stacklevel=3)
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -13,7 +13,7 @@ from onnx_nmm.calibration_data import CalibrationData, TokenWindows
 from onnx_nmm.errors import DataError, ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.nystrom import MlpNarrowing
+from onnx_nmm.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
 from onnx_nmm.passes.mlp_modules import Mlp, find_mlps
 from onnx_nmm.pipeline.factorizer import Factorizer
@@ -28,6 +28,7 @@ class RewriteContext:
     source: ModelSource  # the original model, for what runs it (onnxruntime, the PyTorch lowering)
     progress: Progress = field(default_factory=Progress)
     statistics: GramStatistics | None = None  # GatherStatistics
+    held_out_statistics: GramStatistics | None = None  # GatherStatistics, nystrom: h's Gram on held-out windows
     plan: RankPlan | None = None  # PlanRanks
     factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
     report: RewriteReport | None = None  # every pass adds to it
@@ -60,15 +61,17 @@ class RewriteContext:
         share it)."""
         if mlp.down.name not in self._narrowings:
             gram = self.statistics.gram(mlp.down.x.name)
-            self._narrowings[mlp.down.name] = MlpNarrowing(gram, mlp.down.weight_matrix(),
-                                                           self.options.factorization.neuron_score)
+            narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), self.options.factorization.neuron_score)
+            if self.held_out_statistics is not None:
+                narrowing.choose_ridge(self.held_out_statistics.gram(mlp.down.x.name), reference_width(mlp.width))
+            self._narrowings[mlp.down.name] = narrowing
         return self._narrowings[mlp.down.name]
 
     def calibration_data(self) -> CalibrationData:
         """The calibration data, made once; a quality budget holds its measurement windows out of it."""
         if self._calibration is None:
             ranks = self.options.ranks
-            held_out = ranks.sensitivity_windows if ranks.measures_damage else 0
+            held_out = ranks.sensitivity_windows if ranks.measures_damage or self.options.method == "nystrom" else 0
             self._calibration = CalibrationData(self.options.calibration, self.source.model.graph, self.source,
                                                 held_out)
         return self._calibration

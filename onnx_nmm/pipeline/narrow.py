@@ -81,6 +81,8 @@ def outcomes(mlp: Mlp, narrowing: MlpNarrowing, narrowed: NarrowedMlp) -> list[L
                                     parameters_after=after, bytes_after=int(stored)))
     down_weight = narrowed.weights[-1].matrix.astype(np.float64)
     rows[-1].whitened_loss = float(np.sqrt(narrowing.relative_error(narrowed.kept, down_weight)))
+    chosen = "chosen on held-out windows" if narrowing.ridge_chosen else "the default"
+    rows[-1].reason += f"; refit with ridge ρ={narrowing.ridge:g} ({chosen})"
     return rows
 
 

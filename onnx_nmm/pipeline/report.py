@@ -66,6 +66,7 @@ class RewriteReport:
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP/SvdMLP nodes made by fuse_mlp
     unfused_mlps: dict[str, str] = field(default_factory=dict)  # with fuse_mlp: MLP left alone → why
     quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
+    answers: dict = field(default_factory=dict)  # the check prompts' greedy answers, dense and rewritten (answers.py)
     weight_bytes_before: int = 0  # of every initializer of the model, before and after the rewrite
     weight_bytes_after: int = 0
 
@@ -99,6 +100,7 @@ class RewriteReport:
                 "calibration": self.calibration, "calibration_windows": self.calibration_windows,
                 "totals": self.totals(), "seconds": self.seconds,
                 "fused_mlps": self.fused_mlps, "unfused_mlps": self.unfused_mlps, "quality_budget": self.quality_budget,
+                "answers": self.answers,
                 "layers": [asdict(layer) for layer in self.layers]}
 
 

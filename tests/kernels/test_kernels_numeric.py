@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from onnx_nmm.kernels import (
+    dense_gated_mlp,
     dense_matmul,
     dense_matmul_lhsT,
+    dense_ungated_mlp,
     fused_svd_mlp,
     fused_svd_ungated_mlp,
     fused_xuv,
@@ -18,7 +20,7 @@ from onnx_nmm.kernels import (
     run,
     silu_mul,
 )
-from onnx_nmm.kernels.blocking import DensePlan, MlpPlan, XuvPlan
+from onnx_nmm.kernels.blocking import DenseMlpPlan, DensePlan, MlpPlan, XuvPlan
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Error relative to the output's largest magnitude: bf16 rounds the intermediates and the output
@@ -27,6 +29,7 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-5}
 SMALL_DENSE = DensePlan(m_stripe=128, m_block=128, n_block=512, k_tiles=1)
 SMALL_XUV = XuvPlan(token_block=128, k_tiles=1, n_block=512)
 SMALL_MLP = MlpPlan(token_block=128, k_tiles=1, i_tiles=2, down_tiles=1, n_block=512)
+SMALL_DENSE_MLP = DenseMlpPlan(token_block=128, k_tiles=1, i_tiles=2)
 
 
 def arrays(seed, dtype, *shapes):
@@ -91,6 +94,28 @@ def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
     reference = (silu(X @ UG @ VG) * (X @ UU @ VU)) @ UD @ VD
     target = "trn1" if M % 2 else "trn2"
     check(run(fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, target=target, plan=plan), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(("M", "H", "I", "activation"), [(1, 200, 300, "silu"), (37, 256, 700, "gelu"),
+                                                         (130, 300, 520, "gelu_tanh")])
+def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
+    x, wg, wu, wd = arrays(8, dtype, (M, H), (H, I), (H, I), (I, H))
+    X, WG, WU, WD = f64(x, wg, wu, wd)
+    reference = (activated(X @ WG, activation) * (X @ WU)) @ WD
+    target = "trn1" if M % 2 else "trn2"
+    check(run(dense_gated_mlp, x, wg, wu, wd, target=target, plan=plan, activation=activation), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(("M", "H", "I"), [(1, 200, 300), (130, 300, 520)])
+def test_dense_ungated_mlp(M, H, I, plan, dtype):
+    x, w1, b1, w2 = arrays(9, dtype, (M, H), (H, I), (I,), (I, H))
+    X, W1, B1, W2 = f64(x, w1, b1, w2)
+    reference = activated(X @ W1 + B1, "gelu_tanh") @ W2
+    check(run(dense_ungated_mlp, x, w1, b1, w2, target="trn2", plan=plan), reference, dtype)
 
 
 def activated(z, activation):

@@ -1,0 +1,163 @@
+"""Dense MLPs in one kernel each: the honest baseline of the fused SVD MLP, and the kernel a narrowed MLP
+(--method nystrom: a dense MLP of smaller width) runs on.
+
+    dense_gated_mlp    y = (act(x·Wg) * (x·Wu)) · Wd        Llama, Qwen, Gemma
+    dense_ungated_mlp  y = act(x·W1 + b1) · W2              GPT-2, Phi (W2's bias: the caller's)
+
+For each block of tokens:
+  1. x^T of the block, every contraction tile of H, once (TensorE transposes, tiles.transpose_tokens);
+  2. for each block of the intermediate dimension I: the Wg and Wu columns of the block are the stationary
+     operands and x^T the moving one, so gate and up leave PSUM as [I rows, tokens] — already transposed.
+     act is applied as the gate leaves PSUM (ScalarE; b1, one value per I row, is its per-partition bias),
+     the product with up as up leaves it (VectorE): actᵀ, I on partitions, in x's dtype;
+  3. actᵀ is the stationary operand of the down projection and Wd's rows of the block the moving one, so y
+     leaves PSUM in its natural [tokens, H] layout; the I blocks are summed in fp32 in SBUF;
+  4. the last I block writes y in x's dtype and stores it.
+No transpose of the intermediate activation, and it never leaves SBUF — the same dataflow as the fused SVD
+MLP (fused_mlp), with whole weights instead of factors. Block sizes come from blocking.plan_dense_mlp.
+"""
+
+from onnx_nmm.kernels.blocking import plan_dense_mlp
+from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
+from onnx_nmm.kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.strip_stages import transposed_block
+from onnx_nmm.kernels.tiles import PMAX, TILE_M, TILE_N, cdiv, evict_partial_sum, k_blocks, load_interleaved_rows
+
+
+@nki.jit
+def dense_gated_mlp(x, wg, wu, wd, plan=None, activation="silu"):
+    """y = (act(x · wg) * (x · wu)) · wd.
+
+    Args:
+        x: [M, H] activations, row-major.
+        wg, wu: [H, I] gate and up weights; wd: [I, H] down weight; all in x's dtype.
+        plan: a blocking.DenseMlpPlan; None asks blocking.plan_dense_mlp for this shape and target.
+        activation: act, a key of fused_mlp.ACTIVATIONS.
+    Returns:
+        y: [M, H] in x's dtype, in shared HBM.
+    """
+    M, H = x.shape
+    intermediate = wg.shape[1]
+    assert wg.shape == (H, intermediate) and wu.shape == (H, intermediate), "Wg and Wu must be [H, I]"
+    assert wd.shape == (intermediate, H), "Wd must be [I, H]"
+    _check_operands(x, (wg, wu, wd), activation)
+    if plan is None:
+        plan = plan_dense_mlp(M, H, intermediate, True, x.dtype)
+    return _token_blocks(x, (wg, wu), None, wd, plan, ACTIVATIONS[activation])
+
+
+@nki.jit
+def dense_ungated_mlp(x, w1, b1, w2, plan=None, activation="gelu_tanh"):
+    """y = act(x · w1 + b1) · w2.
+
+    Args:
+        x: [M, H] activations, row-major.
+        w1: [H, I], b1: [I]  the first projection (fc1) and its bias; w2: [I, H] the second (fc2), whose bias
+            the caller adds; all in x's dtype.
+        plan: a blocking.DenseMlpPlan; None asks blocking.plan_dense_mlp for this shape and target.
+        activation: act, a key of fused_mlp.ACTIVATIONS.
+    Returns:
+        y: [M, H] in x's dtype, in shared HBM.
+    """
+    M, H = x.shape
+    intermediate = w1.shape[1]
+    assert w1.shape == (H, intermediate) and w2.shape == (intermediate, H), "W1 must be [H, I] and W2 [I, H]"
+    assert b1.shape == (intermediate,), "b1 must be [I]"
+    _check_operands(x, (w1, b1, w2), activation)
+    if plan is None:
+        plan = plan_dense_mlp(M, H, intermediate, False, x.dtype)
+    return _token_blocks(x, (w1,), b1, w2, plan, ACTIVATIONS[activation])
+
+
+def _check_operands(x, operands, activation):
+    for operand in operands:
+        assert operand.dtype == x.dtype, f"weights and biases must have x's dtype {x.dtype}, not {operand.dtype}"
+    assert activation in ACTIVATIONS, f"activation must be one of {sorted(ACTIVATIONS)}, not {activation!r}"
+
+
+def _token_blocks(x, projections, bias, wd, plan, act):
+    """y, one block of tokens at a time: steps 1-4 of the module docstring."""
+    M, H = x.shape
+    y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    h_blocks = k_blocks(H, plan.k_tiles)
+    for row0 in range(0, M, plan.token_block):
+        tokens = min(plan.token_block, M - row0)
+        xT = [transposed_block(x, row0, tokens, block) for block in h_blocks]
+        i_blocks = k_blocks(wd.shape[0], plan.i_tiles)
+        # fp32 sums of y over the I blocks, one [128, H] tile per 128 tokens; a single I block needs none.
+        partials = None
+        if len(i_blocks) > 1:
+            partials = [nl.ndarray((PMAX, H), dtype=nl.float32, buffer=nl.sbuf) for _ in range(cdiv(tokens, TILE_M))]
+        for b, (i0, P, t) in enumerate(i_blocks):
+            actT = _act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, x.dtype)
+            wd_block = nl.ndarray((PMAX, t, H), dtype=wd.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(wd_block, wd, i0, P, t, 0, H)
+            _down(actT, wd_block, y, partials, row0, tokens, P, t, b == 0, b == len(i_blocks) - 1)
+    return y
+
+
+def _act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, dtype):
+    """actᵀ for the intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`.
+
+    Each projection's columns of the block are loaded per contraction block of H ([128, tiles, P*t]); column
+    p*t + j of a block is the stationary operand for row p of tile j, so each PSUM tile is [I rows, tokens].
+    """
+    columns = P * t
+    blocks = []
+    for w in projections:
+        loaded = []
+        for k0, kp, kt in h_blocks:
+            w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
+            loaded.append(w_block)
+        blocks.append(loaded)
+    bias_block = None
+    if bias is not None:
+        bias_block = nl.ndarray((PMAX, t), dtype=bias.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bias_block[0:P, 0:t], src=bias[i0 : i0 + columns].reshape((P, t)))
+    actT = nl.ndarray((PMAX, t, tokens), dtype=dtype, buffer=nl.sbuf)
+    gate = actT if len(projections) == 1 else nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
+    for j in range(t):
+        for c0 in range(0, tokens, TILE_N):
+            cw = min(TILE_N, tokens - c0)
+            acc = _project(xT, h_blocks, blocks[0], j, t, P, c0, cw)
+            row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
+            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
+            if len(projections) == 2:  # the up product, multiplied in as it leaves PSUM
+                up = _project(xT, h_blocks, blocks[1], j, t, P, c0, cw)
+                nisa.tensor_tensor(dst=actT[0:P, j, c0 : c0 + cw], data1=gate[0:P, j, c0 : c0 + cw],
+                                   data2=up[0:P, 0:cw], op=nl.multiply)
+    return actT
+
+
+def _project(xT, h_blocks, w_blocks, j, t, P, c0, cw):
+    """PSUM [P, cw] = W[:, columns p*t + j]ᵀ · x^T[:, tokens c0..]: the contraction over every tile of H."""
+    acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+    steps = sum(kt for _, _, kt in h_blocks)
+    step = 0
+    for (_, kp, kt), x_block, w_block in zip(h_blocks, xT, w_blocks):
+        for h in range(kt):
+            nisa.nc_matmul(acc[0:P, 0:cw], stationary=w_block[0:kp, h, j : P * t : t],
+                           moving=x_block[0:kp, h, c0 : c0 + cw], accumulate=step > 0)
+            step += 1
+    assert step == steps
+    return acc
+
+
+def _down(actT, wd_block, y, partials, row0, tokens, P, t, first, last):
+    """y (+)= act_blk · Wd_blk for every 128 tokens and TILE_N columns of H: actᵀ stationary, Wd's rows moving."""
+    H = wd_block.shape[2]
+    for tok0 in range(0, tokens, TILE_M):
+        T = min(TILE_M, tokens - tok0)
+        result = nl.ndarray((PMAX, H), dtype=y.dtype, buffer=nl.sbuf) if last else None
+        for n0 in range(0, H, TILE_N):
+            nt = min(TILE_N, H - n0)
+            acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+            for j in range(t):
+                nisa.nc_matmul(acc[0:T, 0:nt], stationary=actT[0:P, j, tok0 : tok0 + T],
+                               moving=wd_block[0:P, j, n0 : n0 + nt], accumulate=j > 0)
+            partial = None if partials is None else partials[tok0 // TILE_M][0:T, n0 : n0 + nt]
+            done = result[0:T, n0 : n0 + nt] if last else None
+            evict_partial_sum(done, partial, acc[0:T, 0:nt], first, last)
+        if last:
+            nisa.dma_copy(dst=y[row0 + tok0 : row0 + tok0 + T, 0:H], src=result[0:T, 0:H])
