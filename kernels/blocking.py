@@ -447,9 +447,14 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
     block stores y."""
     work = _Work(core, s)
     h_blocks = k_blocks(H, k_tiles)
-    for (P, t), count in Counter((P, t) for _, P, t in h_blocks).items():
-        _transposed_x(work, count, tokens, P, t, waited_for=len(h_blocks) == 1)
-    h_tiles = len(h_blocks) and sum(t for _, _, t in h_blocks)
+    for T, chunks in _spans(tokens, PMAX):  # dense_mlp._transposed: the rows once, then every block's transposes
+        work.load("x", chunks, T * H * s, H * s)
+        for (P, t), count in Counter((P, t) for _, P, t in h_blocks).items():
+            for group, banks in _spans(t, _transposes_per_bank(s)):
+                work.group(chunks * count * banks, work.transposes(group, T), act=work.scalar(group * T))
+    last_bank = h_blocks[-1][2] % _transposes_per_bank(s) or _transposes_per_bank(s)
+    work.wait(1, work.scalar(last_bank * (tokens % PMAX or PMAX)))  # the first matmul reads every block
+    h_tiles = sum(t for _, _, t in h_blocks)
     projections = ("wg", "wu") if gated else ("w1",)
     i_blocks = k_blocks(intermediate, i_tiles)
     for (P, t, first, last), count in _kinds([(P, t) for _, P, t in i_blocks]).items():
@@ -472,7 +477,7 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
 
     t_max = max(t for _, _, t in i_blocks)
     columns = t_max * PMAX
-    x_tiles = h_tiles * tokens * s + 2 * max(t for _, _, t in h_blocks) * PMAX * s  # x^T and the rows it comes from
+    x_tiles = h_tiles * tokens * s + 2 * H * s  # x^T and the rows it comes from
     weights = 2 * len(projections) * h_tiles * columns * s + 2 * t_max * H * s + (0 if gated else 2 * t_max * s)
     act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 0)
     sums = cdiv(tokens, TILE_M) * H * 4 if len(i_blocks) > 1 else 0

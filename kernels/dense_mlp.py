@@ -5,7 +5,8 @@
     dense_ungated_mlp  y = act(x·W1 + b1) · W2              GPT-2, Phi (W2's bias: the caller's)
 
 For each block of tokens:
-  1. x^T of the block, every contraction tile of H, once (TensorE transposes, tiles.transpose_tokens);
+  1. x^T of the block, every contraction tile of H: the rows of 128 tokens in one DMA each, then TensorE
+     transposes (tiles.transpose_rows) into the contraction blocks of H the weights are loaded in;
   2. for each block of the intermediate dimension I: the Wg and Wu columns of the block are the stationary
      operands and x^T the moving one, so gate and up leave PSUM as [I rows, tokens] — already transposed.
      act is applied as the gate leaves PSUM (ScalarE; b1, one value per I row, is its per-partition bias),
@@ -20,8 +21,8 @@ MLP (fused_mlp), with whole weights instead of factors. Block sizes come from bl
 from onnx_nmm.kernels.blocking import plan_dense_mlp
 from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.strip_stages import transposed_block
-from onnx_nmm.kernels.tiles import PMAX, TILE_M, TILE_N, cdiv, evict_partial_sum, k_blocks, load_interleaved_rows
+from onnx_nmm.kernels.tiles import (PMAX, TILE_M, TILE_N, cdiv, evict_partial_sum, k_blocks, load_interleaved_rows,
+                                    transpose_rows)
 
 
 @nki.jit
@@ -82,7 +83,7 @@ def _token_blocks(x, projections, bias, wd, plan, act):
     h_blocks = k_blocks(H, plan.k_tiles)
     for row0 in range(0, M, plan.token_block):
         tokens = min(plan.token_block, M - row0)
-        xT = [transposed_block(x, row0, tokens, block) for block in h_blocks]
+        xT = _transposed(x, row0, tokens, h_blocks)
         i_blocks = k_blocks(wd.shape[0], plan.i_tiles)
         # fp32 sums of y over the I blocks, one [128, H] tile per 128 tokens; a single I block needs none.
         partials = None
@@ -94,6 +95,19 @@ def _token_blocks(x, projections, bias, wd, plan, act):
             load_interleaved_rows(wd_block, wd, i0, P, t, 0, H)
             _down(actT, wd_block, y, partials, row0, tokens, P, t, b == 0, b == len(i_blocks) - 1)
     return y
+
+
+def _transposed(x, row0, tokens, h_blocks):
+    """x^T of the token block in each contraction block (k0, P, t) of H: [128, t, tokens] apiece."""
+    H = x.shape[1]
+    xT = [nl.ndarray((PMAX, t, tokens), dtype=x.dtype, buffer=nl.sbuf) for _, _, t in h_blocks]
+    for tok0 in range(0, tokens, PMAX):
+        T = min(PMAX, tokens - tok0)
+        rows = nl.ndarray((PMAX, H), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows[0:T, 0:H], src=x[row0 + tok0 : row0 + tok0 + T, 0:H])
+        for block, (k0, P, t) in zip(xT, h_blocks):
+            transpose_rows(block, rows, T, k0, P, t, tok0)
+    return xT
 
 
 def _act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, dtype):

@@ -9,19 +9,22 @@ from onnx_nmm.kernels.blocking import (
     candidate_plans,
     estimate_plan,
     plan_dense,
+    plan_dense_mlp,
     plan_mlp,
     plan_ungated_mlp,
     plan_xuv,
 )
 from onnx_nmm.kernels.cost_model import KernelCost
 from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate
 
 KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
-                    "fused_svd_mlp": fused_svd_mlp, "fused_svd_ungated_mlp": fused_svd_ungated_mlp}
+                    "fused_svd_mlp": fused_svd_mlp, "fused_svd_ungated_mlp": fused_svd_ungated_mlp,
+                    "dense_gated_mlp": dense_gated_mlp, "dense_ungated_mlp": dense_ungated_mlp}
 
 
 def planned(kernel, shape, dtype, target):
@@ -32,6 +35,8 @@ def planned(kernel, shape, dtype, target):
         return plan_mlp(*shape, dtype, target=target)
     if kernel == "fused_svd_ungated_mlp":
         return plan_ungated_mlp(*shape, dtype, target=target)
+    if kernel in ("dense_gated_mlp", "dense_ungated_mlp"):
+        return plan_dense_mlp(*shape, kernel == "dense_gated_mlp", dtype, target=target)
     return plan_dense(*shape, dtype, transposed_input=kernel == "dense_matmul_lhsT", target=target)
 
 
@@ -54,6 +59,12 @@ def argument_shapes(kernel, shape):
     if kernel == "fused_svd_ungated_mlp":
         M, H, intermediate, rank_1, rank_2 = shape
         return (M, H), (H, rank_1), (rank_1, intermediate), (intermediate,), (intermediate, rank_2), (rank_2, H)
+    if kernel == "dense_gated_mlp":
+        M, H, intermediate = shape
+        return (M, H), (H, intermediate), (H, intermediate), (intermediate, H)
+    if kernel == "dense_ungated_mlp":
+        M, H, intermediate = shape
+        return (M, H), (H, intermediate), (intermediate,), (intermediate, H)
     M, K, N = shape
     return ((K, M) if kernel == "dense_matmul_lhsT" else (M, K)), (K, N)
 

@@ -76,14 +76,21 @@ def transpose_tokens(xT, x, row0, tokens, k0, partitions, tiles, col):
     row_elements = partitions * tiles
     rows = nl.ndarray((PMAX, row_elements), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=rows[0:tokens, 0:row_elements], src=x[row0 : row0 + tokens, k0 : k0 + row_elements])
-    per_bank = PSUM_BANK_BYTES // (PMAX * dtype_bytes(x.dtype))
+    transpose_rows(xT, rows, tokens, 0, partitions, tiles, col)
+
+
+def transpose_rows(xT, rows, tokens, k0, partitions, tiles, col):
+    """xT[p, j, col + i] = rows[i, k0 + p*tiles + j] for i < tokens (<= 128): TensorE transposes of token rows
+    already in SBUF, several to a PSUM bank, each bank copied back by ScalarE."""
+    per_bank = PSUM_BANK_BYTES // (PMAX * dtype_bytes(rows.dtype))
+    row_elements = partitions * tiles
     for j0 in range(0, tiles, per_bank):
         group = min(per_bank, tiles - j0)
-        bank = nl.ndarray((PMAX, per_bank, PMAX), dtype=x.dtype, buffer=nl.psum)
+        bank = nl.ndarray((PMAX, per_bank, PMAX), dtype=rows.dtype, buffer=nl.psum)
         for j in range(group):
             nisa.nc_transpose(
                 dst=bank[0:partitions, j, 0:tokens],
-                data=rows[0:tokens, j0 + j : row_elements : tiles],
+                data=rows[0:tokens, k0 + j0 + j : k0 + row_elements : tiles],
                 engine=nisa.engine.tensor,
             )
         nisa.activation(dst=xT[0:partitions, j0 : j0 + group, col : col + tokens], op=nl.copy,

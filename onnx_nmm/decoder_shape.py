@@ -1,11 +1,13 @@
 """What a decoder's speed on Trainium depends on: its linear products and its attention widths, no weights.
 
 A `DecoderShape` lists every linear product one forward pass runs — dense (X·W), factorized (X·U·V, one
-`fused_xuv` launch) or a fused MLP (one `fused_svd_mlp` or `fused_svd_ungated_mlp` launch) — each with its role and decoder
-layer, and the widths the rest of the pass works on (hidden, query and KV widths, head size, vocabulary).
-It comes from an ONNX model (`decoder_shape`: the products as `compile` would run them, gated MLPs fused
-as it fuses them) or from a Hugging Face config (`decoder_shape_of_config`: a model nobody exported, at
-any size); `factorized` turns a shape into its rewrite by the keep rule, shapes only (no SVD).
+`fused_xuv` launch), a fused SVD MLP (one `fused_svd_mlp` or `fused_svd_ungated_mlp` launch) or a dense
+MLP (one `dense_gated_mlp` or `dense_ungated_mlp` launch, or its projections one by one, whichever is
+faster) — each with its role and decoder layer, and the widths the rest of the pass works on (hidden,
+query and KV widths, head size, vocabulary). It comes from an ONNX model (`decoder_shape`: the products as
+`compile` would run them, MLPs fused as it fuses them) or from a Hugging Face config
+(`decoder_shape_of_config`: a model nobody exported, at any size); `factorized` turns a shape into its
+rewrite by the keep rule, shapes only (no SVD).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import DEFAULT_ALIGN
 from onnx_nmm.passes import find_linear_layers, roles, svd_ops
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass
+from onnx_nmm.passes.mlp_modules import find_mlps
 from onnx_nmm.rank_plan import Dense, block_aligned_rank, worth_factorizing
 
 ASSUMED_HEAD_DIM = 64  # a cache-free graph does not say; it only sizes the softmax, a sliver of a step
@@ -88,7 +91,29 @@ class FusedMlp:
         return sum(self.ranks) * (self.hidden + self.intermediate)
 
 
-Product = Linear | Factorized | FusedMlp
+@dataclass(frozen=True)
+class DenseMlp:
+    """act(X·Wg) * (X·Wu) · Wd, or not gated act(X·W1 + b1) · W2: one dense_gated_mlp or dense_ungated_mlp launch,
+    or its projections as dense_matmul launches with the activation between, whichever is faster. A narrowed
+    MLP (--method nystrom) is one of these, of smaller width."""
+
+    name: str
+    block: int | None
+    hidden: int
+    intermediate: int
+    gated: bool = True
+    group: str = roles.MLP
+
+    @property
+    def role(self) -> str:
+        return "dense_gated_mlp" if self.gated else "dense_mlp"
+
+    @property
+    def parameters(self) -> int:
+        return (3 if self.gated else 2) * self.hidden * self.intermediate
+
+
+Product = Linear | Factorized | FusedMlp | DenseMlp
 
 
 @dataclass(frozen=True)
@@ -113,8 +138,8 @@ class DecoderShape:
         return sum(product.parameters for product in self.products)
 
     def counts(self) -> dict[str, int]:
-        """How many products of each kind ("dense", "factorized", "fused MLP")."""
-        kinds = {Linear: "dense", Factorized: "factorized", FusedMlp: "fused MLP"}
+        """How many products of each kind ("dense", "factorized", "fused MLP", "dense MLP")."""
+        kinds = {Linear: "dense", Factorized: "factorized", FusedMlp: "fused MLP", DenseMlp: "dense MLP"}
         counts = dict.fromkeys(kinds.values(), 0)
         for product in self.products:
             counts[kinds[type(product)]] += 1
@@ -122,18 +147,23 @@ class DecoderShape:
 
 
 def decoder_shape(model, fuse_mlp: bool = True) -> DecoderShape:
-    """The shape of an ONNX causal LM as `compile` would run it: its factorized MLPs fused into one
-    SvdGatedMLP or SvdMLP each when `fuse_mlp` (as `compile` does by default). Layers of a merged decoder's two
-    branches count once. Raises ModelError when the graph has no attention output projection to size the
-    attention by."""
+    """The shape of an ONNX causal LM as `compile` would run it when `fuse_mlp` (as it does by default): its
+    factorized MLPs fused into one SvdGatedMLP or SvdMLP each, its dense ones (narrowed or not) one DenseMlp
+    each. Layers of a merged decoder's two branches count once. Raises ModelError when the graph has no
+    attention output projection to size the attention by."""
     source = ModelSource.of(model)
     if fuse_mlp:
         FuseMlpPass()(source.model)
     products: dict[str, Product] = {}
     layers = find_linear_layers(source.model)
+    in_mlps = {}
+    for mlp in find_mlps(layers)[0] if fuse_mlp else []:
+        dense = DenseMlp(mlp.name, _block(mlp.down.module_path), mlp.down.n, mlp.width, mlp.gated)
+        in_mlps.update(dict.fromkeys((layer.name for layer in mlp.layers), dense))
     for layer in layers:
-        products.setdefault(layer.name, Linear(layer.name, layer.group, layer.role, _block(layer.module_path),
-                                               layer.k, layer.n))
+        product = in_mlps.get(layer.name) or Linear(layer.name, layer.group, layer.role, _block(layer.module_path),
+                                                    layer.k, layer.n)
+        products.setdefault(product.name, product)
     for node in _custom_nodes(source.model.graph):
         product = _custom_product(node)
         products.setdefault(product.name, product)
@@ -169,11 +199,10 @@ def decoder_shape_of_config(config: str | os.PathLike | dict, label: str | None 
         for role, k, n in (("q", hidden, q_width), ("k", hidden, kv_width), ("v", hidden, kv_width),
                            ("o", q_width, hidden)):
             products.append(Linear(f"layers.{block}.self_attn.{role}_proj", roles.ATTENTION, role, block, k, n))
-        for role, k, n in (("gate", hidden, intermediate), ("up", hidden, intermediate), ("down", intermediate, hidden)):
-            products.append(Linear(f"layers.{block}.mlp.{role}_proj", roles.MLP, role, block, k, n))
+        products.append(DenseMlp(f"layers.{block}.mlp", block, hidden, intermediate))
     products.append(Linear("lm_head", roles.LM_HEAD, "lm_head", None, hidden, vocab))
     return DecoderShape(label or config.get("_name_or_path") or "the config", layers, hidden, q_width, kv_width,
-                        head_dim, vocab, tuple(products), ((intermediate, True),) * layers)
+                        head_dim, vocab, tuple(products), ())
 
 
 def factorized(shape: DecoderShape, keep: float, targets: str = "mlp", align: int = DEFAULT_ALIGN,
@@ -185,16 +214,36 @@ def factorized(shape: DecoderShape, keep: float, targets: str = "mlp", align: in
         raise OptionError(f"{{targets}} must be mlp, attention or all, got {targets!r}", targets="targets")
     if not 0.0 < keep <= 1.0:
         raise OptionError(f"{{keep}} must be in (0, 1], got {keep}", keep="keep")
-    products = []
-    for product in shape.products:
+
+    def at_keep(product: Product) -> Product:
         chosen = isinstance(product, Linear) and product.group != roles.LM_HEAD and targets in ("all", product.group)
         rank = worth_factorizing(block_aligned_rank(product.k, product.n, keep, align), product.k, product.n, align) \
             if chosen else Dense("not targeted")
-        products.append(product if isinstance(rank, Dense) else
-                        Factorized(product.name, product.group, product.role, product.block, product.k, rank, product.n))
+        return product if isinstance(rank, Dense) else \
+            Factorized(product.name, product.group, product.role, product.block, product.k, rank, product.n)
+
+    products, activations = [], list(shape.activations)
+    for product in shape.products:
+        if not isinstance(product, DenseMlp):
+            products.append(at_keep(product))
+            continue
+        parts = [at_keep(part) for part in _projections(product)]
+        if not any(isinstance(part, Factorized) for part in parts):
+            products.append(product)  # a dense MLP nothing factorizes stays one
+            continue
+        products += parts
+        activations.append((product.intermediate, product.gated))  # run between the projections, unless fused
     label = f"{shape.label} at keep {keep:g} of {targets}"
-    factored = replace(shape, label=label, products=tuple(products))
+    factored = replace(shape, label=label, products=tuple(products), activations=tuple(activations))
     return _fuse_gated_mlps(factored) if fuse_mlp else factored
+
+
+def _projections(mlp: DenseMlp) -> list[Linear]:
+    """A dense MLP's projections, each a dense product."""
+    h, i = mlp.hidden, mlp.intermediate
+    inputs, output = (("gate", "up"), "down") if mlp.gated else (("fc1",), "fc2")
+    return [*(Linear(f"{mlp.name}.{role}_proj", roles.MLP, role, mlp.block, h, i) for role in inputs),
+            Linear(f"{mlp.name}.{output}_proj", roles.MLP, output, mlp.block, i, h)]
 
 
 def _fuse_gated_mlps(shape: DecoderShape) -> DecoderShape:

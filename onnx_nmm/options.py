@@ -23,6 +23,10 @@ from onnx_nmm.nystrom import DEFAULT_SCORE, NEURON_SCORES
 from onnx_nmm.passes import TARGETS
 
 DEFAULT_KEEP = 0.8
+# With calibration text and no rule given: as much as fits within this perplexity increase on held-out
+# windows. A budget holds for text like the calibration text and costs more on other text (docs/quality.md),
+# so the default is half the +10 % a user would accept anywhere.
+DEFAULT_PPL_INCREASE = 0.05
 DEFAULT_WINDOW = 512  # tokens per perplexity window
 DEFAULT_ALIGN = 128  # the TensorE tile
 FULL_RANK = "full"
@@ -39,7 +43,9 @@ RANK_RULES = ("keep", "rank", "energy", "max_ppl_increase", "max_kl", "ranks_fro
 
 @dataclass(frozen=True)
 class RankOptions:
-    """How each target's rank is chosen. Exactly one rule; `keep` = DEFAULT_KEEP when none is given.
+    """How each target's rank is chosen. Exactly one rule; when none is given, `keep` = DEFAULT_KEEP, or in a
+    rewrite with calibration tokens the quality budget `max_ppl_increase` = DEFAULT_PPL_INCREASE
+    (`by_default` says that no rule was given).
 
     keep:              the fraction of each matrix's parameters kept, block-aligned:
                        r = align·round(keep·K·N / ((K+N)·align)); with `budget` "global" or "sensitivity" the
@@ -65,11 +71,13 @@ class RankOptions:
     budget: str = "uniform"
     align: int = DEFAULT_ALIGN
     sensitivity_windows: int = 4
+    by_default: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self):
         given = [rule for rule in RANK_RULES if getattr(self, rule) is not None]
         if not given:
             object.__setattr__(self, "keep", DEFAULT_KEEP)
+            object.__setattr__(self, "by_default", self.budget == "uniform")
         elif len(given) > 1:
             raise OptionError("give one of " + ", ".join(f"{{{rule}}}" for rule in given) + ", not several",
                               **{rule: f"ranks.{rule}" for rule in given})
@@ -178,7 +186,8 @@ class FactorizationOptions:
     """method: svd (truncated SVD of W), whiten (SVD-LLM: minimise the layer's output error on the
     calibration data), fisher (also weigh each output direction by the loss's gradients), or nystrom
     (narrow each targeted MLP to the intermediate neurons it keeps, by `neuron_score`, and refit its output
-    projection: onnx_nmm.nystrom; other targets are whitened); None means whiten with calibration data, else
+    projection: onnx_nmm.nystrom; other targets are whitened); None means nystrom with calibration data (whiten
+    for an explicit rank or energy rule and for sequential calibration, which choose and fit ranks only), else
     svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
     the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling).
     factor_dtype: how U and V are stored — None: as the weight was (a quantized weight's factors quantized
@@ -250,6 +259,15 @@ class CalibrationOptions:
     statistics: str | os.PathLike | None = None
     save_statistics: str | os.PathLike | None = None
 
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the source gives tokens to run the model on (not only statistics saved earlier)."""
+        from onnx_nmm.activation_stats import GramStatistics
+
+        source = self.source
+        return source is not None and not (isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz")
+                                           and GramStatistics.is_statistics_file(source))
+
     def __post_init__(self):
         if self.source is None and self.statistics is None:
             raise OptionError("calibration needs data: give {source} (a text, token ids, or saved statistics) or "
@@ -276,7 +294,8 @@ class CalibrationOptions:
 @dataclass(frozen=True)
 class RewriteOptions:
     """Everything a rewrite needs to know; RewriteOptions() is the uniform keep-0.8 plain-SVD rewrite of the
-    MLPs."""
+    MLPs. With calibration tokens and nothing else said, it narrows the MLPs (nystrom) as far as the perplexity
+    on held-out calibration windows allows within DEFAULT_PPL_INCREASE."""
 
     ranks: RankOptions = field(default_factory=RankOptions)
     selection: Selection = field(default_factory=Selection)
@@ -287,8 +306,12 @@ class RewriteOptions:
 
     def __post_init__(self):
         if self.factorization.method is None:
-            method = "whiten" if self.calibration is not None else "svd"
+            ranks_only = self.ranks.rule in ("rank", "energy") or (self.calibration or CalibrationOptions("")).mode == "sequential"
+            method = "svd" if self.calibration is None else "whiten" if ranks_only else "nystrom"
             object.__setattr__(self, "factorization", replace(self.factorization, method=method))
+        if self.ranks.by_default and self.calibration is not None and self.calibration.has_tokens:
+            ranks = replace(self.ranks, keep=None, max_ppl_increase=DEFAULT_PPL_INCREASE)
+            object.__setattr__(self, "ranks", ranks)
         method, calibration, ranks = self.method, self.calibration, self.ranks
         if method in CALIBRATED_METHODS and calibration is None:
             raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",

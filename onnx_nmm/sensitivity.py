@@ -128,9 +128,12 @@ class BudgetChoice:
     sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def to_dict(self, keep: float | None) -> dict:
+        """As JSON holds it: a narrowed MLP's choices by their widths."""
+        sensitivity = {name: [(rank.width if isinstance(rank, Narrowed) else rank, damage) for rank, damage in points]
+                       for name, points in self.sensitivity.items()}
         return {"metric": self.metric, "budget": self.budget, "keep": keep, "measured": self.damage,
                 "moves_applied": self.moves_applied, "moves_considered": self.moves_considered,
-                "evaluations": self.evaluations, "sensitivity": self.sensitivity}
+                "evaluations": self.evaluations, "sensitivity": sensitivity}
 
 
 DamageOf = Callable[[RankPlan], float]

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from onnx_nmm.decoder_shape import DecoderShape, Factorized, FusedMlp, Linear, Product, decoder_shape
+from onnx_nmm.decoder_shape import DecoderShape, DenseMlp, Factorized, FusedMlp, Linear, Product, decoder_shape
 from onnx_nmm.errors import OptionError
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
@@ -200,8 +200,7 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseC
                          tensor_flops=4 * q * keys, elementwise=3 * shape.heads * keys)
     parts["attention core"].add(*attention, times=layers)
     for width, gated in shape.activations:
-        parts["MLP activation"].add(*roofline(bytes_=ELEMENT_BYTES * (3 if gated else 2) * tokens * width,
-                                              elementwise=3 * tokens * width))
+        parts["MLP activation"].add(*_activation_cost(width, gated, tokens, target))
     norm = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h, elementwise=4 * tokens * h)
     residual = roofline(bytes_=ELEMENT_BYTES * 3 * tokens * h, elementwise=tokens * h)
     rotary = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * (q + kv), elementwise=3 * tokens * (q + kv))
@@ -233,8 +232,27 @@ def _roofline(bytes_: float, target: str, tensor_flops: float = 0.0, elementwise
     return seconds, bytes_, tensor_flops
 
 
+def _activation_cost(width: int, gated: bool, tokens: int, target: str) -> tuple[float, float, float]:
+    """An MLP activation run between its projections (act(g)·u read from and written to HBM), at its roofline."""
+    return _roofline(bytes_=ELEMENT_BYTES * (3 if gated else 2) * tokens * width, target=target,
+                     elementwise=3 * tokens * width)
+
+
 def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, float, float]:
-    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (modelled, memoized by shape)."""
+    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (modelled, memoized by shape); a
+    dense MLP's by the faster of its one fused launch and its projections' launches with the activation
+    between."""
+    if isinstance(product, DenseMlp):
+        h, i = product.hidden, product.intermediate
+        if product.gated:
+            fused = _estimate("dense_gated_mlp", ((tokens, h), (h, i), (h, i), (i, h)), target)
+        else:
+            fused = _estimate("dense_ungated_mlp", ((tokens, h), (h, i), (i,), (i, h)), target)
+        projections = [_estimate("dense_matmul", ((tokens, h), (h, i)), target)] * (2 if product.gated else 1)
+        projections += [_estimate("dense_matmul", ((tokens, i), (i, h)), target),
+                        _activation_cost(i, product.gated, tokens, target)]
+        separate = tuple(map(sum, zip(*projections)))
+        return min(fused, separate)
     if isinstance(product, Linear):
         return _estimate("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
     if isinstance(product, Factorized):

@@ -53,15 +53,18 @@ def test_the_readme_python_example_runs(export, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "gate 256x512" in printed and "top-1 agreement" in printed
     assert "ranks.keep must be in (0, 1] (the fraction of parameters kept), got 1.5" in printed
-    rewritten = onnx.load(tmp_path / "llama.nmm.onnx")
-    assert sum(node.domain == svd_ops.DOMAIN for node in rewritten.graph.node) == 6
+    narrowed, factorized = onnx.load(tmp_path / "llama.nmm.onnx"), onnx.load(tmp_path / "llama.svd.onnx")
+    assert not any(node.domain == svd_ops.DOMAIN for node in narrowed.graph.node)  # plain, narrower MatMuls
+    assert "perplexity increase measured on 4 calibration windows held out" in printed
+    assert sum(node.domain == svd_ops.DOMAIN for node in factorized.graph.node) == 6
 
 
 def test_rewrite_on_the_command_line_is_the_api(capsys, export, tmp_path):
     source, calib = export("qwen3", "dynamo"), _token_ids(tmp_path / "calib.npz")
     _cli(capsys, "rewrite", source, "-o", tmp_path / "cli.onnx", "--keep", "0.5", "--align", "32", "--calib", calib,
-         "--budget", "global", "--fuse-mlp", "--report", tmp_path / "cli.json", "--quiet")
+         "--method", "whiten", "--budget", "global", "--fuse-mlp", "--report", tmp_path / "cli.json", "--quiet")
     options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=32, budget="global"),
+                                      factorization=onnx_nmm.FactorizationOptions(method="whiten"),
                                       calibration=onnx_nmm.CalibrationOptions(calib), fuse_mlp=True)
     result = onnx_nmm.rewrite(source, options)
     result.save(tmp_path / "api.onnx")
@@ -155,7 +158,12 @@ def test_defaults_are_the_documented_ones():
     assert options.ranks.keep == 0.8 and options.ranks.align == 128 and options.method == "svd"
     assert options.selection == onnx_nmm.Selection(targets="mlp")
     calibrated = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions("text.txt"))
-    assert calibrated.method == "whiten" and calibrated.calibration.samples == 128
+    assert calibrated.method == "nystrom" and calibrated.calibration.samples == 128
+    assert calibrated.ranks.rule == "max_ppl_increase" and calibrated.ranks.max_ppl_increase == 0.05
+    kept = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8), calibration=calibrated.calibration)
+    assert kept.method == "nystrom" and kept.ranks.rule == "keep"  # a rule given is the rule used
+    ranked = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank=8), calibration=calibrated.calibration)
+    assert ranked.method == "whiten"  # ranks only: the MLPs are factorized, not narrowed
     assert onnx_nmm.RankOptions(energy=0.9).keep is None  # the default applies only when no rule is given
 
 
@@ -176,7 +184,9 @@ def test_progress_hears_every_phase(export, tmp_path):
             recorder.phases[description.split(" (")[0]] = (total, done[0])
 
     recorder = Recorder()
-    options = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions(_token_ids(tmp_path / "c.npz")))
-    result = onnx_nmm.rewrite(export("llama", "dynamo"), options, recorder)
-    assert recorder.phases == {"calibrating": (4 * 32, 4 * 32), "factorizing": (6, 6)}
-    assert set(result.report.seconds) == {"calibration", "rank selection", "factorization"}
+    options = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions(_token_ids(tmp_path / "c.npz",
+                                                                                         samples=8)))
+    result = onnx_nmm.rewrite(export("llama", "dynamo"), options, recorder)  # the default: nystrom within +5 %
+    assert recorder.phases == {"calibrating": (4 * 32, 4 * 32), "held-out activations": (4 * 32, 4 * 32),
+                               "measuring sensitivity": (2, 2), "narrowing MLPs": (2, 2), "factorizing": (6, 6)}
+    assert set(result.report.seconds) == {"calibration", "rank selection", "narrowing", "factorization"}

@@ -77,7 +77,7 @@ def test_a_full_rank_rewrite_is_exact_on_the_prefill_and_on_a_decode_step(capsys
 def test_a_merged_decoder_shares_each_targets_factors_between_its_branches(capsys, tmp_path, tokens):
     rewritten, report = tmp_path / "m.onnx", tmp_path / "r.json"
     _cli(capsys, "rewrite", MERGED, "-o", rewritten, "--calib", tokens, "--keep", "0.5", "--align", "16",
-         "--fuse-mlp", "--report", report, "--quiet")
+         "--method", "whiten", "--fuse-mlp", "--report", report, "--quiet")
     proto = onnx.load(rewritten)
     factors = [tensor.name for tensor in proto.graph.initializer if ".svd_" in tensor.name]
     data = json.loads(report.read_text())
@@ -87,6 +87,23 @@ def test_a_merged_decoder_shares_each_targets_factors_between_its_branches(capsy
         assert sum(node.op_type == svd_ops.SVD_GATED_MLP for node in branch.g.node) == 2
     assert data["fused_mlps"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert sum(layer["status"] != "skipped" for layer in data["layers"]) == 6  # one row per target
+
+
+def test_a_merged_decoder_narrows_each_mlp_once_for_both_branches(capsys, tmp_path, tokens):
+    narrowed, report = tmp_path / "n.onnx", tmp_path / "r.json"
+    _cli(capsys, "rewrite", MERGED, "-o", narrowed, "--calib", tokens, "--keep", "0.5", "--align", "16",
+         "--method", "nystrom", "--report", report, "--quiet")
+    proto = onnx.load(narrowed)
+    weights = [tensor.name for tensor in proto.graph.initializer if tensor.name.endswith(".narrowed")]
+    assert len(weights) == 6  # 3 per MLP, read by both branches
+    (branching,) = proto.graph.node
+    for branch in branching.attribute:
+        read = {name for node in branch.g.node for name in node.input}
+        assert set(weights) <= read
+    data = json.loads(report.read_text())
+    assert [layer["width"] for layer in data["layers"] if layer["status"] == "narrowed"] == [64] * 6  # half of 128
+    step = json.loads(_cli(capsys, "diff", MERGED, narrowed, "--past-len", "6", "--seq-len", "2", "--json"))
+    assert step["outputs"][0]["cosine"] > 0.5
 
 
 @pytest.mark.parametrize("name", ["optimum-past", "optimum-merged", "dynamo"])
@@ -157,7 +174,7 @@ def test_a_quantized_model_is_read_and_rewritten_in_its_own_format(capsys, tmp_p
 
     rewritten, report = tmp_path / "rewritten.onnx", tmp_path / "r.json"
     _cli(capsys, "rewrite", quantized, "-o", rewritten, "--keep", "0.5", "--align", "16", "--calib", tokens,
-         "--report", report, "--quiet")
+         "--method", "whiten", "--report", report, "--quiet")
     data = json.loads(report.read_text())
     assert data["totals"]["weight_bytes_after"] < data["totals"]["weight_bytes_before"]
     assert rewritten.stat().st_size < quantized.stat().st_size  # quantized factors: smaller than the input

@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 
 import graphs
-from onnx_nmm import CalibrationOptions, Dense, RankOptions, RewriteOptions, Selection
+from onnx_nmm import CalibrationOptions, Dense, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import FuseMlpPass, find_linear_layers, svd_ops
 from onnx_nmm.pipeline import FactorizeLayers, FuseMlps, GatherStatistics, PlanRanks, RewriteContext
@@ -31,7 +31,8 @@ def _x(k, seed=0):
 
 def test_statistics_are_gathered_without_changing_the_model(export, tmp_path):
     np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 1000, (2, 16), dtype=np.int64))
-    context = _context(export("llama", "dynamo"), selection=Selection(),
+    context = _context(export("llama", "dynamo"), selection=Selection(), ranks=RankOptions(keep=0.8),
+                       factorization=FactorizationOptions(method="whiten"),
                        calibration=CalibrationOptions(tmp_path / "ids.npz", save_statistics=tmp_path / "s.npz"))
     before = [node.op_type for node in context.source.model.graph]
     result = GatherStatistics(context)(context.source.model)

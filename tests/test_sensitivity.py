@@ -133,7 +133,7 @@ def test_ranks_from_a_report_reproduce_its_choice_with_another_calibration(capsy
     model, first, second = export("llama", "dynamo"), tmp_path / "first.json", tmp_path / "second.json"
     calib = ["--calib", "random", "--calib-samples", "4", "--seq-len", "32", "--align", "16", "--quiet"]
     assert main([str(a) for a in ("rewrite", model, "-o", tmp_path / "a.onnx", *calib, "--keep", "0.9",
-                                  "--budget", "sensitivity", "--report", first)]) == 0
+                                  "--method", "whiten", "--budget", "sensitivity", "--report", first)]) == 0
     assert main([str(a) for a in ("rewrite", model, "-o", tmp_path / "b.onnx", *calib, "--ranks-from", first,
                                   "--calib-mode", "sequential", "--report", second)]) == 0, capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import pytest
 import onnx_nmm
 from onnx_nmm import kernels
 from onnx_nmm.cli import main
-from onnx_nmm.decoder_shape import FusedMlp, Linear
+from onnx_nmm.decoder_shape import DenseMlp, FusedMlp, Linear
 from onnx_nmm.export import TinyShape, build_config
 from onnx_nmm.kernels.hardware import TRN1
 from onnx_nmm.rank_plan import block_aligned_rank
@@ -18,7 +18,8 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 
 
 def _dims(shape):
-    return sorted((p.group, p.role, p.block, p.k, p.n) for p in shape.products if isinstance(p, Linear))
+    return sorted((p.group, p.role, p.block, *((p.hidden, p.intermediate) if isinstance(p, DenseMlp) else (p.k, p.n)))
+                  for p in shape.products if isinstance(p, (Linear, DenseMlp)))
 
 
 def test_an_exported_kv_cache_model_has_the_shape_its_config_gives(export):
@@ -36,9 +37,9 @@ def test_a_rewritten_model_is_priced_as_compile_runs_it_with_its_gated_mlps_fuse
 
     fused = onnx_nmm.decoder_shape(tmp_path / "rewritten.onnx")
     unfused = onnx_nmm.decoder_shape(tmp_path / "rewritten.onnx", fuse_mlp=False)
-    assert fused.counts() == {"dense": 4 * 2 + 1, "factorized": 0, "fused MLP": 2}
+    assert fused.counts() == {"dense": 4 * 2 + 1, "factorized": 0, "fused MLP": 2, "dense MLP": 0}
     assert fused.activations == ()  # the gating runs inside the fused kernel
-    assert unfused.counts() == {"dense": 4 * 2 + 1, "factorized": 3 * 2, "fused MLP": 0}
+    assert unfused.counts() == {"dense": 4 * 2 + 1, "factorized": 3 * 2, "fused MLP": 0, "dense MLP": 0}
     assert unfused.activations == ((512, True),) * 2
     rank = block_aligned_rank(256, 512, 0.5, 32)
     assert {p.ranks for p in fused.products if isinstance(p, FusedMlp)} == {(rank, rank, rank)}
@@ -53,7 +54,7 @@ def test_factorizing_a_config_by_the_keep_rule_fuses_each_layer_mlp():
     assert rewritten.activations == ()
     assert rewritten.linear_parameters == dense.linear_parameters - 2 * (3 * 256 * 512 - 3 * 128 * 768)
     attention = onnx_nmm.factorized(dense, keep=0.25, targets="attention", align=32)
-    assert attention.counts() == {"dense": 2 * 3 + 1, "factorized": 2 * 4, "fused MLP": 0}  # MLPs and lm_head dense
+    assert attention.counts() == {"dense": 1, "factorized": 2 * 4, "fused MLP": 0, "dense MLP": 2}  # MLPs, lm_head dense
     assert {p.role: p.rank for p in attention.products if p.block == 0 and p.group == "attention"} == {
         "q": 32, "k": 32, "v": 32, "o": 32}  # 0.25·256·128/384 = 21 rounds up to one 32 tile
 
@@ -61,9 +62,11 @@ def test_factorizing_a_config_by_the_keep_rule_fuses_each_layer_mlp():
 def test_each_linear_product_costs_its_kernel_and_a_decode_step_reads_the_kv_cache_at_the_roofline():
     shape = onnx_nmm.decoder_shape_of_config(SMALL, "small")
     step = price(shape, tokens=1, context=256, target="trn1")
-    expected = sum(kernels.estimate(kernels.dense_matmul, (1, p.k), (p.k, p.n), target="trn1").total_s
-                   for p in shape.products if p.group == "mlp")
-    assert step.parts["MLP"].seconds == pytest.approx(expected, rel=1e-12)
+    fused = kernels.estimate(kernels.dense_gated_mlp, (1, 256), (256, 512), (256, 512), (512, 256), target="trn1")
+    separate = sum(kernels.estimate(kernels.dense_matmul, (1, k), (k, n), target="trn1").total_s
+                   for k, n in ((256, 512), (256, 512), (512, 256)))
+    assert fused.total_s < separate  # a small MLP: one launch beats three
+    assert step.parts["MLP"].seconds == pytest.approx(2 * min(fused.total_s, separate), rel=1e-12)
     assert step.parts["MLP"].how == KERNEL and step.parts["attention core"].how == ROOFLINE
 
     longer = price(shape, tokens=1, context=512, target="trn1")
@@ -95,6 +98,7 @@ def test_bench_prices_a_config_and_its_rewrite_on_trainium(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["target"] == "trn1" and "modelled" in result["note"]
     assert [m["products"]["fused MLP"] for m in result["models"]] == [0, 2]
+    assert [m["products"]["dense MLP"] for m in result["models"]] == [2, 0]
 
     plot = tmp_path / "decode.png"
     assert main(["bench", str(config), "--target", "trn1", "--prompt-lengths", "32", "--contexts", "64,128",

@@ -64,12 +64,12 @@ def _is_config(model: str) -> bool:
 
 def _print_models(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
     table = Table(title="Models", title_justify="left")
-    for column in ("model", "layers", "linear weights (bf16)", "dense", "factorized", "fused MLP"):
+    for column in ("model", "layers", "linear weights (bf16)", "dense", "factorized", "fused MLP", "dense MLP"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:
         counts = model.shape.counts()
         table.add_row(names[model.label], str(model.shape.layers), _common.megabytes(model.weight_bytes),
-                      *(str(counts[kind]) for kind in ("dense", "factorized", "fused MLP")))
+                      *(str(counts[kind]) for kind in ("dense", "factorized", "fused MLP", "dense MLP")))
     _common.stdout.print(table)
     for model in result.models:
         for note in model.shape.notes:

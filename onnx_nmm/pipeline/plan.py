@@ -126,10 +126,11 @@ class PlanRanks(RewritePass):
         factored = {layer.name for layer in chosen}
         probe_layers, probe_targets, _ = targets(probe_model, context.options)
         probe_layers = sites(probe_layers, [layer for layer in probe_targets if layer.name in factored])
-        with context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
-            for layer in probe_layers:
-                factorizer.decompositions[layer.name] = factorizer.decompose(layer)
-                phase.advance(detail=layer.module_path or layer.name)
+        if probe_layers:
+            with context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
+                for layer in probe_layers:
+                    factorizer.decompositions[layer.name] = factorizer.decompose(layer)
+                    phase.advance(detail=layer.module_path or layer.name)
         decompositions = factorizer.decompositions  # kept: the factorization reuses them
         factors = {name: decomposition.factors(decomposition.max_rank, np.float64)
                    for name, decomposition in decompositions.items()}  # one pair per target, for all its sites
@@ -171,9 +172,12 @@ class PlanRanks(RewritePass):
         layers, _, _ = targets(probe_model, self.context.options)
         names = {mlp.down.name for mlp in mlps}
         probe_mlps = [mlp for mlp in self.context.mlps(layers) if mlp.down.name in names]
-        surgery = NarrowMlpPass([NarrowedMlp(mlp, np.arange(mlp.width), [NarrowedWeight(layer, layer.weight_matrix())
-                                                                          for layer in mlp.layers])
-                                 for mlp in probe_mlps])
+        weights: dict[str, list[np.ndarray]] = {}  # one set per MLP, which every site of it reads
+        for mlp in probe_mlps:
+            weights.setdefault(mlp.down.name, [layer.weight_matrix() for layer in mlp.layers])
+        surgery = NarrowMlpPass([NarrowedMlp(mlp, np.arange(mlp.width), [
+            NarrowedWeight(layer, matrix) for layer, matrix in zip(mlp.layers, weights[mlp.down.name])])
+            for mlp in probe_mlps])
         surgery(probe_model)
         return {mlp.name: (self.context.narrowing(mlp), surgery.weight_names[mlp.down.name]) for mlp in mlps}
 

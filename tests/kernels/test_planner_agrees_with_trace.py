@@ -21,6 +21,12 @@ CASES = [
     ("fused_svd_ungated_mlp", (1, 640, 1000, 200, 136), "bfloat16", "trn2"),
     ("fused_svd_ungated_mlp", (300, 768, 3072, 384, 256), "float32", "trn1"),
     ("fused_svd_ungated_mlp", (700, 2560, 10240, 1280, 1280), "bfloat16", "trn2"),  # Phi-2's MLP
+    ("dense_gated_mlp", (1, 640, 1000), "bfloat16", "trn1"),
+    ("dense_gated_mlp", (300, 640, 1000), "float32", "trn2"),
+    ("dense_gated_mlp", (129, 2048, 8192), "bfloat16", "trn1"),  # Llama-3.2-1B's MLP
+    ("dense_gated_mlp", (700, 576, 1376), "bfloat16", "trn2"),  # SmolLM2's MLP narrowed to 1376 neurons
+    ("dense_ungated_mlp", (1, 768, 3072), "bfloat16", "trn2"),
+    ("dense_ungated_mlp", (300, 1000, 2100), "float32", "trn1"),
     ("dense_matmul", (1, 1000, 700), "float32", "trn2"),
     ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1"),
     ("dense_matmul", (700, 300, 9000), "bfloat16", "trn2"),
