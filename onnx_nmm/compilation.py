@@ -28,7 +28,7 @@ from onnx_nmm.graph_probe import first_step
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes import FuseMlpPass
+from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 
 # A lowering error shows as a logits difference far above fp32 rounding (a 30-layer graph: ~1e-4).
 LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
@@ -69,9 +69,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
                           "replace it", output="output", overwrite="overwrite")
     source = ModelSource.of(model)
-    fusion = FuseMlpPass()
-    if options.fuse_mlp:
-        fusion(source.model)
+    fused, unfused = fuse_every_mlp(source.model) if options.fuse_mlp else ([], {})
     proto = ir.to_proto(source.model)
     onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
     branches = len(proto.graph.node)
@@ -94,7 +92,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         "model": source.label, "target": options.target, "batch": options.batch, "seq_len": options.seq_len,
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
-        "fused_mlps": fusion.fused, "unfused_mlps": fusion.unfused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
+        "fused_mlps": fused, "unfused_mlps": unfused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }
     with _staged_folder(output) as folder:

@@ -281,6 +281,9 @@ def _custom_product(node: ir.Node) -> Product:
     if node.op_type == svd_ops.SVD_MLP:
         (hidden, first), (_, intermediate), _, (_, second), _, _ = shapes[1:7]
         return FusedMlp(_factor_key(node), _block(path), hidden, intermediate, (first, second))
+    if node.op_type in svd_ops.DENSE_MLP_OPS:
+        hidden, intermediate = shapes[1]
+        return DenseMlp(_factor_key(node), _block(path), hidden, intermediate, node.op_type == svd_ops.GATED_MLP)
     (k, rank), (_, n) = shapes[1], shapes[2]
     group, role = roles.classify(path) or (roles.OTHER, roles.OTHER)
     return Factorized(_factor_key(node), group, role, _block(path), k, rank, n)

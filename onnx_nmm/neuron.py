@@ -75,7 +75,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
 
     Raises ModelError naming the node when no blocking of its shape fits the target's SBUF.
     """
-    from onnx_nmm.kernels.blocking import plan_mlp, plan_ungated_mlp, plan_xuv
+    from onnx_nmm.kernels.blocking import plan_dense_mlp, plan_mlp, plan_ungated_mlp, plan_xuv
 
     shapes = {tensor.name: tuple(tensor.dims) for tensor in proto.graph.initializer}
     summary = KernelSummary(target=target, modelled=model_costs)
@@ -85,9 +85,16 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
             continue
         factors = [shapes.get(name) for name in node.input[1:]]
         if any(shape is None or len(shape) != 2 for shape in _matrices(node.op_type, factors)):
-            raise ModelError(f"node '{node.name}': its factors are not 2-D initializers; the kernels need constant U, V")
+            raise ModelError(f"node '{node.name}': its weights are not 2-D initializers; the kernels need constant "
+                             "weights")
         try:
-            if node.op_type == svd_ops.SVD_MATMUL:
+            if node.op_type in svd_ops.DENSE_MLP_OPS:
+                gated = node.op_type == svd_ops.GATED_MLP
+                (h, i) = factors[0]
+                kernel = "dense_gated_mlp" if gated else "dense_ungated_mlp"
+                plan = plan_dense_mlp(tokens, h, i, gated, "bfloat16", target=target)
+                entry = KernelEntry(node.name, node.op_type, kernel, tokens, {"H": h, "I": i}, _plan_dict(plan))
+            elif node.op_type == svd_ops.SVD_MATMUL:
                 (k, rank), (_, n) = factors[0], factors[1]
                 dims = {"K": k, "rank": rank, "N": n}
                 plan = plan_xuv(tokens, k, rank, n, "bfloat16", target=target)
@@ -105,7 +112,7 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
         except ValueError as error:
             raise ModelError(f"node '{node.name}' cannot run on {target} at {tokens} tokens: {error}") from None
         if model_costs:
-            key = (entry.kernel, tuple(dims.values()))
+            key = (entry.kernel, tuple(entry.dims.values()))
             if key not in costs:
                 costs[key] = _modelled(entry, target)
             entry.modelled_us, entry.modelled_dense_us, entry.hbm_mb, entry.hbm_dense_mb = costs[key]
@@ -115,9 +122,9 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
 
 def _matrices(op_type: str, factors: list) -> list:
     """The shapes of the op's U and V inputs (its biases are vectors)."""
-    if op_type == svd_ops.SVD_MLP:
-        return [factors[i] for i in (0, 1, 3, 4)]
-    return factors[:6] if op_type == svd_ops.SVD_GATED_MLP else factors[:2]
+    if op_type in (svd_ops.SVD_MLP, svd_ops.MLP):
+        return [factors[i] for i in ((0, 1, 3, 4) if op_type == svd_ops.SVD_MLP else (0, 2))]
+    return {svd_ops.SVD_GATED_MLP: factors[:6], svd_ops.GATED_MLP: factors[:3]}.get(op_type, factors[:2])
 
 
 def _plan_dict(plan) -> dict[str, int]:
@@ -125,11 +132,21 @@ def _plan_dict(plan) -> dict[str, int]:
 
 
 def _modelled(entry: KernelEntry, target: str) -> tuple[float, float, float, float]:
-    """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model."""
-    from onnx_nmm.kernels import dense_matmul, estimate, fused_svd_mlp, fused_svd_ungated_mlp, fused_xuv, silu_mul
+    """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model. A dense MLP's
+    "dense" is its projections launched one by one."""
+    from onnx_nmm.kernels import (dense_gated_mlp, dense_matmul, dense_ungated_mlp, estimate, fused_svd_mlp,
+                                  fused_svd_ungated_mlp, fused_xuv, silu_mul)
 
     m, d = entry.tokens, entry.dims
-    if entry.kernel == "fused_xuv":
+    if entry.kernel in ("dense_gated_mlp", "dense_ungated_mlp"):
+        h, i = d["H"], d["I"]
+        gated = entry.kernel == "dense_gated_mlp"
+        fused = (estimate(dense_gated_mlp, (m, h), (h, i), (h, i), (i, h), target=target) if gated else
+                 estimate(dense_ungated_mlp, (m, h), (h, i), (i,), (i, h), target=target))
+        dense = [estimate(dense_matmul, (m, h), (h, i), target=target)] * (2 if gated else 1)
+        dense += [estimate(silu_mul, (m, i), (m, i), target=target)] if gated else []
+        dense += [estimate(dense_matmul, (m, i), (i, h), target=target)]
+    elif entry.kernel == "fused_xuv":
         fused = estimate(fused_xuv, (m, d["K"]), (d["K"], d["rank"]), (d["rank"], d["N"]), target=target)
         dense = [estimate(dense_matmul, (m, d["K"]), (d["K"], d["N"]), target=target)]
     elif entry.kernel == "fused_svd_ungated_mlp":

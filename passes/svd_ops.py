@@ -10,6 +10,8 @@ kernel instead. Functions cannot hold weights: U and V are graph initializers pa
                                   = MatMul(MatMul(act(X·Ug·Vg) * (X·Uu·Vu), Ud), Vd)
     SvdMLP(X, U1, V1, b1, U2, V2, b2)
                                   = MatMul(MatMul(act(X·U1·V1 + b1), U2), V2) + b2      (GPT-2, Phi, BERT)
+    GatedMLP(X, Wg, Wu, Wd)       = MatMul(act(X·Wg) * (X·Wu), Wd)                      a dense MLP (narrowed by
+    MLP(X, W1, b1, W2, b2)        = MatMul(act(X·W1 + b1), W2) + b2                     nystrom, or left whole)
                                     with act the `activation` attribute:
                                     silu(g)      = g · Sigmoid(g)                                (Llama, Qwen)
                                     gelu(g)      = g/2 · (1 + Erf(g/√2))
@@ -36,8 +38,14 @@ MIN_IR_VERSION = 10
 SVD_GATED_MLP = "SvdGatedMLP"
 SVD_MLP = "SvdMLP"
 MLP_OPS = (SVD_GATED_MLP, SVD_MLP)
+# Dense MLPs, fused for the Trainium kernels that compute them in one launch (kernels/dense_mlp.py).
+GATED_MLP = "GatedMLP"
+MLP = "MLP"
+DENSE_MLP_OPS = (GATED_MLP, MLP)
+GATED_OPS = (SVD_GATED_MLP, GATED_MLP)
 # The MLP ops' inputs by name, in order.
-MLP_OP_INPUTS = {SVD_GATED_MLP: ("X", "Ug", "Vg", "Uu", "Vu", "Ud", "Vd"), SVD_MLP: ("X", "U1", "V1", "b1", "U2", "V2", "b2")}
+MLP_OP_INPUTS = {SVD_GATED_MLP: ("X", "Ug", "Vg", "Uu", "Vu", "Ud", "Vd"), SVD_MLP: ("X", "U1", "V1", "b1", "U2", "V2", "b2"),
+                 GATED_MLP: ("X", "Wg", "Wu", "Wd"), MLP: ("X", "W1", "b1", "W2", "b2")}
 
 # Attributes every SvdMatMul carries: what a reader needs to know about the factorization.
 SVD_MATMUL_ATTRIBUTES = ("rank", "align", "method", "original_weight")
@@ -45,6 +53,8 @@ SVD_MATMUL_ATTRIBUTES = ("rank", "align", "method", "original_weight")
 SVD_GATED_MLP_ATTRIBUTES = ("activation", "ranks")
 # SvdMLP: the same, its ranks (fc1, fc2).
 SVD_MLP_ATTRIBUTES = SVD_GATED_MLP_ATTRIBUTES
+# GatedMLP and MLP: the activation.
+DENSE_MLP_ATTRIBUTES = ("activation",)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Node metadata key holding the name of the node the op replaced.
 ORIGINAL_NODE_KEY = "onnx_nmm.original_node"
@@ -145,17 +155,38 @@ def svd_mlp_function(opset: int, activation: str) -> ir.Function:
     return body.function(SVD_MLP, activation, inputs, output, opset, SVD_MLP_ATTRIBUTES)
 
 
+def gated_mlp_function(opset: int, activation: str = "silu") -> ir.Function:
+    """The function body of the dense GatedMLP gated by `activation`."""
+    x, wg, wu, wd = inputs = [ir.Value(name=name) for name in MLP_OP_INPUTS[GATED_MLP]]
+    body = _Body()
+    activated = body.activated(body.op("MatMul", x, wg, name="gate"), activation)
+    act = body.op("Mul", activated, body.op("MatMul", x, wu, name="up"), name="act")
+    return body.function(GATED_MLP, gated_mlp_overload(activation), inputs, body.op("MatMul", act, wd, name="down"),
+                         opset, DENSE_MLP_ATTRIBUTES)
+
+
+def mlp_function(opset: int, activation: str) -> ir.Function:
+    """The function body of the dense, not gated MLP with `activation`."""
+    x, w1, b1, w2, b2 = inputs = [ir.Value(name=name) for name in MLP_OP_INPUTS[MLP]]
+    body = _Body()
+    hidden = body.op("Add", body.op("MatMul", x, w1, name="fc1"), b1, name="fc1_bias")
+    output = body.op("Add", body.op("MatMul", body.activated(hidden, activation), w2, name="fc2"), b2, name="fc2_bias")
+    return body.function(MLP, activation, inputs, output, opset, DENSE_MLP_ATTRIBUTES)
+
+
+_MLP_FUNCTIONS = {SVD_GATED_MLP: svd_gated_mlp_function, SVD_MLP: svd_mlp_function, GATED_MLP: gated_mlp_function,
+                  MLP: mlp_function}
+
+
 def register_mlp_op(model: ir.Model, op_type: str, activation: str) -> str:
-    """Make sure `model` declares the domain and holds the function of `op_type` (SvdGatedMLP or SvdMLP) for
-    `activation`; return its overload."""
+    """Make sure `model` declares the domain and holds the function of `op_type` (SvdGatedMLP, SvdMLP, GatedMLP
+    or MLP) for `activation`; return its overload."""
     model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
     model.ir_version = max(model.ir_version, MIN_IR_VERSION)
-    gated = op_type == SVD_GATED_MLP
-    overload = gated_mlp_overload(activation) if gated else activation
+    overload = gated_mlp_overload(activation) if op_type in GATED_OPS else activation
     key = (DOMAIN, op_type, overload)
     if key not in model.functions:
-        make = svd_gated_mlp_function if gated else svd_mlp_function
-        model.functions[key] = make(model.opset_imports[""], activation)
+        model.functions[key] = _MLP_FUNCTIONS[op_type](model.opset_imports[""], activation)
     return overload
 
 

@@ -169,3 +169,47 @@ def test_lowering_keeps_the_module_on_cpu_in_float32(capsys, export, tmp_path):
     buffers = list(module.buffers())
     assert buffers and all(b.device.type == "cpu" for b in buffers)
     assert {b.dtype for b in buffers if b.is_floating_point()} == {torch.float32}
+
+
+def _narrowed(capsys, source, folder, fuse=False):
+    out = folder / "narrowed.onnx"
+    code, _, err = _cli(capsys, "rewrite", source, "-o", out, "--method", "nystrom", "--calib", "random",
+                        "--calib-samples", "4", "--seq-len", "16", "--keep", "0.5", "--align", "32", "--quiet",
+                        *(["--fuse-mlp"] if fuse else []))
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize(("architecture", "exporter", "op"), [
+    ("llama", "dynamo", svd_ops.GATED_MLP), ("gemma", "torchscript", svd_ops.GATED_MLP),
+    ("gpt2", "dynamo", svd_ops.MLP), ("phi", "dynamo", svd_ops.MLP)])
+def test_a_narrowed_mlp_fuses_into_one_dense_mlp_op_that_changes_no_output(capsys, export, tmp_path, architecture,
+                                                                          exporter, op):
+    source = export(architecture, exporter)
+    unfused = _narrowed(capsys, source, tmp_path / "a")
+    fused = _narrowed(capsys, source, tmp_path / "b", fuse=True)
+    nodes = [node for node in onnx.load(fused).graph.node if node.domain == svd_ops.DOMAIN]
+    assert [node.op_type for node in nodes] == [op] * 2
+    feeds = _feeds()
+    for runner in (ModelRunner(fused), ModelRunner(fused, "torch")):
+        np.testing.assert_allclose(runner(feeds)["logits"], ModelRunner(unfused)(feeds)["logits"], atol=2e-5)
+
+
+def test_compile_runs_a_narrowed_mlp_on_the_dense_mlp_kernel(capsys, export, tmp_path):
+    """nystrom's MLPs are dense and narrower: compile fuses each into one GatedMLP, which the emulator runs on the
+    dense_gated_mlp kernel and the manifest prices against its three projections launched one by one."""
+    narrowed = _narrowed(capsys, export("llama", "dynamo"), tmp_path)
+    target = tmp_path / "compiled"
+    code, out, err = _cli(capsys, "compile", narrowed, "--target", "trn1", "--seq-len", "8", "-o", target, "--dry-run")
+    assert code == 0, err
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["fused_mlps"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    kernels = manifest["kernels"]
+    assert [k["kernel"] for k in kernels] == ["dense_gated_mlp"] * 2 and kernels[0]["dims"] == {"H": 256, "I": 256}
+    assert 0 < kernels[0]["modelled_us"] < kernels[0]["modelled_dense_us"]  # one launch against three (modelled)
+    fused = _narrowed(capsys, export("llama", "dynamo"), tmp_path / "fused", fuse=True)
+    feeds = _feeds(batch=1, seq_len=12)
+    emulated = ModelRunner(fused, "emulator")
+    actual, expected = emulated(feeds)["logits"], ModelRunner(fused)(feeds)["logits"]
+    assert [call.kernel for call in emulated.kernel_calls] == ["dense_gated_mlp"] * 2
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()  # bf16 weights and activations

@@ -49,6 +49,12 @@ class TorchMath:
         hidden = ACTIVATIONS[activation](torch.matmul(torch.matmul(x, u1), v1) + b1)
         return torch.matmul(torch.matmul(hidden, u2), v2) + b2
 
+    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
+        return torch.matmul(ACTIVATIONS[activation](torch.matmul(x, wg)) * torch.matmul(x, wu), wd)
+
+    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
+        return torch.matmul(ACTIVATIONS[activation](torch.matmul(x, w1) + b1), w2) + b2
+
 
 @dataclass
 class EmulatorKernels:
@@ -74,6 +80,16 @@ class EmulatorKernels:
 
         return self._launch(node, "fused_svd_ungated_mlp", fused_svd_ungated_mlp, x, u1, v1, b1, u2, v2,
                             activation=activation) + b2
+
+    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
+        from onnx_nmm.kernels import dense_gated_mlp
+
+        return self._launch(node, "dense_gated_mlp", dense_gated_mlp, x, wg, wu, wd, activation=activation)
+
+    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
+        from onnx_nmm.kernels import dense_ungated_mlp
+
+        return self._launch(node, "dense_ungated_mlp", dense_ungated_mlp, x, w1, b1, w2, activation=activation) + b2
 
     def _launch(self, node, name, kernel, x, *factors, **options):
         import ml_dtypes
@@ -127,6 +143,24 @@ class NeuronKernels:
         factors = [t.to(torch.bfloat16) for t in (u1, v1, b1, u2, v2)]
         y = fused_svd_ungated_mlp(rows, *factors, plan=plan, activation=activation)
         return y.to(x.dtype).reshape(x.shape) + b2
+
+    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
+        from onnx_nmm.kernels import dense_gated_mlp
+        from onnx_nmm.kernels.blocking import plan_dense_mlp
+
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        plan = plan_dense_mlp(rows.shape[0], wg.shape[0], wg.shape[1], True, "bfloat16", target=self.target)
+        weights = [t.to(torch.bfloat16) for t in (wg, wu, wd)]
+        return dense_gated_mlp(rows, *weights, plan=plan, activation=activation).to(x.dtype).reshape(x.shape)
+
+    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
+        from onnx_nmm.kernels import dense_ungated_mlp
+        from onnx_nmm.kernels.blocking import plan_dense_mlp
+
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        plan = plan_dense_mlp(rows.shape[0], w1.shape[0], w1.shape[1], False, "bfloat16", target=self.target)
+        weights = [t.to(torch.bfloat16) for t in (w1, b1, w2)]
+        return dense_ungated_mlp(rows, *weights, plan=plan, activation=activation).to(x.dtype).reshape(x.shape) + b2
 
 
 def backend_named(name: str, target: str = "trn2"):

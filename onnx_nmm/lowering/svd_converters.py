@@ -31,13 +31,20 @@ def reset_shared_parameters() -> None:
     _parameters.clear()
 
 
-class _SvdOp(nn.Module, OnnxToTorchModule):
-    def __init__(self, node: str, factors: list[tuple[str, nn.Parameter]]):
+class _KernelOp(nn.Module, OnnxToTorchModule):
+    """An `ai.onnx_nmm` op: its node's name, and the backend that computes it (set_backend)."""
+
+    def __init__(self, node: str):
         super().__init__()
         self.node = node
+        self.backend = TorchMath()
+
+
+class _SvdOp(_KernelOp):
+    def __init__(self, node: str, factors: list[tuple[str, nn.Parameter]]):
+        super().__init__(node)
         self.factor_names = [name for name, _ in factors]  # by input position: a shared U comes twice
         self.factors = nn.ParameterList([parameter for _, parameter in factors])
-        self.backend = TorchMath()
 
 
 class SvdMatMulModule(_SvdOp):
@@ -59,6 +66,22 @@ class SvdMlpModule(SvdGatedMlpModule):
     def forward(self, x, b1, b2):
         u1, v1, u2, v2 = self.factors
         return self.backend.mlp(self.node, x, u1, v1, b1, u2, v2, b2, activation=self.activation)
+
+
+class GatedMlpModule(_KernelOp):
+    """A dense gated MLP: its weights are the graph's (buffers the lowering passes in), not factors to train."""
+
+    def __init__(self, node: str, activation: str):
+        super().__init__(node)
+        self.activation = activation
+
+    def forward(self, x, wg, wu, wd):
+        return self.backend.dense_gated_mlp(self.node, x, wg, wu, wd, activation=self.activation)
+
+
+class MlpModule(GatedMlpModule):
+    def forward(self, x, w1, b1, w2, b2):
+        return self.backend.dense_mlp(self.node, x, w1, b1, w2, b2, activation=self.activation)
 
 
 def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
@@ -94,6 +117,18 @@ def _svd_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
                                                                                    outputs=node.output_values))
 
 
+@add_converter(svd_ops.GATED_MLP, svd_ops.DOMAIN_VERSION, DOMAIN)
+def _gated_mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    return OperationConverterResult(torch_module=GatedMlpModule(node.name, _activation(node)),
+                                    onnx_mapping=OnnxMapping(inputs=node.input_values, outputs=node.output_values))
+
+
+@add_converter(svd_ops.MLP, svd_ops.DOMAIN_VERSION, DOMAIN)
+def _mlp(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    return OperationConverterResult(torch_module=MlpModule(node.name, _activation(node)),
+                                    onnx_mapping=OnnxMapping(inputs=node.input_values, outputs=node.output_values))
+
+
 def _activation(node: OnnxNode) -> str:
     activation = node.attributes.get("activation", "silu")
     if activation not in svd_ops.ACTIVATIONS:
@@ -103,7 +138,7 @@ def _activation(node: OnnxNode) -> str:
 
 def set_backend(module: nn.Module, backend) -> None:
     for child in module.modules():
-        if isinstance(child, _SvdOp):
+        if isinstance(child, _KernelOp):
             child.backend = backend
 
 

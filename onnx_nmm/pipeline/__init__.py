@@ -19,7 +19,7 @@ import onnx_ir as ir
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import FuseMlpPass
+from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.pipeline.context import RewriteContext, RewritePass
 from onnx_nmm.pipeline.factorize import FactorizeLayers
 from onnx_nmm.pipeline.narrow import NarrowMlps
@@ -31,19 +31,19 @@ from onnx_nmm.teacher import record_dense_model
 
 
 class FuseMlps(RewritePass):
-    """Pass 4 (with fuse_mlp): each factorized MLP → one SvdGatedMLP (gate/up/down) or SvdMLP (fc1/fc2)."""
+    """Pass 4 (with fuse_mlp): each factorized MLP → one SvdGatedMLP (gate/up/down) or SvdMLP (fc1/fc2); each
+    dense one (narrowed or not) → one GatedMLP or MLP."""
 
     label = "fusion"
 
     def run(self, model: ir.Model) -> bool:
-        fusion = FuseMlpPass()
-        result = fusion(model)
-        self.context.report.fused_mlps, self.context.report.unfused_mlps = fusion.fused, fusion.unfused
-        if not fusion.fused:
-            reasons = Counter(fusion.unfused.values())
+        fused, unfused = fuse_every_mlp(model)
+        self.context.report.fused_mlps, self.context.report.unfused_mlps = fused, unfused
+        if not fused:
+            reasons = Counter(unfused.values())
             said = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common()) or "no MLP found"
             warnings.warn(f"no MLP could be fused: {said}", stacklevel=2)
-        return result.modified
+        return bool(fused)
 
 
 def rewrite_passes(context: RewriteContext) -> list[ir.passes.PassBase]:
