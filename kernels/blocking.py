@@ -15,7 +15,8 @@ reproduces: DMA runs ahead of compute through the loop nests, each nest pipeline
 (_Work.pipelined), each HBM tensor's transfers are an issue interval apart, and the kernel takes the longest
 path through the two streams (_overlapped_seconds).
 
-plan_dense, plan_xuv, plan_mlp, plan_ungated_mlp and plan_dense_mlp price every candidate blocking of the shape on the target. A candidate
+plan_dense, plan_xuv, plan_mlp, plan_ungated_mlp and plan_dense_mlp price every candidate blocking of the shape
+on the target. A candidate
 that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, estimates within
 TIE of it counting as a tie that the fewest HBM bytes, then the least SBUF, break. Bigger blocks raise arithmetic intensity (fewer re-reads of
 x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
@@ -188,8 +189,9 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
     if kernel in DENSE_MLP_KERNELS:
         M, H, intermediate = shape
         gated = kernel == "dense_gated_mlp"
-        return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles, plan.i_tiles)])
-                          for tokens, count in _spans(M, plan.token_block)], core)
+        return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles,
+                                                   plan.i_tiles)]) for tokens, count in _spans(M, plan.token_block)],
+                         core)
     return _estimate([(1, [_dense_work(*shape, s, core, plan, kernel == "dense_matmul_lhsT")])], core)
 
 

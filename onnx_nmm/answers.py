@@ -60,7 +60,8 @@ def check_answers(dense, rewritten, tokenizer, prompts: tuple[str, ...] = CHECK_
         decoder = Decoder(model)
         answers.append([continuation(decoder, prompt_ids(tokenizer, prompt)[1], _greedy, stops, ANSWER_TOKENS)[0]
                         for prompt in prompts])
-    agreeing = [rewritten[:len(dense[:COMPARED_TOKENS])] == dense[:COMPARED_TOKENS] for dense, rewritten in zip(*answers)]
+    agreeing = [rewritten[:len(dense[:COMPARED_TOKENS])] == dense[:COMPARED_TOKENS]
+                for dense, rewritten in zip(*answers)]
     texts = [[tokenizer.decode(tokens, skip_special_tokens=True) for tokens in side] for side in answers]
     return AnswerCheck(list(prompts), texts[0], texts[1], agreeing)
 

@@ -92,7 +92,8 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         "model": source.label, "target": options.target, "batch": options.batch, "seq_len": options.seq_len,
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
-        "fused_mlps": fused, "unfused_mlps": unfused, "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
+        "fused_mlps": fused, "unfused_mlps": unfused,
+        "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }
     with _staged_folder(output) as folder:

@@ -205,7 +205,8 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     options, progress = options or FinetuneOptions(), progress or Progress()
     source = ModelSource.of(model)
     narrowed = narrowed_weights(source.model)
-    if not narrowed and not any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+    custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
+    if not narrowed and not custom:
         if any(".narrowed" in name for name in source.model.graph.initializers):
             raise ModelError(f"the narrowed weights of {source.label} are stored quantized (or in float16), and "
                              "fine-tuning trains float32 weights: narrow the float32 export to fine-tune")

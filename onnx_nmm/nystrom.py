@@ -132,7 +132,7 @@ def _elimination_order(gram: np.ndarray, down: np.ndarray, damping: float) -> np
         cost = np.einsum("ih,ih->i", fit, fit) / np.diag(inverse)
         drop = np.argsort(cost, kind="stable")[:step]
         stay = np.setdiff1d(np.arange(len(remaining)), drop)
-        # Removing the rows/columns J of A: A_RR⁻¹ = (A⁻¹)_RR − (A⁻¹)_RJ ((A⁻¹)_JJ)⁻¹ (A⁻¹)_JR, and X follows.
+        # Removing rows/columns J of A: A_RR⁻¹ = (A⁻¹)_RR − (A⁻¹)_RJ ((A⁻¹)_JJ)⁻¹ (A⁻¹)_JR; X follows.
         coupling = np.linalg.solve(inverse[np.ix_(drop, drop)], inverse[np.ix_(drop, stay)]).T
         fit = fit[stay] - coupling @ fit[drop]
         inverse = inverse[np.ix_(stay, stay)] - coupling @ inverse[np.ix_(drop, stay)]

@@ -306,7 +306,8 @@ class RewriteOptions:
 
     def __post_init__(self):
         if self.factorization.method is None:
-            ranks_only = self.ranks.rule in ("rank", "energy") or (self.calibration or CalibrationOptions("")).mode == "sequential"
+            sequential = self.calibration is not None and self.calibration.mode == "sequential"
+            ranks_only = self.ranks.rule in ("rank", "energy") or sequential  # choose or fit ranks, not widths
             method = "svd" if self.calibration is None else "whiten" if ranks_only else "nystrom"
             object.__setattr__(self, "factorization", replace(self.factorization, method=method))
         if self.ranks.by_default and self.calibration is not None and self.calibration.has_tokens:

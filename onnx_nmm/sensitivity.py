@@ -236,7 +236,8 @@ class DamageProbe:
     """
 
     def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
-                 tokens: np.ndarray, metric: str, source, narrowings: dict[str, tuple[MlpNarrowing, str]] | None = None):
+                 tokens: np.ndarray, metric: str, source,
+                 narrowings: dict[str, tuple[MlpNarrowing, str]] | None = None):
         from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower, weights_as_parameters
 
         if metric not in METRICS:

@@ -102,7 +102,8 @@ def bias_value(graph: ir.Graph, layer: LinearLayer, names: NameAllocator, suffix
     if layer.bias is None or layer.beta == 1.0:
         return layer.bias
     bias = layer.bias_vector()
-    return initializer(graph, names.fresh(f"{layer.name}.{suffix}"), bias, ir.convenience.get_const_tensor(layer.bias).dtype)
+    dtype = ir.convenience.get_const_tensor(layer.bias).dtype
+    return initializer(graph, names.fresh(f"{layer.name}.{suffix}"), bias, dtype)
 
 
 def nbits_node(x: ir.Value, stored: list[ir.Value], factor: QuantizedFactor, name: str, metadata: dict) -> ir.Node:

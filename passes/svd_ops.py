@@ -44,7 +44,8 @@ MLP = "MLP"
 DENSE_MLP_OPS = (GATED_MLP, MLP)
 GATED_OPS = (SVD_GATED_MLP, GATED_MLP)
 # The MLP ops' inputs by name, in order.
-MLP_OP_INPUTS = {SVD_GATED_MLP: ("X", "Ug", "Vg", "Uu", "Vu", "Ud", "Vd"), SVD_MLP: ("X", "U1", "V1", "b1", "U2", "V2", "b2"),
+MLP_OP_INPUTS = {SVD_GATED_MLP: ("X", "Ug", "Vg", "Uu", "Vu", "Ud", "Vd"),
+                 SVD_MLP: ("X", "U1", "V1", "b1", "U2", "V2", "b2"),
                  GATED_MLP: ("X", "Wg", "Wu", "Wd"), MLP: ("X", "W1", "b1", "W2", "b2")}
 
 # Attributes every SvdMatMul carries: what a reader needs to know about the factorization.

@@ -119,8 +119,8 @@ def test_an_mlp_with_reshapes_of_unknown_shape_between_its_projections_is_not_fu
 def test_the_damping_note_names_the_cause(capsys, export, tmp_path):
     report = tmp_path / "r.json"
     code, out, _ = _cli(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", "random",
-                        "--calib-samples", "2", "--seq-len", "32", "--align", "32", "--keep", "0.5", "--method", "whiten",
-                        "--report", report)
+                        "--calib-samples", "2", "--seq-len", "32", "--align", "32", "--keep", "0.5",
+                        "--method", "whiten", "--report", report)
     notes = {layer["role"]: layer["conditioning"] for layer in json.loads(report.read_text())["layers"]}
     assert code == 0 and notes["gate"].endswith("(64 calibration tokens for 256 input channels: calibrate on more tokens)")
     assert "the note column says why" in " ".join(out.split())

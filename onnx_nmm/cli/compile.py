@@ -60,8 +60,8 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
                              "quantized one with --factor-dtype float16: quantized factors stay onnxruntime ops)")
     totals = manifest.get("modelled_us"), manifest.get("modelled_dense_us")
     if totals[0] is not None:
-        _common.stdout.print(f"modelled on {manifest['target']}: the fused kernels {totals[0]:,.1f} µs vs the same layers as "
-                             f"dense products one by one {totals[1]:,.1f} µs ({totals[1] / totals[0]:.2f}×)")
+        _common.stdout.print(f"modelled on {manifest['target']}: the fused kernels {totals[0]:,.1f} µs vs the same "
+                             f"layers as dense products one by one {totals[1]:,.1f} µs ({totals[1] / totals[0]:.2f}×)")
     if manifest["first_step_only"]:
         _common.stdout.print("a merged decoder: its first-step branch (the prefill over an empty cache) is what was "
                              "lowered")

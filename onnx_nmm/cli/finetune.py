@@ -131,7 +131,7 @@ def _print_summary(result: onnx_nmm.FinetuneResult, options: onnx_nmm.FinetuneOp
     stopped = "the time budget" if result.training.stopped_by == "time" else "the step budget"
     trainable = result.training.trainable_parameters / 1e6
     trained = (f"adapters of rank {training.adapter_rank} ({trainable:.2f}M parameters) on the factors"
-               if training.adapter_rank else f"{trainable:.2f}M factor parameters")
+               if training.adapter_rank else f"{trainable:.2f}M parameters (SVD factors and narrowed weights)")
     _common.stdout.print(
         f"trained {trained} for {last.step} steps ({last.tokens} tokens of {result.data}) in {last.seconds:.1f} s, "
         f"stopped by {stopped}; {_loss_words(result)} {result.training.mean_loss(first=True):.4f} → "

@@ -31,8 +31,8 @@ def register(subparsers) -> None:
                              "down projection (dense, narrower MatMuls; other targets are whitened) "
                              "(default: whiten with --calib, else svd)")
     parser.add_argument("--neuron-score", choices=NEURON_SCORES,
-                        help="nystrom: which neurons an MLP keeps — energy: the activation energy each writes through "
-                             "the down projection; leverage: ridge leverage of the activations' correlation "
+                        help="nystrom: which neurons an MLP keeps — energy: the activation energy each writes "
+                             "through the down projection; leverage: ridge leverage of the activations' correlation "
                              "(MoDeGPT); greedy: backward elimination of the refit's error "
                              f"(default {default(F, 'neuron_score')})")
     parser.add_argument("--budget", choices=BUDGETS,
@@ -84,8 +84,8 @@ def register(subparsers) -> None:
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
                              "a quality budget's choice with --calib-mode sequential without measuring it again")
     parser.add_argument("--no-answer-check", action="store_true",
-                        help="skip comparing the rewritten model's greedy answers to a few check prompts with the dense "
-                             "model's (done when --tokenizer is given; a warning says when they differ)")
+                        help="skip comparing the rewritten model's greedy answers to a few check prompts with the "
+                             "dense model's (done when --tokenizer is given; a warning says when they differ)")
     parser.add_argument("--fuse-mlp", action="store_true",
                         help="fuse each factorized MLP into one SvdGatedMLP or SvdMLP (what `compile` does "
                              "for Trainium; onnxruntime still runs it)")

@@ -95,5 +95,6 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = ["FactorizeLayers", "FuseMlps", "GatherStatistics", "LayerOutcome", "NarrowMlps", "PlanRanks", "RewriteContext",
+__all__ = ["FactorizeLayers", "FuseMlps", "GatherStatistics", "LayerOutcome", "NarrowMlps", "PlanRanks",
+           "RewriteContext",
            "RewriteReport", "RewriteResult", "rewrite", "rewrite_passes"]

@@ -33,8 +33,9 @@ class LayerOutcome:
     parameters_before: int = 0
     parameters_after: int = 0
     relative_error: float | None = None  # ‖W − UV‖_F / ‖W‖_F
-    whitened_loss: float | None = None  # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set (fisher: ‖Sᵀ(W − UV)T‖ / ‖SᵀWT‖;
-    # a narrowed MLP's output projection: ‖h·W_d − h_S·W_d'‖_F / ‖h·W_d‖_F)
+    # ‖X(W − UV)‖_F / ‖XW‖_F on the calibration set (fisher: ‖Sᵀ(W − UV)T‖ / ‖SᵀWT‖; a narrowed MLP's output
+    # projection: ‖h·W_d − h_S·W_d'‖_F / ‖h·W_d‖_F)
+    whitened_loss: float | None = None
     predicted_kl: float | None = None  # fisher: the mean KL per token this layer's truncation adds, to second order
     plain_svd_error: float | None = None  # ‖W − W_r‖_F / ‖W‖_F of plain SVD at the same rank (for comparison)
     conditioning: str = ""  # how XᵀX was factorized (cholesky, damped ε=…, eigendecomposition) and why
