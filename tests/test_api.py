@@ -159,7 +159,7 @@ def test_defaults_are_the_documented_ones():
     assert options.selection == onnx_nmm.Selection(targets="mlp")
     calibrated = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions("text.txt"))
     assert calibrated.method == "nystrom" and calibrated.calibration.samples == 128
-    assert calibrated.ranks.rule == "max_ppl_increase" and calibrated.ranks.max_ppl_increase == 0.05
+    assert calibrated.ranks.rule == "max_ppl_increase" and calibrated.ranks.max_ppl_increase == 0.01
     kept = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8), calibration=calibrated.calibration)
     assert kept.method == "nystrom" and kept.ranks.rule == "keep"  # a rule given is the rule used
     ranked = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank=8), calibration=calibrated.calibration)

@@ -222,10 +222,11 @@ def test_nystrom_options_are_refused_where_they_mean_nothing():
         FactorizationOptions(method="nystrom", neuron_score="best")
 
 
-def test_the_answer_check_compares_greedy_answers_with_the_dense_model(tmp_path):
-    """The rewrite asks the check prompts when it has a tokenizer: a rewrite that keeps everything answers as the
-    dense model does; one that keeps almost nothing does not, and the warning names a prompt and both answers."""
-    from onnx_nmm.answers import COMPARED_TOKENS, check_answers
+def test_the_answer_check_measures_how_likely_the_rewritten_model_finds_the_dense_answers(tmp_path):
+    """The rewrite asks the check prompts when it has a tokenizer: a rewrite that keeps everything gives the dense
+    answers, as likely as the dense model does; one that keeps almost nothing does not, and the warning names a
+    prompt and both answers."""
+    from onnx_nmm.answers import MAX_ANSWER_DROP, check_answers
     from onnx_nmm.calibration_data import load_tokenizer
     from onnx_nmm.model_source import ModelSource
 
@@ -233,13 +234,22 @@ def test_the_answer_check_compares_greedy_answers_with_the_dense_model(tmp_path)
     np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 300, (6, 32)))
     kept = RewriteOptions(ranks=RankOptions(rank="full"), factorization=FactorizationOptions(factor_dtype="float32"),
                           calibration=CalibrationOptions(str(tmp_path / "ids.npz"), tokenizer=folder))
-    report = onnx_nmm.rewrite(folder / "model.onnx", kept).report
-    assert report.answers["agreeing"] == [True] * 4 and report.answers["compared_tokens"] == COMPARED_TOKENS
-    assert report.answers["dense"] == report.answers["rewritten"]
+    answers = onnx_nmm.rewrite(folder / "model.onnx", kept).report.answers
+    assert answers["same_start"] == [True] * 4 and answers["dense"] == answers["rewritten"]
+    assert max(abs(drop) for drop in answers["drops"]) < 1e-3 and answers["max_answer_drop"] == MAX_ANSWER_DROP
 
-    broken = onnx_nmm.model_io.load_model(folder / "model.onnx")
+    broken = onnx_nmm.model_io.load_model(folder / "model.onnx")  # confident, and wrong
+    rng = np.random.default_rng(1)
     for layer in find_linear_layers(broken):
-        layer.weight.storage.const_value = ir.tensor(np.zeros(layer.weight.tensor.shape, np.float32))
+        layer.weight.storage.const_value = ir.tensor(rng.normal(0, 1, layer.weight.tensor.shape).astype(np.float32))
     check = check_answers(folder / "model.onnx", ModelSource(broken, folder=folder), load_tokenizer(folder))
-    assert sum(check.agreeing) < 2 and "greedy answers differ from the dense model's" in check.warning()
-    assert check.prompts[check.diverged[0]] in check.warning()
+    assert check.mean_drop > MAX_ANSWER_DROP and "less likely" in check.warning()
+    assert check.prompts[int(np.argmax(check.drops))] in check.warning()
+
+
+def test_an_mlp_nystrom_cannot_narrow_is_factorized_and_the_report_says_why(export):
+    result = onnx_nmm.rewrite(export("phi3", "dynamo"), _nystrom(RankOptions(keep=0.5, align=32)))
+    rows = [layer for layer in result.report.layers if layer.status != "skipped"]
+    assert {layer.status for layer in rows} == {"factorized"}  # whitened, as the gate_up cannot be split
+    assert all("not narrowed: a Split node sits between it and the projections feeding it" in layer.reason
+               for layer in rows)

@@ -196,9 +196,11 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
     if report.budget_summary:
         _common.stdout.print(report.budget_summary)
     if report.answers:
-        agreeing, asked = sum(report.answers["agreeing"]), len(report.answers["prompts"])
-        _common.stdout.print(f"Greedy answers to {asked} check prompts: {agreeing} begin as the dense model's do "
-                             f"(first {report.answers['compared_tokens']} tokens).")
+        answers = report.answers
+        _common.stdout.print(f"Check prompts: the dense model's answers are {answers['mean_drop']:.2f} nats per token "
+                             f"less likely in the rewritten model (a warning above {answers['max_answer_drop']:g}); "
+                             f"{sum(answers['same_start'])} of {len(answers['prompts'])} greedy answers begin with the "
+                             f"same {answers['compared_tokens']} tokens.")
 
 
 def _choice(layer) -> str:

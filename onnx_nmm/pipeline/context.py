@@ -33,6 +33,7 @@ class RewriteContext:
     factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
     report: RewriteReport | None = None  # every pass adds to it
     narrowed: dict[str, LayerOutcome] = field(default_factory=dict)  # NarrowMlps: the narrowed layers' rows
+    not_narrowed: dict[str, str] = field(default_factory=dict)  # mlps(): an MLP's module path → why it is not one
     _calibration: CalibrationData | None = field(default=None, repr=False)  # calibration_data()
     _narrowings: dict[str, MlpNarrowing] = field(default_factory=dict, repr=False)  # narrowing()
 
@@ -54,7 +55,10 @@ class RewriteContext:
         if self.options.method != "nystrom":
             return []
         chosen = {layer.name for layer in select_layers(layers, self.options.selection)[0]}
-        return [mlp for mlp in find_mlps(layers)[0] if all(layer.name in chosen for layer in mlp.layers)]
+        mlps, unmatched = find_mlps(layers)
+        by_name = {layer.name: layer for layer in layers}
+        self.not_narrowed = {by_name[down].module_path.rsplit(".", 1)[0]: why for down, why in unmatched.items()}
+        return [mlp for mlp in mlps if all(layer.name in chosen for layer in mlp.layers)]
 
     def narrowing(self, mlp: Mlp) -> MlpNarrowing:
         """The MLP's Nyström compression from the calibration statistics, made once (the plan and the narrowing

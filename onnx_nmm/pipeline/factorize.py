@@ -76,6 +76,10 @@ class FactorizeLayers(RewritePass):
         factorizer.decompositions.clear()
         rows = {layer.name: outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
                 for layer in layers}  # one row per target, however many subgraphs hold it
+        for row in rows.values():  # nystrom: an MLP projection factorized or kept, as its MLP could not be narrowed
+            why = context.not_narrowed.get(row.module_path.rsplit(".", 1)[0]) if row.status != "skipped" else None
+            if why:
+                row.reason = "; ".join(filter(None, [row.reason, f"not narrowed: {why}"]))
         context.report.layers = list(rows.values())
         return bool(self.factor_names)
 
