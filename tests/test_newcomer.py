@@ -236,3 +236,21 @@ def test_counts_and_piped_tables_read_right(capsys, tmp_path):
     assert code == 0 and "1 layer factorized," in " ".join(out.split())
     code, out, _ = _cli(capsys, "inspect", path)  # piped: no dimming to see, a column instead
     assert code == 0 and "targeted" in out and "see the targeted column" in " ".join(out.split())
+
+
+def test_a_long_command_on_a_non_terminal_says_how_far_it_is(capsys, export, tmp_path, monkeypatch):
+    """No progress bars in a log, CI or nohup: a line every LOG_INTERVAL seconds instead, with how far the
+    phase is; a phase shorter than that says nothing."""
+    from onnx_nmm.cli import _common
+
+    monkeypatch.setattr(_common, "LOG_INTERVAL", 0.05)
+    code = main(["rewrite", str(export("llama", "dynamo")), "-o", str(tmp_path / "o.onnx"), "--calib", "random",
+                 "--calib-samples", "4", "--seq-len", "32", "--keep", "0.5", "--align", "32"])
+    err = capsys.readouterr().err
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.startswith("onnx-nmm: ")]
+    assert any(re.match(r"onnx-nmm: \S.*: (\d+/\d+ \(\d+%\), \d+ s|done in \d+ s)", line) for line in lines), err
+    monkeypatch.setattr(_common, "LOG_INTERVAL", 60)
+    assert main(["rewrite", str(export("llama", "dynamo")), "-o", str(tmp_path / "p.onnx"), "--keep", "0.5",
+                 "--align", "32"]) == 0
+    assert "onnx-nmm: " not in capsys.readouterr().err

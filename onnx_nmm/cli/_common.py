@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,14 +156,81 @@ class _Bar(onnx_nmm.Phase):
         self.bars.update(self.task, advance=amount, description=f"{self.description}: {detail}" if detail else None)
 
 
+class LogProgress(onnx_nmm.Progress):
+    """The API's progress as plain lines on stderr, for a log, CI or nohup: every `interval` seconds while a
+    phase runs, how far it is (how long, about how long to go), and when such a phase ends. A phase shorter
+    than the interval says nothing."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+
+    @contextlib.contextmanager
+    def phase(self, description: str, total: int | None = None) -> Iterator[onnx_nmm.Phase]:
+        line = _LogLine(description, total)
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(line, stop), daemon=True)
+        ticker.start()
+        try:
+            yield line
+        finally:
+            stop.set()
+            ticker.join()
+            if line.elapsed() >= self.interval:
+                _log(line.text(f"done in {line.elapsed():.0f} s"))
+
+    def _tick(self, line: "_LogLine", stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
+            _log(line.text(line.status()))
+
+
+def _log(text: str) -> None:
+    stderr.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+class _LogLine(onnx_nmm.Phase):
+    def __init__(self, description: str, total: int | None):
+        self.description, self.total, self.done, self.detail = description, total, 0, ""
+        self.start = time.monotonic()
+
+    def set_total(self, total: int | None) -> None:
+        self.total = total
+
+    def advance(self, amount: int = 1, detail: str | None = None) -> None:
+        self.done += amount
+        self.detail = detail or self.detail
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def status(self) -> str:
+        elapsed = self.elapsed()
+        if not self.total:
+            return f"{self.done} done, {elapsed:.0f} s" if self.done else f"{elapsed:.0f} s"
+        left = f", about {elapsed * (self.total - self.done) / self.done:.0f} s to go" if self.done else ""
+        return f"{self.done}/{self.total} ({self.done / self.total:.0%}), {elapsed:.0f} s{left}"
+
+    def text(self, status: str) -> str:
+        detail = f" [{self.detail}]" if self.detail else ""
+        return f"onnx-nmm: {self.description}{detail}: {status}"
+
+
+# Seconds between the progress lines of a log.
+LOG_INTERVAL = 15.0
+
+
 @contextlib.contextmanager
-def progress(quiet: bool = False) -> Iterator[BarsProgress]:
-    """Progress bars on stderr while the block runs; none when `quiet` or when stderr is not a terminal (a
-    log has no use for them)."""
-    bars = RichBars(TextColumn("{task.description:<48.48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=stderr, disable=quiet or not stderr.is_terminal, transient=True)
-    with bars:
-        yield BarsProgress(bars)
+def progress(quiet: bool = False) -> Iterator[onnx_nmm.Progress]:
+    """Progress bars on stderr while the block runs; when stderr is not a terminal (a log file, CI, nohup), a
+    progress line every LOG_INTERVAL seconds instead; nothing when `quiet`."""
+    if quiet:
+        yield onnx_nmm.Progress()
+    elif not stderr.is_terminal:
+        yield LogProgress(LOG_INTERVAL)
+    else:
+        bars = RichBars(TextColumn("{task.description:<48.48}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=stderr, transient=True)
+        with bars:
+            yield BarsProgress(bars)
 
 
 # -- flags shared by several commands, and the options they make --------------------------------------------
