@@ -86,15 +86,40 @@ def bos_id(tokenizer) -> int | None:
 
 def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
     """All token ids of a text file, as one sequence."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"text file {path}: no such file")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise DataError(f"text file {path} is empty")
+    check_text_file(path)
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sequence longer than the model's maximum": we cut it ourselves
         return np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
+
+
+def check_text_file(path: str | os.PathLike) -> None:
+    """Refuse a text that is missing, a folder, or empty: before a model is loaded, not after."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"text file {path}: no such file")
+    if not path.is_file():
+        raise DataError(f"text file {path} is a folder: give a UTF-8 text file")
+    with path.open("rb") as text:
+        if not text.read(1 << 16).strip():
+            raise DataError(f"text file {path} is empty")
+
+
+def check_source_files(options: CalibrationOptions | None) -> None:
+    """The calibration options' text files and saved statistics exist (and a text is not empty): checked before
+    the model is loaded, so a typo costs no time."""
+    if options is None:
+        return
+    from onnx_nmm.generated_text import parse_generated
+
+    sources = token_sources(options.source) if options.source is not None else []
+    for source in sources:
+        if _is_text(source) and parse_generated(source) is None:
+            check_text_file(source)
+        elif isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") and not Path(source).is_file():
+            raise DataError(f"{source}: no such file")
+    if options.statistics is not None and not Path(options.statistics).is_file():
+        raise DataError(f"{options.statistics}: no such file")
 
 
 def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, seq_len: int,

@@ -58,7 +58,11 @@ def external_data_path(model_path: str | os.PathLike) -> Path:
 
 
 def check_output_path(source: str | os.PathLike, destination: str | os.PathLike, overwrite_input: bool) -> None:
-    """Refuse to write over the input model (or its external data) unless `overwrite_input` is set."""
+    """Refuse to write over the input model (or its external data) unless `overwrite_input` is set, and to write
+    a model where a folder is."""
+    if Path(destination).is_dir():
+        raise OutputError(f"the output {destination} is a folder: give {{output}} a file name in it, e.g. "
+                          f"{Path(destination) / 'model.onnx'}", output="output")
     source, destination = Path(source).resolve(), Path(destination).resolve()
     clobbered = {destination, external_data_path(destination)} & {source, *_external_files_of(source)}
     if clobbered and not overwrite_input:

@@ -254,3 +254,28 @@ def test_a_long_command_on_a_non_terminal_says_how_far_it_is(capsys, export, tmp
     assert main(["rewrite", str(export("llama", "dynamo")), "-o", str(tmp_path / "p.onnx"), "--keep", "0.5",
                  "--align", "32"]) == 0
     assert "onnx-nmm: " not in capsys.readouterr().err
+
+
+def test_an_output_that_is_a_folder_is_refused_before_any_work(capsys, export, tmp_path):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    code = main(["rewrite", str(export("llama", "dynamo")), "-o", str(folder), "--keep", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a folder: give -o a file name in it" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == [folder] and not list(folder.iterdir())  # no orphan data beside it
+
+
+def test_a_missing_or_empty_calibration_text_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    import onnx_nmm.pipeline as pipeline
+
+    def never(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline.ModelSource, "of", never)
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    for text, message in ((tmp_path / "missing.txt", "no such file"), (tmp_path / "empty.txt", "is empty"),
+                          (tmp_path, "is a folder")):
+        code = main(["rewrite", str(tmp_path / "model.onnx"), "-o", str(tmp_path / "o.onnx"), "--calib", str(text),
+                     "--tokenizer", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

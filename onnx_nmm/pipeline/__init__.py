@@ -16,6 +16,7 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
+from onnx_nmm.calibration_data import check_source_files
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
@@ -59,8 +60,10 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
 
     Raises an OnnxNmmError subclass (errors.py) for anything the input or the options make impossible.
     """
+    options = options or RewriteOptions()
+    check_source_files(options.calibration)  # a missing text is said before the model loads
     source = ModelSource.of(model)
-    context = RewriteContext(options or RewriteOptions(), source, progress or Progress())
+    context = RewriteContext(options, source, progress or Progress())
     context.report.weight_bytes_before = weight_bytes(source.model)
     try:
         ir.passes.Sequential(*rewrite_passes(context))(source.model)
