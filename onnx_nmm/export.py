@@ -277,6 +277,8 @@ def load_checkpoint(source: str | os.PathLike):
     """A transformers causal LM in float32 from a Hugging Face folder (config.json and weights) or a GGUF
     file (dequantized), offline."""
     source = Path(source)
+    if not source.exists():
+        raise DataError(f"{source}: no such file or folder; give a .gguf file or a Hugging Face model folder")
     if source.is_file() and source.suffix == ".gguf":
         return load_gguf_causal_lm(source)
     if not (source / "config.json").is_file():

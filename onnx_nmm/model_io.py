@@ -29,6 +29,15 @@ PROTOBUF_LIMIT = 2**31 - 1
 def load_model(path: str | os.PathLike) -> ir.Model:
     """Load an ONNX model (external data memory-mapped), or raise a ModelError saying what is wrong."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("*.onnx"))
+        if (path / "genai_config.json").is_file() and inside:
+            hint = f"an onnxruntime-genai folder: give its model, {inside[0]}"
+        elif (path / "config.json").is_file():
+            hint = "a Hugging Face model folder: export it first (onnx-nmm export FOLDER -o model.onnx)"
+        else:
+            hint = f"give the .onnx file in it ({inside[0]})" if inside else "give the path of an .onnx model"
+        raise ModelError(f"{path} is a folder, not a model: {hint}")
     if not path.is_file():
         raise ModelError(f"{path}: no such file; give the path of an .onnx model")
     try:

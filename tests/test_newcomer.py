@@ -5,6 +5,7 @@ import json
 import re
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -206,6 +207,8 @@ def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_
     _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
     code, _, err = _cli(capsys, "export", tmp_path / "ids.npz", "-o", tmp_path / "other.onnx")
     _one_line_error(code, err, "is neither a .gguf file nor a Hugging Face model folder")
+    code, _, err = _cli(capsys, "export", tmp_path / "nothere.gguf", "-o", tmp_path / "other.onnx")
+    _one_line_error(code, err, "nothere.gguf: no such file or folder")
     assert not (tmp_path / "other.onnx").exists()
 
 
@@ -279,3 +282,18 @@ def test_a_missing_or_empty_calibration_text_is_refused_before_the_model_loads(c
                      "--tokenizer", str(tmp_path)])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_folder_given_as_the_model_says_what_to_give_instead(capsys, tmp_path):
+    import shutil
+
+    genai = tmp_path / "genai"
+    shutil.copytree(Path(__file__).resolve().parent / "data" / "formats" / "genai-fp32", genai)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for folder, said in ((genai, "an onnxruntime-genai folder: give its model"),
+                         (tmp_path / "hf", "a Hugging Face model folder: export it first"),
+                         (tmp_path / "empty", "is a folder, not a model")):
+        code, _, err = _cli(capsys, "inspect", folder)
+        _one_line_error(code, err, said)
