@@ -150,6 +150,9 @@ def _check_same_interface(reference: ModelRunner, candidate: ModelRunner) -> Non
     for kind, ours, theirs in (("inputs", reference.input_names, candidate.input_names),
                                ("outputs", reference.output_names, candidate.output_names)):
         if sorted(ours) != sorted(theirs):
-            raise ModelError(f"{reference.label} and {candidate.label} differ in their {kind} ({', '.join(ours)} vs "
-                             f"{', '.join(theirs)}): the two models do not compute the same thing; diff a model "
-                             "against its own rewrite")
+            only = [f"{name!r} only in {label}" for names, others, label in
+                    ((ours, theirs, reference.label), (theirs, ours, candidate.label)) for name in names
+                    if name not in others]
+            shown = "; ".join(only[:3]) + (f"; and {len(only) - 3} more" if len(only) > 3 else "")
+            raise ModelError(f"{reference.label} and {candidate.label} differ in {len(only)} of their {kind} ({shown}):"
+                             " the two models do not compute the same thing; diff a model against its own rewrite")

@@ -49,7 +49,15 @@ def test_models_that_differ_are_an_input_error_naming_both(capsys, tmp_path):
     code, _, err = _cli(capsys, "diff", narrow, wide, "--inputs", tmp_path / "x.npz")
     _one_line_error(code, err, f"output Y is [1, 2, 24] in {narrow} but [1, 2, 32] in {wide}")
     code, _, err = _cli(capsys, "diff", narrow, renamed, "--inputs", tmp_path / "x.npz")
-    _one_line_error(code, err, f"{narrow} and {renamed} differ in their inputs (X vs Z)")
+    _one_line_error(code, err, f"{narrow} and {renamed} differ in 2 of their inputs ('X' only in {narrow}; 'Z' only "
+                               f"in {renamed})")
+    many = graphs.matmul(16, 24)  # 40 inputs the other has not: the first few are named, then the count
+    for i in range(40):
+        many.graph.input.append(onnx.helper.make_tensor_value_info(f"extra_{i}", onnx.TensorProto.FLOAT, [1]))
+    onnx.save(many, tmp_path / "many.onnx")
+    code, _, err = _cli(capsys, "diff", narrow, tmp_path / "many.onnx", "--inputs", tmp_path / "x.npz")
+    _one_line_error(code, err, "differ in 40 of their inputs ('extra_0' only in")
+    assert "and 37 more" in err and len(err) < 300 + 6 * len(str(tmp_path))  # the paths, then a few names
 
 
 def test_inspect_without_linear_layers_fails_naming_what_it_saw(capsys, tmp_path):
