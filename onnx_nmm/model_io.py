@@ -66,6 +66,13 @@ def external_data_path(model_path: str | os.PathLike) -> Path:
     return model_path.with_name(model_path.name + ".data")
 
 
+def check_new_output(destination: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an output that exists unless `overwrite` (the CLI's --force: replace an existing output)."""
+    if Path(destination).exists() and not Path(destination).is_dir() and not overwrite:
+        raise OutputError(f"{destination} exists; choose another {{output}} or set {{overwrite}} to replace it",
+                          output="output", overwrite="overwrite")
+
+
 def check_output_path(source: str | os.PathLike, destination: str | os.PathLike, overwrite_input: bool) -> None:
     """Refuse to write over the input model (or its external data) unless `overwrite_input` is set, and to write
     a model where a folder is."""

@@ -305,3 +305,15 @@ def test_a_folder_given_as_the_model_says_what_to_give_instead(capsys, tmp_path)
                          (tmp_path / "empty", "is a folder, not a model")):
         code, _, err = _cli(capsys, "inspect", folder)
         _one_line_error(code, err, said)
+
+
+def test_force_has_one_meaning_replace_an_existing_output(capsys, export, tmp_path):
+    source, existing = export("llama", "dynamo"), tmp_path / "existing.onnx"
+    existing.write_bytes(b"keep me")
+    code, _, err = _cli(capsys, "rewrite", source, "-o", existing, "--keep", "0.5")
+    _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
+    assert existing.read_bytes() == b"keep me"
+    code, out, _ = _cli(capsys, "rewrite", source, "-o", existing, "--keep", "0.5", "--force")
+    assert code == 0 and existing.stat().st_size > 1000
+    code, out, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "new" / "deeper" / "o.onnx", "--keep", "0.5")
+    assert code == 0 and f"(the folder {tmp_path / 'new'} was created for it)" in " ".join(out.split())

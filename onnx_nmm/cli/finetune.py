@@ -7,6 +7,7 @@ from pathlib import Path
 
 import onnx_nmm
 from onnx_nmm.cli import _common
+from onnx_nmm.model_io import check_new_output
 from onnx_nmm.finetuning import LOSSES
 
 
@@ -17,7 +18,7 @@ def register(subparsers) -> None:
                                                     "and write them back into the ONNX model")
     parser.add_argument("model", help="a model written by `onnx-nmm rewrite` (float32)")
     parser.add_argument("-o", "--output", help="where to write the tuned model (default: MODEL.tuned.onnx)")
-    parser.add_argument("--force", action="store_true", help="allow the output to replace the input model")
+    parser.add_argument("--force", action="store_true", help="replace an existing output (the input model too)")
     data = parser.add_argument_group("training data")
     data.add_argument("--text", metavar="SOURCE", action="append",
                       help="a UTF-8 text file (with --tokenizer), an .npz with input_ids [samples, seq_len], or "
@@ -81,6 +82,7 @@ def run(args) -> int:
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
+    check_new_output(output, args.force)
     with _common.progress(args.quiet) as progress:
         result = onnx_nmm.finetune(source, data, options, progress)
         with progress.phase("writing"):

@@ -8,6 +8,7 @@ from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common, _scale
+from onnx_nmm.model_io import check_new_output
 from onnx_nmm.cli._common import default
 from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, NEURON_SCORES, SVD_METHODS
 
@@ -19,7 +20,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("rewrite", help="replace linear layers by SVD-factorized SvdMatMul custom ops")
     parser.add_argument("model", help="an .onnx model (external data is read from beside it)")
     parser.add_argument("-o", "--output", help="where to write the rewritten model (default: MODEL.nmm.onnx)")
-    parser.add_argument("--force", action="store_true", help="allow the output to replace the input model")
+    parser.add_argument("--force", action="store_true", help="replace an existing output (the input model too)")
     _common.add_rank_options(parser)
     _common.add_selection_options(parser)
     parser.add_argument("--method", choices=METHODS,
@@ -116,6 +117,8 @@ def run(args) -> int:
     if args.dry_run:
         return _scale.print_plan(args, options, source)
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
+    check_new_output(output, args.force)
+    new_folder = next((folder for folder in reversed(output.parents) if not folder.exists()), None)
     with _common.progress(args.quiet) as progress:
         if _scale.streams(args):
             result = _scale.rewrite_streamed(args, options, source, output, progress)
@@ -131,7 +134,7 @@ def run(args) -> int:
 
         plot_report(report, args.plot, title=f"{source.name}: {report.rule}; {report.method}")
     if not args.quiet:
-        _print_summary(report, output)
+        _print_summary(report, output, new_folder)
     return 0
 
 
@@ -156,7 +159,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
                                    check_answers=not args.no_answer_check)
 
 
-def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
+def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Path | None) -> None:
     prefix = _common.common_module_prefix([layer.module_path for layer in report.layers])
     table = Table(title=f"Rewrite ({report.rule}; {report.selection}; {report.method})"
                   + (f", module paths under {prefix}" if prefix else ""), title_justify="left")
@@ -192,7 +195,7 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path) -> None:
         f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept), the model's weights "
         f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"
         + (f"; {len(report.fused_mlps)} MLPs fused into one op each" if report.fused_mlps else "")
-        + f". Wrote {output}")
+        + f". Wrote {output}" + (f" (the folder {new_folder} was created for it)" if new_folder else ""))
     if report.budget_summary:
         _common.stdout.print(report.budget_summary)
     if report.answers:
