@@ -147,10 +147,21 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
     sites: dict[str, set[ir.Node]] = {}
     for layer in layers:
         sites.setdefault(layer.name, set()).update(layer.nodes)
+    by_node = {id(node): layer for layer in layers for node in [*layer.nodes, *layer.weight.path]}
     for layer in layers:
         others = layer.weight.other_consumers(sites[layer.name])
-        layer.shared_with = [other.name or other.op_type for other in others]
+        layer.shared_with = [_consumer(other, by_node.get(id(other))) for other in others]
     return layers
+
+
+def _consumer(node: ir.Node, layer: "LinearLayer | None") -> str:
+    """What else reads a layer's weight, in words: another linear layer by its path and role, the embedding's
+    lookup, or the node."""
+    if layer is not None:
+        return f"{layer.module_path or layer.name} ({layer.role})"
+    if node.op_type == "Gather":
+        return f"the embedding lookup {node.name or 'Gather'} (a tied embedding)"
+    return f"the {node.op_type} node {node.name}" if node.name else f"a {node.op_type} node"
 
 
 @dataclass

@@ -317,3 +317,18 @@ def test_force_has_one_meaning_replace_an_existing_output(capsys, export, tmp_pa
     assert code == 0 and existing.stat().st_size > 1000
     code, out, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "new" / "deeper" / "o.onnx", "--keep", "0.5")
     assert code == 0 and f"(the folder {tmp_path / 'new'} was created for it)" in " ".join(out.split())
+
+
+def test_a_weight_shared_by_gate_and_up_is_named_as_such(capsys, tmp_path):
+    model = graphs.swiglu_mlp(16, 24)
+    model.graph.node.insert(0, helper.make_node("Identity", ["Wg"], ["Wg_again"], name="dedup"))
+    for node in model.graph.node:  # the TorchScript exporter's dedup: up reads gate's weight through Identity
+        if node.name == "/mlp/up_proj/MatMul":
+            node.input[1] = "Wg_again"
+    onnx.save(model, tmp_path / "shared.onnx")
+    with pytest.warns(UserWarning) as warned:
+        code, _, _ = _cli(capsys, "rewrite", tmp_path / "shared.onnx", "-o", tmp_path / "o.onnx", "--rank", "4")
+    assert code == 0
+    said = [str(warning.message) for warning in warned]
+    assert any("mlp.gate_proj shares its weight with mlp.up_proj (up), which keeps it" in text for text in said)
+    assert not any("tied embedding" in text for text in said)

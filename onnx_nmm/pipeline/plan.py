@@ -199,7 +199,7 @@ def _warn_about_shared_weights(chosen: list[LinearLayer], plan: RankPlan) -> Non
         rank = plan[layer.name]
         if layer.shared_with and isinstance(rank, int):
             added = parameters(layer.k, layer.n, rank)
-            warnings.warn(f"{layer.module_path or layer.name} shares its weight with {', '.join(layer.shared_with)} "
-                          f"(a tied embedding), which keeps it: its rank-{rank} factors add {added / 1e6:.2f}M "
+            warnings.warn(f"{layer.module_path or layer.name} shares its weight with {', '.join(layer.shared_with)}, "
+                          f"which keeps it: its rank-{rank} factors add {added / 1e6:.2f}M "
                           f"parameters ({added * layer.dtype.itemsize / 1e6:.1f} MB) instead of saving any; "
                           "leave it dense unless a faster product is the point", stacklevel=2)
