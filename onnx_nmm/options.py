@@ -61,6 +61,8 @@ class RankOptions:
                        mapping layer name → rank (None: dense)
     align:             ranks are multiples of this
     sensitivity_windows: calibration windows the quality budgets are measured on
+    sensitivity_from:  the report of an earlier rewrite of the model with a quality budget on the same
+                       calibration: its measured sensitivities are reused instead of measured again
     """
 
     keep: float | None = None
@@ -72,6 +74,7 @@ class RankOptions:
     budget: str = "uniform"
     align: int = DEFAULT_ALIGN
     sensitivity_windows: int = 4
+    sensitivity_from: str | os.PathLike | None = None
     by_default: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self):
@@ -103,6 +106,11 @@ class RankOptions:
                               **{self.rule: f"ranks.{self.rule}"})
         if self.align < 1:
             raise OptionError(f"{{align}} must be a positive integer, got {self.align}", align="ranks.align")
+        if self.sensitivity_from is not None and not self.measures_damage:
+            raise OptionError("{sensitivity_from} gives a quality budget the damage an earlier one measured: use it "
+                              "with {budget} sensitivity, {max_ppl_increase} or {max_kl}",
+                              sensitivity_from="ranks.sensitivity_from", budget="ranks.budget",
+                              max_ppl_increase="ranks.max_ppl_increase", max_kl="ranks.max_kl")
         if self.sensitivity_windows < 1:
             raise OptionError(f"{{windows}} must be a positive integer, got {self.sensitivity_windows}",
                               windows="ranks.sensitivity_windows")

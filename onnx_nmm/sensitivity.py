@@ -25,9 +25,12 @@ with the sensitivity budget).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -300,10 +303,11 @@ class DamageProbe:
 def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric: str, budget: float | None,
            parameters_to_remove: int | None, kept_dense: Dense,
            on_measured: Callable[[str], None] | None = None) -> BudgetChoice:
-    """Measure each candidate's references (unless Fisher statistics predict its damage), then choose: within
-    `budget` of damage, or removing `parameters_to_remove` at the least damage."""
+    """Measure each candidate's references (unless Fisher statistics predict its damage, or they were measured
+    before: `references_from`), then choose: within `budget` of damage, or removing `parameters_to_remove` at
+    the least damage."""
     for candidate in candidates:
-        if candidate.fisher_tokens is None:
+        if candidate.fisher_tokens is None and not candidate.references:
             candidate.references = [(rank, damage_of({candidate.name: rank}))
                                     for rank in candidate.reference_ranks(align)]
             if on_measured is not None:
@@ -315,6 +319,26 @@ def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric:
     chosen.sensitivity = {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)]
                           for c in candidates}
     return chosen
+
+
+def references_from(report: str | os.PathLike, candidates: list[Candidate], metric: str) -> None:
+    """Give each candidate the references an earlier rewrite of the same model measured (its report's quality
+    budget, with the same metric), so that a budget at another keep does not measure them again."""
+    try:
+        budget = json.loads(Path(report).read_text())["quality_budget"]
+        measured, their_metric = budget["sensitivity"], budget["metric"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise OptionError(f"{{sensitivity_from}} {report} is not the report of a rewrite with a quality budget ({error})",
+                          sensitivity_from="ranks.sensitivity_from") from None
+    missing = [c.name for c in candidates if c.fisher_tokens is None and c.name not in measured]
+    if their_metric != metric or missing:
+        why = f"measured {their_metric}, not {metric}" if their_metric != metric else f"has no {missing[0]}"
+        raise OptionError(f"{{sensitivity_from}} {report} {why}: it reports another rewrite's budget",
+                          sensitivity_from="ranks.sensitivity_from")
+    for candidate in candidates:
+        if candidate.fisher_tokens is None:
+            candidate.references = [(Narrowed(choice, candidate.k) if isinstance(candidate, NarrowingCandidate)
+                                     else choice, damage) for choice, damage in measured[candidate.name]]
 
 
 def budget_in_nats(metric: str, allowed: float) -> float:

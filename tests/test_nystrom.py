@@ -1,6 +1,7 @@
 """MLP compression as a module (--method nystrom): the maths (onnx_nmm.nystrom), the rule that finds MLPs
 (passes/mlp_modules), the surgery (passes/mlp_narrowing), and the rewrite that plans widths."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -253,3 +254,20 @@ def test_an_mlp_nystrom_cannot_narrow_is_factorized_and_the_report_says_why(expo
     assert {layer.status for layer in rows} == {"factorized"}  # whitened, as the gate_up cannot be split
     assert all("not narrowed: a Split node sits between it and the projections feeding it" in layer.reason
                for layer in rows)
+
+
+def test_a_budget_reuses_the_sensitivities_an_earlier_one_measured(export, tmp_path, monkeypatch):
+    from onnx_nmm import sensitivity
+
+    path = export("llama", "dynamo")
+    first = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.75, align=64, budget="sensitivity")))
+    (tmp_path / "first.json").write_text(json.dumps(first.report.to_dict()))
+    measured = []
+    monkeypatch.setattr(sensitivity.DamageProbe, "__call__",
+                        lambda self, plan: measured.append(plan) or float(np.mean(self.damage_per_window(plan))))
+    again = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.5, align=64, budget="sensitivity",
+                                                        sensitivity_from=tmp_path / "first.json")))
+    assert again.report.quality_budget["sensitivity"] == first.report.quality_budget["sensitivity"]
+    assert len(measured) == 1  # only the choice itself, not the 2 × 2 references
+    with pytest.raises(OptionError, match="with --budget sensitivity|budget sensitivity"):
+        RankOptions(keep=0.5, sensitivity_from=tmp_path / "first.json")

@@ -81,6 +81,9 @@ def register(subparsers) -> None:
                         help="calibration windows the budget is measured on, drawn from the --calib sources beside "
                              "and never among the windows the statistics come from (default "
                              f"{default(R, 'sensitivity_windows')})")
+    budget.add_argument("--sensitivity-from", metavar="REPORT.json",
+                        help="reuse the sensitivities another quality budget of this model measured (its --report, "
+                             "same calibration and targets), to try another --keep or budget without measuring again")
     budget.add_argument("--ranks-from", metavar="REPORT.json",
                         help="the layers and ranks another rewrite of this model chose (its --report), e.g. to refit "
                              "a quality budget's choice with --calib-mode sequential without measuring it again")
@@ -144,7 +147,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     ranks = onnx_nmm.RankOptions(**given(
         keep=args.keep, rank=args.rank, energy=args.energy, max_ppl_increase=args.max_ppl_increase,
         max_kl=args.max_kl, ranks_from=args.ranks_from, budget=args.budget, align=args.align,
-        sensitivity_windows=args.sensitivity_windows))
+        sensitivity_windows=args.sensitivity_windows, sensitivity_from=args.sensitivity_from))
     calibration = None
     if args.calib is not None or args.calib_stats is not None:
         calibration = onnx_nmm.CalibrationOptions(**given(

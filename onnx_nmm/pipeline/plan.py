@@ -150,6 +150,8 @@ class PlanRanks(RewritePass):
         budget = None if ranks.budget == "sensitivity" else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
         dense = sum(layer.parameters for layer in chosen) + sum(mlp.parameters() for mlp in _unique(mlps))
         to_remove = math.ceil((1 - ranks.keep) * dense) if budget is None else None
+        if ranks.sensitivity_from is not None:
+            sensitivity.references_from(ranks.sensitivity_from, candidates, metric)
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
         measuring = "measuring sensitivity" if fisher_tokens is None else "measuring the predicted choice"
         with context.progress.phase(measuring, total=len(candidates) if fisher_tokens is None else None) as phase:
