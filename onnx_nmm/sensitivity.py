@@ -328,8 +328,8 @@ def references_from(report: str | os.PathLike, candidates: list[Candidate], metr
         budget = json.loads(Path(report).read_text())["quality_budget"]
         measured, their_metric = budget["sensitivity"], budget["metric"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise OptionError(f"{{sensitivity_from}} {report} is not the report of a rewrite with a quality budget ({error})",
-                          sensitivity_from="ranks.sensitivity_from") from None
+        raise OptionError(f"{{sensitivity_from}} {report} is not the report of a rewrite with a quality budget "
+                          f"({error})", sensitivity_from="ranks.sensitivity_from") from None
     missing = [c.name for c in candidates if c.fisher_tokens is None and c.name not in measured]
     if their_metric != metric or missing:
         why = f"measured {their_metric}, not {metric}" if their_metric != metric else f"has no {missing[0]}"
