@@ -16,11 +16,12 @@ def register(subparsers) -> None:
     parser.add_argument("candidate", help="the model to judge, e.g. the rewritten one")
     parser.add_argument("--batch", type=int, help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
     parser.add_argument("--seq-len", type=int,
-                        help=f"sequence length of the random inputs (default {_common.default(D, 'seq_len')})")
+                        help="sequence length of the random inputs (default "
+                             f"{_common.default(D, 'seq_len')}: enough positions to compare, quick on any model)")
     parser.add_argument("--past-len", type=int,
                         help="compare a decode step of --seq-len tokens after a KV cache each model fills with its "
                              "own prefill of this many tokens (default 0: a prefill over an empty cache)")
-    parser.add_argument("--seed", type=int, help="seed of the random token ids")
+    parser.add_argument("--seed", type=int, help=f"seed of the random token ids (default {_common.default(D, 'seed')})")
     parser.add_argument("--inputs", metavar="FILE.npz", help="use these inputs (keys = input names) instead")
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
     parser.add_argument("--rtol", type=float, help="see --atol")

@@ -18,7 +18,8 @@ def register(subparsers) -> None:
                         help="torch.onnx's dynamo exporter (default; dynamo-noopt skips its optimizer) or the "
                              "TorchScript one (opset 17)")
     parser.add_argument("--external-data", choices=tuple(EXTERNAL_DATA), default="auto",
-                        help="write the weights to OUTPUT.data: auto = when they pass 1 GiB")
+                        help="write the weights to OUTPUT.data: auto = when they pass 1 GiB (half protobuf's 2 GiB "
+                             "limit, so that a rewrite that grows a model still fits)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="no KV cache: input_ids and attention_mask in, logits out")
     parser.add_argument("--force", action="store_true", help="replace an existing output")

@@ -53,7 +53,9 @@ def register(subparsers) -> None:
     calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     calibration.add_argument("--calib-samples", type=int,
                              help=f"sequences to use (default {default(C, 'samples')})")
-    calibration.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {default(C, 'seq_len')})")
+    calibration.add_argument("--seq-len", type=int, help=f"tokens per calibration window (default "
+                                                         f"{default(C, 'seq_len')}: long enough for the activations "
+                                                         "of a real context)")
     calibration.add_argument("--calib-spread", action="store_true",
                              help="take the --calib-samples windows evenly spaced over the whole text, not from its "
                                   "start (better when the text's opening is not like the rest)")
@@ -105,7 +107,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, help="seed of the randomized SVD and of fisher's sampled tokens "
                                                  f"(default {default(F, 'seed')})")
     parser.add_argument("--external-data", choices=tuple(EXTERNAL_DATA), default="auto",
-                        help="write weights to OUT.data: auto = if the input did or the model exceeds 2 GB")
+                        help="write the weights to OUT.data: auto = when the input did, or when they pass protobuf's "
+                             "2 GiB limit (export, writing a new model, moves them out at 1 GiB already)")
     parser.add_argument("--report", metavar="FILE.json", help="write the per-layer report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot rank and error of every targeted layer")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")

@@ -20,7 +20,8 @@ def register(subparsers) -> None:
     parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
     parser.add_argument("--inputs", metavar="FILE.npz", help="inputs (keys = input names); default: random token ids")
     parser.add_argument("--batch", type=int, default=1, help="batch size of the random token ids (default 1)")
-    parser.add_argument("--seq-len", type=int, default=16, help="sequence length of the random token ids (default 16)")
+    parser.add_argument("--seq-len", type=int, default=16,
+                        help="sequence length of the random token ids (default %(default)s: one quick forward pass)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("-o", "--output", metavar="FILE.npz", help="save the outputs")
     parser.add_argument("--json", action="store_true", help="print JSON")
