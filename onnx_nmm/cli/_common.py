@@ -273,7 +273,8 @@ def add_text_options(parser, required: bool) -> None:
     """--text/--tokenizer/--window/--stride/--max-windows, shared by eval and diff."""
     group = parser.add_argument_group("text")
     group.add_argument("--text", metavar="FILE", required=required, help="a UTF-8 text file to score")
-    group.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file")
+    group.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file; needed for a text "
+                                                           "(an .npz of token ids needs none)")
     group.add_argument("--window", type=int,
                        help=f"tokens per window (default {onnx_nmm.options.DEFAULT_WINDOW})")
     group.add_argument("--stride", type=int, help="tokens between window starts (default: the window, disjoint)")

@@ -14,7 +14,8 @@ def register(subparsers) -> None:
     parser.add_argument("--prompt", required=True, help="the text to continue (a user turn, when the tokenizer has a "
                                                          "chat template)")
     parser.add_argument("--tokenizer", metavar="PATH",
-                        help="a tokenizer folder or a .gguf file (default: the model's folder, if it holds one)")
+                        help="a tokenizer folder or a .gguf file; needed unless the model's folder holds one (an "
+                             "onnxruntime-genai folder does)")
     parser.add_argument("--max-new-tokens", type=int, default=_common.default(onnx_nmm.GenerateOptions, "max_new_tokens"),
                         help="stop after this many new tokens (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
