@@ -13,6 +13,7 @@ import pytest
 from onnx import helper
 
 import graphs
+import onnx_nmm
 from onnx_nmm.cli import main
 
 
@@ -247,6 +248,17 @@ def test_counts_and_piped_tables_read_right(capsys, tmp_path):
     assert code == 0 and "1 layer factorized," in " ".join(out.split())
     code, out, _ = _cli(capsys, "inspect", path)  # piped: no dimming to see, a column instead
     assert code == 0 and "targeted" in out and "see the targeted column" in " ".join(out.split())
+
+
+def test_a_piped_table_keeps_every_layer_name_whole(capsys, export, tmp_path):
+    from onnx_nmm.passes import find_linear_layers
+
+    source = export("qwen3", "dynamo")
+    code, out, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "o.onnx", "--targets", "all", "--keep", "0.5",
+                        "--align", "32")
+    assert code == 0 and "…" not in out
+    paths = {layer.module_path for layer in find_linear_layers(onnx_nmm.model_io.load_model(source))}
+    assert all(path.split("layers.")[-1] in out for path in paths if "layers." in path)
 
 
 def test_a_long_command_on_a_non_terminal_says_how_far_it_is(capsys, export, tmp_path, monkeypatch):

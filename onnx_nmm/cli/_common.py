@@ -17,12 +17,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichBars
+from rich.table import Table as RichTable
 
 import onnx_nmm
 
 # Tables and results go to stdout; progress and notes to stderr, so `--json` output stays clean.
-# Piped output gets 120 columns instead of rich's 80: wide enough for the tables, narrow enough for a log viewer.
-stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+# Piped output gets 200 columns instead of rich's 80: wide enough for a table of layer names, which fold (Table)
+# rather than lose their end when even that is not enough.
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, highlight=False)
 
 # Option paths (errors.py) whose flag is not `--` + the last part with dashes.
@@ -105,6 +107,15 @@ def token_counts(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
+
+
+class Table(RichTable):
+    """A rich table whose cells fold rather than end in an ellipsis when the width runs out: a log (piped
+    output is 120 columns wide) keeps every layer name whole."""
+
+    def add_column(self, *args, **kwargs) -> None:
+        kwargs.setdefault("overflow", "fold")
+        super().add_column(*args, **kwargs)
 
 
 def millions(number: int | float) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common
@@ -46,7 +45,7 @@ def print_plan(args, options, source: Path) -> int:
     with _common.stderr.status("factorizing one sample matrix to time it..."):
         plan = onnx_nmm.plan_rewrite(source, options, args.threads)
     prefix = _common.common_module_prefix([layer.module_path for layer in plan.layers])
-    table = Table(title=f"Plan for {source.name}" + (f", module paths under {prefix}" if prefix else ""),
+    table = _common.Table(title=f"Plan for {source.name}" + (f", module paths under {prefix}" if prefix else ""),
                   title_justify="left")
     for column in ("layer", "role", "K×N", "dtype", "rank", "params before", "after", "bytes before", "after",
                    "est. s"):

@@ -3,7 +3,6 @@ or with `--target trn1|trn2` the same modelled on one NeuronCore (onnx_nmm.estim
 
 from __future__ import annotations
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.bench_plot import plot_benchmark
@@ -56,7 +55,7 @@ def run(args) -> int:
 
 
 def _print_models(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
-    table = Table(title="Models", title_justify="left")
+    table = _common.Table(title="Models", title_justify="left")
     for column in ("model", "weights", "a decode step reads", "KV cache per token", "peak RSS"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:
@@ -67,7 +66,7 @@ def _print_models(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
 
 
 def _print_prefill(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
-    table = Table(title="Prefill: time to first token", title_justify="left")
+    table = _common.Table(title="Prefill: time to first token", title_justify="left")
     for column in ("model", "prompt", "first token", "tokens/s", "vs first"):
         table.add_column(column, justify="left" if column == "model" else "right")
     first = result.models[0]
@@ -80,7 +79,7 @@ def _print_prefill(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
 
 
 def _print_decode(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
-    table = Table(title="Decode: one token per step after a KV cache of `context` tokens", title_justify="left")
+    table = _common.Table(title="Decode: one token per step after a KV cache of `context` tokens", title_justify="left")
     for column in ("model", "context", "tokens/s", "median", "p90", "vs first", "ideal"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:

@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 from rich.progress import Progress
-from rich.table import Table
 
 from onnx_nmm.cli import _common
 from onnx_nmm import NeuronSdkMissing, OptionError
@@ -186,7 +185,7 @@ def _write_plot(plot, rows, path: Path, dtype: str) -> None:
 
 
 def _print_table(rows, dtype: str) -> None:
-    table = Table(title=f"MLP time on Trainium, {dtype} (modelled)")
+    table = _common.Table(title=f"MLP time on Trainium, {dtype} (modelled)")
     for column in ("target", "model", "tokens", "dense µs", "unfused µs", "fused XUV µs", "fused MLP µs",
                    "XUV vs unfused", "fused MLP vs dense", "params ratio"):
         table.add_column(column, justify="left" if column in ("target", "model") else "right")
@@ -201,7 +200,7 @@ def _print_table(rows, dtype: str) -> None:
 
 
 def _print_device_table(report: dict) -> None:
-    table = Table(title=f"Kernel launches on {report['device']}: measured (p50) vs modelled")
+    table = _common.Table(title=f"Kernel launches on {report['device']}: measured (p50) vs modelled")
     for column in ("target", "kernel", "input shapes", "modelled µs", "measured µs", "p99 µs", "ratio",
                    "max error", "ok"):
         table.add_column(column, justify="left" if column in ("target", "kernel", "input shapes") else "right")
@@ -217,14 +216,14 @@ def _print_device_table(report: dict) -> None:
 
 
 def _print_fit(result: dict) -> None:
-    table = Table(title="Cost-model parameters fitted to the measured times")
+    table = _common.Table(title="Cost-model parameters fitted to the measured times")
     for column in ("parameter", "documented", "fitted", "factor"):
         table.add_column(column, justify="left" if column == "parameter" else "right")
     for name, values in result["parameters"].items():
         table.add_row(name, ", ".join(f"{t} {v:.4g}" for t, v in values["documented"].items()),
                       ", ".join(f"{t} {v:.4g}" for t, v in values["fitted"].items()), f"{values['factor']:.3f}×")
     _common.stdout.print(table)
-    launches = Table(title="Per launch: measured / modelled")
+    launches = _common.Table(title="Per launch: measured / modelled")
     for column in ("target", "kernel", "input shapes", "before", "after"):
         launches.add_column(column, justify="left" if column in ("target", "kernel", "input shapes") else "right")
     for launch in result["launches"]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.bench_plot import plot_trainium
@@ -63,7 +62,7 @@ def _is_config(model: str) -> bool:
 
 
 def _print_models(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
-    table = Table(title="Models", title_justify="left")
+    table = _common.Table(title="Models", title_justify="left")
     for column in ("model", "layers", "linear weights (bf16)", "dense", "factorized", "fused MLP", "dense MLP"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:
@@ -77,7 +76,7 @@ def _print_models(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> N
 
 
 def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
-    table = Table(title=f"Prefill and decode on {result.options.target} (modelled)", title_justify="left")
+    table = _common.Table(title=f"Prefill and decode on {result.options.target} (modelled)", title_justify="left")
     for column in ("model", "phase", "time", "tokens/s", "vs first", "ideal", "kernel-priced share"):
         table.add_column(column, justify="left" if column in ("model", "phase") else "right")
     for model in result.models:
@@ -96,7 +95,7 @@ def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> N
 
 def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
     context = result.options.contexts[len(result.options.contexts) // 2]
-    table = Table(title=f"Where a decode step at context {context} goes (µs, modelled)", title_justify="left")
+    table = _common.Table(title=f"Where a decode step at context {context} goes (µs, modelled)", title_justify="left")
     table.add_column("part")
     table.add_column("priced by")
     for model in result.models:
@@ -110,7 +109,7 @@ def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> No
 
 def _print_generation(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
     prompt, new = result.options.generation
-    table = Table(title=f"End to end: a prompt of {prompt}, {new} new tokens (modelled)", title_justify="left")
+    table = _common.Table(title=f"End to end: a prompt of {prompt}, {new} new tokens (modelled)", title_justify="left")
     for column in ("model", "time", "prefill vs first", "decode vs first", "end to end vs first"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common
@@ -41,7 +40,7 @@ def run(args) -> int:
 
 def _print_summary(compilation: onnx_nmm.Compilation) -> None:
     manifest, kernels = compilation.manifest, compilation.kernels
-    table = Table(title=f"Kernels for {manifest['target']} at {manifest['batch']}×{manifest['seq_len']} tokens"
+    table = _common.Table(title=f"Kernels for {manifest['target']} at {manifest['batch']}×{manifest['seq_len']} tokens"
                   + (" (times modelled)" if kernels.modelled else ""), title_justify="left")
     for column in ("kernel", "nodes", "dims", "plan", "modelled µs", "dense µs (modelled)"):
         table.add_column(column)

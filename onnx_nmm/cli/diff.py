@@ -3,7 +3,6 @@ onnx_nmm.diff_on_text)."""
 
 from __future__ import annotations
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common
@@ -91,7 +90,7 @@ def _print_table(args, result: onnx_nmm.Diff) -> None:
     shapes = _input_shapes(result.inputs)
     how = "onnxruntime CPU" if result.backend == "ort" else f"{result.backend} backend vs onnxruntime CPU"
     reference, candidate = _labels(args, onnx_nmm.DiffOptions(backend=result.backend))
-    table = Table(title=f"{candidate} vs {reference} ({how}; {shapes})", title_justify="left")
+    table = _common.Table(title=f"{candidate} vs {reference} ({how}; {shapes})", title_justify="left")
     for column in ("output", "max |Δ|", "max |Δ| / max |A|", "cosine", "top-1 agree", "mean KL (nats)", "outside tol"):
         table.add_column(column, justify="left" if column == "output" else "right")
     tolerance = result.atol is not None or result.rtol is not None

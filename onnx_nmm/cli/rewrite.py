@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common, _scale
@@ -167,7 +166,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
 
 def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Path | None) -> None:
     prefix = _common.common_module_prefix([layer.module_path for layer in report.layers])
-    table = Table(title=f"Rewrite ({report.rule}; {report.selection}; {report.method})"
+    table = _common.Table(title=f"Rewrite ({report.rule}; {report.selection}; {report.method})"
                   + (f", module paths under {prefix}" if prefix else ""), title_justify="left")
     fisher = any(layer.predicted_kl is not None for layer in report.layers)
     for column, justify in (("layer", "left"), ("role", "left"), ("K×N", "right"), ("rank", "right"),

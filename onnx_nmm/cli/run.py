@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import numpy as np
-from rich.table import Table
 
 import onnx_nmm
 from onnx_nmm.cli import _common
@@ -41,7 +40,7 @@ def run(args) -> int:
     if args.json:
         _common.print_json({"model": args.model, "backend": args.backend, "outputs": summary, "kernel_calls": calls})
         return 0
-    table = Table(title=f"{args.model} on {args.backend}", title_justify="left")
+    table = _common.Table(title=f"{args.model} on {args.backend}", title_justify="left")
     for column in ("output", "shape", "dtype", "min", "max", "mean"):
         table.add_column(column)
     for name, info in summary.items():
