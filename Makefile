@@ -1,5 +1,5 @@
 # Two entry points that set up everything on a fresh machine:
-#   make demo   export a small Llama, rewrite it, diff it against the original
+#   make demo   a real LLM (SmolLM2-135M): export it, narrow its MLPs, its answers, perplexity and speed before and after
 #   make test   run the test suite (slow real-model tests included; `make test-fast` skips them)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch must stay at the CPU build on this machine's disk; an unpinned torch pulls CUDA (several GB).
 CONSTRAINTS := constraints.txt
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo smoke test test-fast
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
+
+# the same steps on a random-weight Llama, in seconds
+smoke: $(STAMP)
+	$(PY) tools/demo.py --tiny
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup
