@@ -19,6 +19,7 @@ from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.graph_probe import first_step
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.teacher import CALIBRATION
 
 RUN_BACKENDS = ("ort", "torch", "emulator")
 TARGETS = ("trn1", "trn2")
@@ -37,6 +38,7 @@ class ModelRunner:
         check_backend(backend, target)
         source = ModelSource.of(model)
         self.backend, self.label = backend, source.label
+        self.calibrated = CALIBRATION in source.model.metadata_props  # a rewrite fitted to calibration data
         graph = source.model.graph
         self.input_names = [value.name for value in graph.inputs if not value.is_initializer()]
         self.output_names = [value.name for value in graph.outputs]

@@ -58,6 +58,7 @@ class Diff:
     rtol: float | None
     outputs: list[metrics.OutputComparison] = field(default_factory=list)
     random_tokens: bool = False  # the inputs were random token ids, not text
+    calibrated: bool = False  # the candidate is a calibrated rewrite (its metadata says what it was fitted to)
 
     @property
     def passed(self) -> bool:
@@ -67,8 +68,8 @@ class Diff:
     def misleading_on_random_tokens(self) -> bool:
         """Logits that barely agree on random token ids: a calibrated rewrite often looks so there and is fine
         on text, which is what its calibration fitted it to."""
-        return self.random_tokens and any(output.cosine < 0.9 for output in self.outputs
-                                          if output.top1_agreement is not None)
+        return self.random_tokens and self.calibrated and any(output.cosine < 0.9 for output in self.outputs
+                                                              if output.top1_agreement is not None)
 
     def to_dict(self) -> dict:
         return {"reference": self.reference, "candidate": self.candidate, "backend": self.backend,
@@ -99,7 +100,7 @@ def diff(reference: Model, candidate: Model, options: DiffOptions | None = None)
         comparisons.append(metrics.compare(name, array, actual[name], o.atol, o.rtol))
     return Diff(expected_runner.label, actual_runner.label, o.backend,
                 {name: list(array.shape) for name, array in inputs.items()}, o.atol, o.rtol, comparisons,
-                random_tokens=o.inputs is None)
+                random_tokens=o.inputs is None, calibrated=actual_runner.calibrated)
 
 
 def _after_prefill(runner: ModelRunner, tokens: np.ndarray, past: int) -> tuple[dict, dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 DENSE_MODEL = "onnx_nmm.dense_model"
+CALIBRATION = "onnx_nmm.calibration"  # what a calibrated rewrite was fitted to, in words
 
 
 def record_dense_model(model: ir.Model, source: Path | None) -> None:
@@ -23,6 +24,12 @@ def record_dense_model(model: ir.Model, source: Path | None) -> None:
     names its own dense model)."""
     if source is not None and DENSE_MODEL not in model.metadata_props:
         model.metadata_props[DENSE_MODEL] = str(Path(source).resolve())
+
+
+def record_calibration(model: ir.Model, description: str) -> None:
+    """Write what the rewrite was calibrated on into `model`, when it was (`diff` reads it)."""
+    if description:
+        model.metadata_props[CALIBRATION] = description
 
 
 def recorded_dense_model(model: ir.Model) -> Path | None:

@@ -344,3 +344,16 @@ def test_a_weight_shared_by_gate_and_up_is_named_as_such(capsys, tmp_path):
     said = [str(warning.message) for warning in warned]
     assert any("mlp.gate_proj shares its weight with mlp.up_proj (up), which keeps it" in text for text in said)
     assert not any("tied embedding" in text for text in said)
+
+
+def test_the_random_token_note_is_for_calibrated_rewrites_only(capsys, export, tmp_path):
+    """Random token ids say little about a rewrite fitted to text; they say what they say about one that was
+    not fitted to anything, with no excuse offered."""
+    source = export("llama", "dynamo")
+    plain, calibrated = tmp_path / "plain.onnx", tmp_path / "calibrated.onnx"
+    assert main(["rewrite", str(source), "-o", str(plain), "--keep", "0.25", "--align", "32", "--quiet"]) == 0
+    assert main(["rewrite", str(source), "-o", str(calibrated), "--keep", "0.25", "--align", "32", "--method",
+                 "whiten", "--calib", "random", "--calib-samples", "4", "--seq-len", "32", "--quiet"]) == 0
+    assert not onnx_nmm.diff(source, plain).calibrated and onnx_nmm.diff(source, calibrated).calibrated
+    code, out, _ = _cli(capsys, "diff", source, plain)
+    assert code == 0 and "unlike anything a calibrated rewrite was fitted to" not in out

@@ -28,7 +28,7 @@ from onnx_nmm.pipeline.plan import PlanRanks
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import GatherStatistics
 from onnx_nmm.progress import Progress
-from onnx_nmm.teacher import record_dense_model
+from onnx_nmm.teacher import record_calibration, record_dense_model
 
 
 class FuseMlps(RewritePass):
@@ -74,6 +74,7 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     if context.options.check_answers and calibration is not None and calibration.tokenizer is not None:
         _check_answers(source, context, calibration.tokenizer)
     record_dense_model(source.model, source.path)  # finetune's teacher by default
+    record_calibration(source.model, context.report.calibration)
     return RewriteResult(source.model, context.report, source.path, source.used_external_data)
 
 
