@@ -312,9 +312,13 @@ class RewriteOptions:
     calibration: CalibrationOptions | None = None
     fuse_mlp: bool = False
     check_answers: bool = True  # with a tokenizer: compare greedy answers to check prompts with the dense model's
+    method_by_default: bool = field(default=False, init=False, compare=False)
+    plan_by_default: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "plan_by_default", self.ranks.by_default)
         if self.factorization.method is None:
+            object.__setattr__(self, "method_by_default", True)
             sequential = self.calibration is not None and self.calibration.mode == "sequential"
             ranks_only = self.ranks.rule in ("rank", "energy") or sequential  # choose or fit ranks, not widths
             method = "svd" if self.calibration is None else "whiten" if ranks_only else "nystrom"
@@ -344,6 +348,17 @@ class RewriteOptions:
     @property
     def method(self) -> str:
         return self.factorization.method
+
+    def streamable(self) -> RewriteOptions:
+        """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality
+        budget measured on a model held in memory) become whitened SVD at the uniform DEFAULT_KEEP; what was
+        asked for explicitly is kept (and refused later if it cannot stream)."""
+        factorization, ranks = self.factorization, self.ranks
+        if self.method_by_default and self.method == "nystrom":
+            factorization = replace(factorization, method="whiten")
+        if self.plan_by_default:
+            ranks = RankOptions(keep=DEFAULT_KEEP, align=ranks.align, sensitivity_windows=ranks.sensitivity_windows)
+        return replace(self, factorization=factorization, ranks=ranks)
 
     @property
     def sequential(self) -> bool:

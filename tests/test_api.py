@@ -165,6 +165,12 @@ def test_defaults_are_the_documented_ones():
     ranked = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank=8), calibration=calibrated.calibration)
     assert ranked.method == "whiten"  # ranks only: the MLPs are factorized, not narrowed
     assert onnx_nmm.RankOptions(energy=0.9).keep is None  # the default applies only when no rule is given
+    streamed = calibrated.streamable()  # a stream cannot narrow nor measure a budget: its defaults are older
+    assert streamed.method == "whiten" and streamed.ranks.rule == "keep" and streamed.ranks.keep == 0.8
+    assert kept.streamable().method == "whiten" and kept.streamable().ranks.keep == 0.8
+    asked = onnx_nmm.RewriteOptions(factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
+                                    calibration=calibrated.calibration)
+    assert asked.streamable().method == "nystrom"  # asked for: kept, and refused by the stream in one line
 
 
 def test_progress_hears_every_phase(export, tmp_path):
@@ -186,7 +192,7 @@ def test_progress_hears_every_phase(export, tmp_path):
     recorder = Recorder()
     options = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions(_token_ids(tmp_path / "c.npz",
                                                                                          samples=8)))
-    result = onnx_nmm.rewrite(export("llama", "dynamo"), options, recorder)  # the default: nystrom within +5 %
+    result = onnx_nmm.rewrite(export("llama", "dynamo"), options, recorder)  # the default: nystrom within +1 %
     assert recorder.phases == {"calibrating": (4 * 32, 4 * 32), "held-out activations": (4 * 32, 4 * 32),
                                "measuring sensitivity": (2, 2), "narrowing MLPs": (2, 2), "factorizing": (6, 6)}
     assert set(result.report.seconds) == {"calibration", "rank selection", "narrowing", "factorization"}

@@ -47,7 +47,8 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
 
     The result's model references the written files. Raises an OnnxNmmError subclass for bad input.
     """
-    options, stream, progress = options or RewriteOptions(), stream or StreamOptions(), progress or Progress()
+    options = (options or RewriteOptions()).streamable()  # its defaults are the ones a stream can run
+    stream, progress = stream or StreamOptions(), progress or Progress()
     _refuse_in_memory_only(options)
     if stream.ray is not None:
         import_ray()  # a missing ray is said before any work
