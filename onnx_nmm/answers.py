@@ -13,8 +13,9 @@ in nats per token, of the log-likelihood of the dense model's answer under the r
 the dense model's own (teacher-forced on prompt and answer): a model that rewords keeps the dense answer
 likely, one that stopped answering does not. On SmolLM2 the mean over the prompts was 0.36–0.76 for
 narrowed MLPs that reword (7.8 % to 14 % of the MLP parameters removed) and 1.85 for the whitened rewrite
-above; past MAX_ANSWER_DROP the rewrite warns. Whether the greedy answers begin with the same
-COMPARED_TOKENS tokens is reported beside it.
+above; past MAX_ANSWER_DROP the rewrite warns. It warns as well when most greedy answers no longer begin with
+the dense answer's first COMPARED_TOKENS tokens: the drop does not tell a reworded answer from a wrong one
+("The sky is not blue, it's a shade of gray" came with a drop of 0.56), so the answers are then worth reading.
 """
 
 from __future__ import annotations
@@ -47,21 +48,25 @@ class AnswerCheck:
     def mean_drop(self) -> float:
         return float(np.mean(self.drops))
 
+    @property
+    def diverging(self) -> int:
+        return self.same_start.count(False)
+
     def warning(self) -> str:
         """One line when the rewritten model no longer gives the dense model's answers; "" otherwise."""
-        if self.mean_drop <= MAX_ANSWER_DROP:
+        unlikely, diverged = self.mean_drop > MAX_ANSWER_DROP, 2 * self.diverging > len(self.prompts)
+        if not (unlikely or diverged):
             return ""
-        worst = int(np.argmax(self.drops))
-        return (f"the rewritten model finds the dense model's answers to {len(self.prompts)} check prompts "
-                f"{self.mean_drop:.2f} nats per token less likely (more than {MAX_ANSWER_DROP:g}): it answers "
-                f"{self.prompts[worst]!r} with {_shown(self.rewritten[worst])} instead of {_shown(self.dense[worst])}; "
-                "keep more parameters (a larger --keep, or a smaller --max-ppl-increase) and check with "
-                "`onnx-nmm generate`")
-
-    def summary(self) -> str:
-        return (f"the dense model's answers to {len(self.prompts)} check prompts are {self.mean_drop:.2f} nats per "
-                f"token less likely in the rewritten model (it warns above {MAX_ANSWER_DROP:g}); "
-                f"{sum(self.same_start)} of its greedy answers begin with the same {COMPARED_TOKENS} tokens")
+        shown = [i for i, same in enumerate(self.same_start) if not same] or range(len(self.prompts))
+        worst = max(shown, key=lambda i: self.drops[i])
+        what = (f"finds the dense model's answers to {len(self.prompts)} check prompts {self.mean_drop:.2f} nats per "
+                f"token less likely (more than {MAX_ANSWER_DROP:g})" if unlikely else
+                f"answers {self.diverging} of {len(self.prompts)} check prompts otherwise than the dense model "
+                f"from the first {COMPARED_TOKENS} tokens")
+        return (f"the rewritten model {what}: it answers {self.prompts[worst]!r} with "
+                f"{_shown(self.rewritten[worst])} instead of {_shown(self.dense[worst])}; read its answers with "
+                "`onnx-nmm generate`, and if they are wrong keep more parameters (a larger --keep, or a smaller "
+                "--max-ppl-increase)")
 
     def to_dict(self) -> dict:
         return asdict(self) | {"mean_drop": self.mean_drop, "compared_tokens": COMPARED_TOKENS,

@@ -32,7 +32,7 @@ class LayerInfo:
     shared_with: list[str]  # other nodes reading the weight (a tied embedding's Gather)
     parameters: int
     targeted: bool
-    rank: int | None  # what the rank rule gives, when it needs no spectrum
+    rank: int | None  # what the rank rule gives a targeted layer, when it needs no spectrum; None otherwise
     rank_note: str
     parameters_after: int
     sites: int = 1  # nodes computing it: a merged decoder's branches each hold one, reading the same weight
@@ -88,7 +88,7 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
 
 
 def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
-    rank, note = _rank(layer, ranks)
+    rank, note = _rank(layer, ranks) if targeted else (None, "not targeted")
     storage = "external data" if layer.weight.is_external else ("initializer" if layer.weight.is_initializer else "Constant")
     quantized = layer.weight.quantized
     if quantized is not None:
@@ -99,7 +99,7 @@ def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
         dtype=layer.dtype.name.lower(), weight=layer.weight.name, storage=storage,
         transposed=layer.weight.transposed, bias=layer.bias is not None, shared_with=layer.shared_with,
         parameters=layer.parameters, targeted=targeted, rank=rank, rank_note=note,
-        parameters_after=rank * (layer.k + layer.n) if rank is not None and targeted else layer.parameters)
+        parameters_after=rank * (layer.k + layer.n) if rank is not None else layer.parameters)
 
 
 def _rank(layer: LinearLayer, ranks: RankOptions) -> tuple[int | None, str]:

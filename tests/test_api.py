@@ -87,6 +87,8 @@ def test_inspect_diff_eval_and_run_on_the_command_line_are_the_api(capsys, expor
     inspected = json.loads(_cli(capsys, "inspect", source, "--keep", "0.5", "--align", "32", "--json"))
     api = onnx_nmm.inspect(source, onnx_nmm.RankOptions(keep=0.5, align=32))
     assert inspected == json.loads(json.dumps(api.to_dict()))
+    untargeted = [layer for layer in api.layers if not layer.targeted]  # attention and lm_head alike: one rule
+    assert untargeted and all(layer.rank is None and layer.rank_note == "not targeted" for layer in untargeted)
 
     compared = json.loads(_cli(capsys, "diff", source, candidate, "--seq-len", "9", "--json"))
     assert compared == json.loads(json.dumps(onnx_nmm.diff(source, candidate, onnx_nmm.DiffOptions(seq_len=9)).to_dict()))

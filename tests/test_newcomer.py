@@ -173,18 +173,6 @@ def test_one_file_on_two_backends_is_labelled_by_backend(capsys, export, tmp_pat
     assert code == 0 and f"{rewritten} (torch) vs {rewritten} (ort)" in title
 
 
-def test_random_token_ids_come_with_a_note_when_they_mislead(capsys, export, tmp_path):
-    """A calibrated rewrite looks worse on random token ids than it is: diff says so; plain SVD was fitted to
-    nothing, and gets no such note."""
-    source = export("llama", "dynamo")
-    for flags, noted in ((["--calib", "random", "--method", "whiten"], True), ([], False)):
-        rewritten = tmp_path / f"noted-{noted}.onnx"
-        assert main(["rewrite", str(source), "-o", str(rewritten), "--rank", "8", "--align", "8", "--quiet",
-                     *flags]) == 0
-        code, out, _ = _cli(capsys, "diff", source, rewritten)
-        assert code == 0 and ("judge it on real text with --text and --tokenizer" in " ".join(out.split())) == noted
-
-
 def test_a_checkpoint_becomes_an_onnx_model_the_other_commands_take(capsys, tmp_path):
     import onnx
     import torch
@@ -362,3 +350,35 @@ def test_the_random_token_note_is_for_calibrated_rewrites_only(capsys, export, t
     assert not onnx_nmm.diff(source, plain).calibrated and onnx_nmm.diff(source, calibrated).calibrated
     code, out, _ = _cli(capsys, "diff", source, plain)
     assert code == 0 and "unlike anything a calibrated rewrite was fitted to" not in out
+
+
+def test_no_command_writes_over_an_existing_output_without_force(capsys, export, tmp_path):
+    """rewrite, finetune, export (above), compile, bench: a model, a folder, a report or a plot that exists is
+    kept as it was and named in one line, before any long work."""
+    source, rewritten = export("llama", "dynamo"), tmp_path / "r.onnx"
+    assert main(["rewrite", str(source), "-o", str(rewritten), "--keep", "0.5", "--align", "32", "--quiet"]) == 0
+    np.savez(tmp_path / "train.npz", input_ids=np.random.default_rng(0).integers(0, 1000, (8, 16)))
+    existing = tmp_path / "existing"
+    existing.write_bytes(b"keep me")
+    compiled = tmp_path / "compiled"
+    compiled.mkdir()
+    (compiled / "old.neff").write_bytes(b"keep me")
+    cases = [
+        (["rewrite", source, "-o", tmp_path / "a.onnx", "--keep", "0.5", "--report", existing], "--report"),
+        (["rewrite", source, "-o", tmp_path / "a.onnx", "--keep", "0.5", "--plot", existing], "--plot"),
+        (["rewrite", source, "-o", tmp_path / "a.onnx", "--method", "whiten", "--calib", "random",
+          "--save-calib-stats", existing], "--save-calib-stats"),
+        (["finetune", rewritten, "--text", tmp_path / "train.npz", "-o", existing], "exists; choose another -o"),
+        (["finetune", rewritten, "--text", tmp_path / "train.npz", "-o", tmp_path / "t.onnx", "--report", existing],
+         "--report"),
+        (["compile", rewritten, "--seq-len", "4", "--dry-run", "-o", compiled], "exists and is not empty"),
+        (["bench", rewritten, "--plot", existing], "--plot"),
+    ]
+    for argv, said in cases:
+        code, _, err = _cli(capsys, *argv)
+        _one_line_error(code, err, said)
+        assert existing.read_bytes() == b"keep me" and not (tmp_path / "a.onnx").exists()
+    assert [path.name for path in compiled.iterdir()] == ["old.neff"]
+    code, _, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "a.onnx", "--keep", "0.5", "--report", existing,
+                      "--force", "--quiet")
+    assert code == 0 and json.loads(existing.read_text())["layers"]

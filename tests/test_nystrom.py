@@ -248,6 +248,21 @@ def test_the_answer_check_measures_how_likely_the_rewritten_model_finds_the_dens
     assert check.prompts[int(np.argmax(check.drops))] in check.warning()
 
 
+def test_answers_that_mostly_diverge_are_worth_a_warning_even_when_likely():
+    """A likely dense answer does not make the greedy one right: when most greedy answers leave the dense ones
+    within the first tokens, the rewrite warns and shows one of them."""
+    from onnx_nmm.answers import AnswerCheck
+
+    prompts = ["What is the capital of France?", "Why is the sky blue?", "Spider legs?", "Bees?"]
+    dense = ["Paris.", "Rayleigh scattering.", "Eight.", "Honey."]
+    rewritten = ["Paris, France.", "The sky is not blue.", "Four.", "Honey."]
+    diverged = AnswerCheck(prompts, dense, rewritten, [0.1, 0.5, 0.3, 0.0], [False, False, False, True])
+    assert diverged.diverging == 3 and "3 of 4 check prompts otherwise" in diverged.warning()
+    assert "'Why is the sky blue?' with 'The sky is not blue.' instead of 'Rayleigh scattering.'" in diverged.warning()
+    half = AnswerCheck(prompts, dense, rewritten, [0.1, 0.5, 0.3, 0.0], [True, False, False, True])
+    assert half.warning() == ""  # rewording some answers is what any compression does
+
+
 def test_an_mlp_nystrom_cannot_narrow_is_factorized_and_the_report_says_why(export):
     result = onnx_nmm.rewrite(export("phi3", "dynamo"), _nystrom(RankOptions(keep=0.5, align=32)))
     rows = [layer for layer in result.report.layers if layer.status != "skipped"]

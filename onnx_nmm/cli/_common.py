@@ -54,6 +54,19 @@ def flag(option: str, overrides: dict[str, str] | None = None) -> str:
     return "--" + option.rsplit(".", 1)[-1].replace("_", "-")
 
 
+def refuse_existing(args, *flags: str) -> None:
+    """The files a command writes beside its output (--report, --plot, ...): one that exists is replaced only
+    with --force, and that is said before the long work, not after."""
+    from onnx_nmm.errors import OutputError
+
+    for flag in flags:
+        path = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if path is not None and Path(path).is_dir():
+            raise OutputError(f"{flag} {path} is a folder: give a file name")
+        if path is not None and Path(path).exists() and not args.force:
+            raise OutputError(f"{flag} {path} exists: choose another path, or give --force to replace it")
+
+
 def write_json(path: str | os.PathLike, data: dict) -> None:
     """Write `data` as JSON to `path` atomically (temporary file, then rename)."""
     from onnx_nmm.model_io import write_text_atomically

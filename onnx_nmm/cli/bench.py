@@ -34,6 +34,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids fed (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="write decode tokens/s against context length")
+    parser.add_argument("--force", action="store_true", help="replace an existing --plot file")
     bench_trainium.add_options(parser)
     parser.set_defaults(handler=run)
 
@@ -42,6 +43,7 @@ def run(args) -> int:
     if args.target:
         return bench_trainium.run(args)
     bench_trainium.refuse_modelled_options(args)
+    _common.refuse_existing(args, "--plot")
     options = onnx_nmm.BenchOptions(prompt_lengths=args.prompt_lengths, contexts=args.contexts, steps=args.steps,
                                     rounds=args.rounds, threads=args.threads, seed=args.seed)
     with _common.progress(quiet=args.json) as progress:

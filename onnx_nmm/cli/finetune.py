@@ -83,6 +83,7 @@ def run(args) -> int:
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
     check_new_output(output, args.force)
+    _common.refuse_existing(args, "--report", "--plot")
     with _common.progress(args.quiet) as progress:
         result = onnx_nmm.finetune(source, data, options, progress)
         with progress.phase("writing"):

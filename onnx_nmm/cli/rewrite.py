@@ -123,6 +123,7 @@ def run(args) -> int:
         return _scale.print_plan(args, options, source)
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
     check_new_output(output, args.force)
+    _common.refuse_existing(args, "--report", "--plot", "--save-calib-stats")
     new_folder = next((folder for folder in reversed(output.parents) if not folder.exists()), None)
     with _common.progress(args.quiet) as progress:
         if _scale.streams(args):
