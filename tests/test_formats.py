@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import onnx_nmm
 from onnx_nmm.causal_lm import CausalLm
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.cli import main
@@ -316,3 +317,16 @@ def test_inspect_finds_every_linear_layer_of_each_format(capsys, export, name, r
     assert found == roles and not inspected["unread"]
     if name == "optimum-merged":  # each weight read in both branches, listed once
         assert all(layer["sites"] == 2 for layer in inspected["layers"] if layer["role"] != "lm_head")
+
+
+def test_a_full_rank_rewrite_of_an_int8_model_adds_little_to_its_own_quantization_error(tmp_path):
+    """MatMulInteger factors are int8 per column, and H is quantized again on its way to V: against the float
+    model, the full-rank rewrite's error stays at the level of the input's own quantization."""
+    quantized = _quantized("dynamic-int8", tmp_path / "quantized.onnx")
+    rewritten = tmp_path / "full.onnx"
+    onnx_nmm.rewrite(quantized, onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank="full"),
+                                                        selection=onnx_nmm.Selection(targets="all"))).save(rewritten)
+    options = onnx_nmm.DiffOptions(seq_len=16)
+    own, after = (onnx_nmm.diff(PAST, model, options).outputs[0] for model in (quantized, rewritten))
+    rms_ratio = np.sqrt((1 - after.cosine) / (1 - own.cosine))  # ‖a−b‖/‖a‖ ≈ √(2(1−cos)) when norms agree
+    assert 1 - own.cosine > 1e-5 and rms_ratio < 1.5, rms_ratio
