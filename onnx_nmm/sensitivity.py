@@ -300,18 +300,22 @@ class DamageProbe:
         return (outputs[0] if isinstance(outputs, (tuple, list)) else outputs).numpy()
 
 
-def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric: str, budget: float | None,
-           parameters_to_remove: int | None, kept_dense: Dense,
-           on_measured: Callable[[str], None] | None = None) -> BudgetChoice:
-    """Measure each candidate's references (unless Fisher statistics predict its damage, or they were measured
-    before: `references_from`), then choose: within `budget` of damage, or removing `parameters_to_remove` at
-    the least damage."""
+def measure_references(candidates: list[Candidate], damage_of: DamageOf, align: int,
+                       on_measured: Callable[[str], None] | None = None) -> None:
+    """Measure each candidate's damage at its reference ranks, unless Fisher statistics predict it or an
+    earlier rewrite measured it (`references_from`)."""
     for candidate in candidates:
         if candidate.fisher_tokens is None and not candidate.references:
             candidate.references = [(rank, damage_of({candidate.name: rank}))
                                     for rank in candidate.reference_ranks(align)]
             if on_measured is not None:
                 on_measured(candidate.name)
+
+
+def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric: str, budget: float | None,
+           parameters_to_remove: int | None, kept_dense: Dense) -> BudgetChoice:
+    """With the candidates' references measured (measure_references): the plan within `budget` of damage, or
+    the one removing `parameters_to_remove` at the least damage."""
     if parameters_to_remove is not None:
         chosen = select_for_parameters(candidates, align, parameters_to_remove, metric, damage_of, kept_dense)
     else:

@@ -153,10 +153,18 @@ class PlanRanks(RewritePass):
         if ranks.sensitivity_from is not None:
             sensitivity.references_from(ranks.sensitivity_from, candidates, metric)
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
-        measuring = "measuring sensitivity" if fisher_tokens is None else "measuring the predicted choice"
-        with context.progress.phase(measuring, total=len(candidates) if fisher_tokens is None else None) as phase:
-            choice = sensitivity.choose(candidates, probe, ranks.align, metric, budget, to_remove, kept_dense,
-                                        on_measured=lambda name: phase.advance(detail=f"sensitivity: {name}"))
+        unmeasured = [c for c in candidates if c.fisher_tokens is None and not c.references]
+        if unmeasured:
+            with context.progress.phase("measuring sensitivity", total=len(unmeasured)) as phase:
+                sensitivity.measure_references(unmeasured, probe, ranks.align,
+                                               on_measured=lambda name: phase.advance(detail=name))
+        with context.progress.phase(f"choosing within the {ranks.quality_budget}") as phase:
+            def measured(plan):  # each plan tried is one run over the held-out windows
+                damage = probe(plan)
+                phase.advance()
+                return damage
+
+            choice = sensitivity.choose(candidates, measured, ranks.align, metric, budget, to_remove, kept_dense)
         context.report.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description,
             "spread": sensitivity.spread_over_windows(metric, probe.damage_per_window(choice.plan), held_out.ids)}
