@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,6 +143,10 @@ def sample_batch(model, text: GeneratedText, seq_len: int, first: int, index: in
 
     rng = np.random.default_rng(text.seed + index)
     decoder = Decoder(model)
+    if not decoder.uses_cache and index == 0:
+        warnings.warn(f"sampling windows of {seq_len} tokens from a model without a KV cache re-reads the whole "
+                      "sequence at every step, which is slow: give an export of the same model with a cache as the "
+                      "generator (--calib-generator, or --generator for finetune)", stacklevel=2)
     tokens = np.full((text.batch, 1), first, np.int64)
     logits = decoder.prefill(tokens)
     while tokens.shape[1] < seq_len:

@@ -29,7 +29,7 @@ def register(subparsers) -> None:
                              "the best quality, and --budget global then spends parameters by predicted KL); "
                              "nystrom: narrow each targeted MLP to the intermediate neurons it keeps and refit its "
                              "down projection (dense, narrower MatMuls; other targets are whitened) "
-                             "(default: whiten with --calib, else svd)")
+                             "(default: nystrom with --calib, whiten with --calib and --rank or --energy, else svd)")
     parser.add_argument("--neuron-score", choices=NEURON_SCORES,
                         help="nystrom: which neurons an MLP keeps — energy: the activation energy each writes "
                              "through the down projection; leverage: ridge leverage of the activations' correlation "
@@ -45,7 +45,9 @@ def register(subparsers) -> None:
                              help="a text file (with --tokenizer), an .npz with input_ids [samples, seq], "
                                   "statistics saved by --save-calib-stats, 'generated[:N]' (N windows sampled from "
                                   "the model itself, default 64: the recommended calibration, docs/quality.md), or "
-                                  "'random' (tests only); repeat to mix sources (--calib a.txt --calib generated:64)")
+                                  "'random' (tests only); repeat to mix sources (--calib a.txt --calib generated:64). "
+                                  "One text and no --keep, --max-ppl-increase or --max-kl: the text is mixed with "
+                                  "generated:32 and the MLPs narrowed within +2 %% perplexity on held-out windows")
     calibration.add_argument("--calib-generator", metavar="MODEL.onnx",
                              help="sample generated windows from this export of the same model (e.g. one with a KV "
                                   "cache, which is much faster) instead of the model being rewritten")
