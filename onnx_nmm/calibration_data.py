@@ -240,11 +240,13 @@ class CalibrationData:
     `held_out_windows()` (what the quality budgets are measured on) is only them — disjoint by construction.
     """
 
-    def __init__(self, options: CalibrationOptions, graph: ir.Graph, model=None, held_out: int = 0):
+    def __init__(self, options: CalibrationOptions, graph: ir.Graph, model=None, held_out: int = 0,
+                 progress: Progress | None = None):
         self.options = options
         self.graph = graph
         self.model = model
         self.held_out = held_out
+        self.progress = progress or Progress()  # hears the sampling of generated windows, which takes minutes
         source = options.source
         source_is_statistics = isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") \
             and GramStatistics.is_statistics_file(source)
@@ -345,7 +347,12 @@ class CalibrationData:
             if self.model is None:
                 raise OptionError("generated calibration text is sampled from the model: this use of the "
                                   "calibration data has no model to sample from", source="calibration.source")
-            windows = generated_windows(generated, self.model, o.seq_len, o.tokenizer, generated.samples + extra)
+            samples = generated.samples + extra
+            batches = -(-samples // generated.batch)
+            description = f"sampling calibration text ({generated.describe(o.seq_len)})"
+            with self.progress.phase(description, total=batches) as phase:
+                windows = generated_windows(generated, self.model, o.seq_len, o.tokenizer, samples,
+                                            on_batch=phase.advance)
             count = generated.samples
         else:
             windows = token_windows(source, o.tokenizer, o.samples + extra, o.seq_len,

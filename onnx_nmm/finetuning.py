@@ -111,8 +111,9 @@ class TrainingData:
         if self.samples is not None and self.samples < 1:
             raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
 
-    def windows(self, dense_model=None) -> TokenWindows:
-        """The training windows; generated ones sampled from `dense_model` (unless they name a generator)."""
+    def windows(self, dense_model=None, progress: Progress | None = None) -> TokenWindows:
+        """The training windows; generated ones sampled from `dense_model` (unless they name a generator), which
+        `progress` hears."""
         from onnx_nmm.generated_text import generated_windows, parse_generated
 
         parts = []
@@ -125,7 +126,11 @@ class TrainingData:
                 raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
                                   teacher="teacher")
             else:
-                parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer))
+                total = -(-generated.samples // generated.batch)
+                description = f"sampling training text ({generated.describe(self.seq_len)})"
+                with (progress or Progress()).phase(description, total=total) as phase:
+                    parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer,
+                                                   on_batch=phase.advance))
         return joined_windows(parts)
 
 
@@ -224,7 +229,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                          f"{vocabulary}: give the dense model this one was rewritten from")
     phases = _Phases()
     with phases("reading data"):
-        windows = data.windows(options.teacher or recorded_dense_model(source.model))
+        windows = data.windows(options.teacher or recorded_dense_model(source.model), progress)
         check_windows(windows.tokens, options.training)
         check_token_ids(windows.tokens, vocabulary, windows.description, source.label)
         evaluation = options.evaluation

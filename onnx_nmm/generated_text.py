@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,9 +111,10 @@ def start_token(tokenizer) -> int:
     raise DataError("the tokenizer has neither a BOS nor an end-of-text token to start generated windows with")
 
 
-def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, samples: int | None = None
-                      ) -> TokenWindows:
-    """`samples` (default text.samples) windows of `seq_len` tokens sampled from `text.generator` or `model`."""
+def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, samples: int | None = None,
+                      on_batch: Callable[[], None] | None = None) -> TokenWindows:
+    """`samples` (default text.samples) windows of `seq_len` tokens sampled from `text.generator` or `model`;
+    `on_batch()` after each batch of them, generated or read from the cache."""
     from onnx_nmm.calibration_data import TokenWindows, load_tokenizer
 
     samples = samples or text.samples
@@ -132,6 +134,8 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
             rows[-1] = sample_batch(writer, text, seq_len, first, b)
             if cache is not None:
                 _store_batch(cache, b, rows[-1])
+        if on_batch is not None:
+            on_batch()
     tokens = np.concatenate(rows)[:samples]
     described = GeneratedText(**{**text.__dict__, "samples": samples}).describe(seq_len)
     return TokenWindows(tokens, described, [f"{GENERATED}#{i}" for i in range(samples)])

@@ -290,3 +290,31 @@ def test_a_generator_without_generated_windows_is_refused_in_one_line(tmp_path, 
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "generated:N" in err, err
         assert not (tmp_path / "o.onnx").exists()
+
+
+def test_sampling_generated_windows_is_a_phase_the_progress_hears(tmp_path, monkeypatch):
+    """Generating calibration text takes minutes on a real model: it is said, batch by batch, not done in silence."""
+    import contextlib
+
+    import onnx_nmm
+    from exported_models import exported_model
+
+    monkeypatch.setenv("ONNX_NMM_CACHE", str(tmp_path / "cache"))
+    heard = []
+
+    class Recorder(onnx_nmm.Progress):
+        @contextlib.contextmanager
+        def phase(self, description, total=None):
+            done = [0]
+
+            class Counting(onnx_nmm.Phase):
+                def advance(self, amount=1, detail=None):
+                    done[0] += amount
+
+            yield Counting()
+            heard.append((description.split(" (")[0], total, done[0]))
+
+    model = ModelSource(exported_model("llama", "dynamo"))
+    options = onnx_nmm.CalibrationOptions(onnx_nmm.GeneratedText(samples=3, batch=2, start_token=1), seq_len=4)
+    windows = calibration_data.CalibrationData(options, model.model.graph, model, progress=Recorder()).windows()
+    assert len(windows.tokens) == 3 and heard == [("sampling calibration text", 2, 2)]

@@ -110,8 +110,9 @@ class Study:
         out, report = self.work / f"{tag}.onnx", self.work / f"{tag}.json"
         stats = self.statistics(method, calibration)
         reuse = ["--calib-stats", stats] if stats.exists() else ["--save-calib-stats", stats]
-        if first is not None and BUDGETS[method] == "sensitivity":
-            reuse += ["--sensitivity-from", first.report]
+        measured = first.report if first is not None else self.args.sensitivity_from.get(calibration)
+        if measured is not None and BUDGETS[method] == "sensitivity":
+            reuse += ["--sensitivity-from", measured]
         self.log.produce([out, report], "rewrite", self.model, "-o", out, "--method", method,
                          *self.calibration(calibration), *reuse, "--tokenizer", self.tokenizer, "--keep", keep,
                          "--budget", BUDGETS[method], "--align", self.args.align, "--report", report,
@@ -221,6 +222,11 @@ def calibration_spec(text: str) -> tuple[str, tuple[str, ...] | None]:
     return name, tuple(methods.split(",")) if methods else None
 
 
+def sensitivity_spec(text: str) -> tuple[str, Path]:
+    calibration, _, report = text.partition(":")
+    return calibration, Path(report)
+
+
 def finetune_spec(text: str) -> tuple[str, str, float]:
     method, calibration, keep = text.split(":")
     return method, calibration, float(keep)
@@ -234,6 +240,10 @@ def main() -> int:
                         metavar="NAME[:METHOD,METHOD]")
     parser.add_argument("--keeps", nargs="*", type=keeps_spec, default=[], metavar="METHOD:KEEP,KEEP")
     parser.add_argument("--finetune", nargs="*", type=finetune_spec, default=[], metavar="METHOD:CALIBRATION:KEEP")
+    parser.add_argument("--sensitivity-from", nargs="*", type=sensitivity_spec, default=[],
+                        metavar="CALIBRATION:REPORT", help="the sensitivities nystrom's first point of a calibration "
+                        "reuses instead of measuring them: the report of a rewrite on the same statistics with a "
+                        "perplexity budget")
     parser.add_argument("--calib-samples", type=int, default=64, help="windows of 512 tokens for the statistics")
     parser.add_argument("--align", type=int, default=32)
     parser.add_argument("--eval-windows", type=int, default=16)
@@ -241,7 +251,7 @@ def main() -> int:
     parser.add_argument("--quality", default="docs/quality.md")
     parser.add_argument("--speed", default="docs/speed.md")
     args = parser.parse_args()
-    args.keeps = dict(args.keeps)
+    args.keeps, args.sensitivity_from = dict(args.keeps), dict(args.sensitivity_from)
     Study(args).run()
     return 0
 

@@ -77,7 +77,7 @@ class RewriteContext:
             ranks = self.options.ranks
             held_out = ranks.sensitivity_windows if ranks.measures_damage or self.options.method == "nystrom" else 0
             self._calibration = CalibrationData(self.options.calibration, self.source.model.graph, self.source,
-                                                held_out)
+                                                held_out, self.progress)
         return self._calibration
 
     def calibration_windows(self, samples: int | None = None) -> TokenWindows:
