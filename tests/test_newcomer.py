@@ -382,3 +382,22 @@ def test_no_command_writes_over_an_existing_output_without_force(capsys, export,
     code, _, _ = _cli(capsys, "rewrite", source, "-o", tmp_path / "a.onnx", "--keep", "0.5", "--report", existing,
                       "--force", "--quiet")
     assert code == 0 and json.loads(existing.read_text())["layers"]
+
+
+def test_every_command_with_a_progress_bar_takes_quiet(capsys, export, tmp_path):
+    source = export("llama", "dynamo")
+    np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 1000, (2, 16)))
+    for argv in (["diff", source, source, "--seq-len", "4"], ["eval", source, "--text", tmp_path / "ids.npz"],
+                 ["rewrite", source, "-o", tmp_path / "r.onnx", "--rank", "8"]):
+        code, _, err = _cli(capsys, *argv, "--quiet")
+        assert code == 0 and err == "", (argv, err)
+    for command in ("export", "finetune", "bench"):
+        assert "--quiet" in _help_of(command)
+
+
+def _help_of(command: str) -> str:
+    from onnx_nmm.cli import build_parser
+
+    parser = build_parser()
+    (subparsers,) = [action for action in parser._actions if action.choices and command in action.choices]
+    return subparsers.choices[command].format_help()

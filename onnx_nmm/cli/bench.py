@@ -33,6 +33,7 @@ def register(subparsers) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: onnxruntime's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids fed (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--plot", metavar="FILE.png", help="write decode tokens/s against context length")
     parser.add_argument("--force", action="store_true", help="replace an existing --plot file")
     bench_trainium.add_options(parser)
@@ -46,7 +47,7 @@ def run(args) -> int:
     _common.refuse_existing(args, "--plot")
     options = onnx_nmm.BenchOptions(prompt_lengths=args.prompt_lengths, contexts=args.contexts, steps=args.steps,
                                     rounds=args.rounds, threads=args.threads, seed=args.seed)
-    with _common.progress(quiet=args.json) as progress:
+    with _common.progress(quiet=args.json or args.quiet) as progress:
         result = onnx_nmm.bench(args.models, options, progress)
     _common.show_models(result, args, plot_benchmark, _print_models, _print_prefill, _print_decode)
     if args.json:

@@ -38,7 +38,7 @@ def refuse_modelled_options(args) -> None:
 
 def run(args) -> int:
     options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation))
-    with _common.progress(quiet=args.json) as progress:
+    with _common.progress(quiet=args.json or args.quiet) as progress:
         shapes = []
         for model in args.models:
             fuse = not args.no_fuse_mlp

@@ -29,6 +29,7 @@ def register(subparsers) -> None:
                              "as torch math or on the NKI kernels on the emulator; the reference always runs in onnxruntime")
     parser.add_argument("--target", choices=("trn1", "trn2"), help="emulated target (emulator backend; default trn2)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _common.add_text_options(parser, required=False)
     parser.set_defaults(handler=run)
 
@@ -50,7 +51,7 @@ def run(args) -> int:
 
 def _diff_on_text(args, options: onnx_nmm.DiffOptions) -> int:
     """Both perplexities, top-1 agreement and KL over the windows of a real text."""
-    with _common.progress(quiet=args.json) as progress:
+    with _common.progress(quiet=args.json or args.quiet) as progress:
         result = onnx_nmm.diff_on_text(args.reference, args.candidate, _common.text_from(args), options.backend,
                                        options.target, progress)
     if args.json:

@@ -15,11 +15,12 @@ def register(subparsers) -> None:
                              "NKI kernels on the emulator")
     parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    with _common.progress(quiet=args.json) as progress:
+    with _common.progress(quiet=args.json or args.quiet) as progress:
         evaluation = onnx_nmm.evaluate(args.model, _common.text_from(args), args.backend, args.target, progress)
     if args.json:
         _common.print_json(evaluation.to_dict())

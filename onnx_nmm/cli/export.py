@@ -23,11 +23,12 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="no KV cache: input_ids and attention_mask in, logits out")
     parser.add_argument("--force", action="store_true", help="replace an existing output")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    with _common.progress() as progress, progress.phase(f"exporting {args.checkpoint}"):
+    with _common.progress(args.quiet) as progress, progress.phase(f"exporting {args.checkpoint}"):
         written = onnx_nmm.export_checkpoint(args.checkpoint, args.output, args.exporter,
                                              EXTERNAL_DATA[args.external_data], overwrite=args.force,
                                              cache=args.cache)
