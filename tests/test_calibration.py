@@ -86,9 +86,10 @@ def test_whitening_lowers_the_output_error_of_a_real_export(capsys, export, tmp_
     reports = {}
     for method in ("svd", "whiten"):
         report = tmp_path / f"{method}.json"
+        saved = ["--calib", stats] if stats.exists() else ["--calib", "random", "--save-calib-stats", stats]
         code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{method}.onnx", "--keep", "0.5", "--align", "32",
-                          "--method", method, "--calib", stats if stats.exists() else "random", "--calib-samples", "8",
-                          "--seq-len", "64", "--save-calib-stats", stats, "--report", report, "--quiet")
+                          "--method", method, *saved, "--calib-samples", "8", "--seq-len", "64", "--report", report,
+                          "--quiet")
         assert code == 0
         reports[method] = json.loads(report.read_text())
     for plain, whitened in zip(reports["svd"]["layers"], reports["whiten"]["layers"]):
@@ -205,7 +206,7 @@ def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, ex
     model, stats, out = export("llama", "dynamo"), tmp_path / "s.npz", tmp_path / "o.onnx"
     common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet", "--no-answer-check"]
     code, _, err = _run(capsys, "rewrite", model, "-o", tmp_path / "first.onnx", *common, "--calib-samples", "6",
-                        "--save-calib-stats", stats)
+                        "--keep", "0.5", "--save-calib-stats", stats)
     assert code == 0, err
     assert calibration_data.GramStatistics.load(stats).windows == tuple(f"t.txt#{i}" for i in range(6))
     budget = ["--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--calib-stats", stats]

@@ -57,14 +57,12 @@ def flag(option: str, overrides: dict[str, str] | None = None) -> str:
 def refuse_existing(args, *flags: str) -> None:
     """The files a command writes beside its output (--report, --plot, ...): one that exists is replaced only
     with --force, and that is said before the long work, not after."""
-    from onnx_nmm.errors import OutputError
-
     for flag in flags:
         path = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if path is not None and Path(path).is_dir():
-            raise OutputError(f"{flag} {path} is a folder: give a file name")
+            raise onnx_nmm.OutputError(f"{flag} {path} is a folder: give a file name")
         if path is not None and Path(path).exists() and not args.force:
-            raise OutputError(f"{flag} {path} exists: choose another path, or give --force to replace it")
+            raise onnx_nmm.OutputError(f"{flag} {path} exists: choose another path, or give --force to replace it")
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
