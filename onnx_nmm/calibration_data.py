@@ -110,11 +110,9 @@ def check_source_files(options: CalibrationOptions | None) -> None:
     the model is loaded, so a typo costs no time."""
     if options is None:
         return
-    from onnx_nmm.generated_text import parse_generated
-
     sources = token_sources(options.source) if options.source is not None else []
     for source in sources:
-        if _is_text(source) and parse_generated(source) is None:
+        if _is_text(source):
             check_text_file(source)
         elif isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") and not Path(source).is_file():
             raise DataError(f"{source}: no such file")
@@ -348,9 +346,8 @@ class CalibrationData:
                 raise OptionError("generated calibration text is sampled from the model: this use of the "
                                   "calibration data has no model to sample from", source="calibration.source")
             samples = generated.samples + extra
-            batches = -(-samples // generated.batch)
             description = f"sampling calibration text ({generated.describe(o.seq_len)})"
-            with self.progress.phase(description, total=batches) as phase:
+            with self.progress.phase(description, total=generated.batches(samples)) as phase:
                 windows = generated_windows(generated, self.model, o.seq_len, o.tokenizer, samples,
                                             on_batch=phase.advance)
             count = generated.samples

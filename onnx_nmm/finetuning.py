@@ -126,9 +126,8 @@ class TrainingData:
                 raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
                                   teacher="teacher")
             else:
-                total = -(-generated.samples // generated.batch)
                 description = f"sampling training text ({generated.describe(self.seq_len)})"
-                with (progress or Progress()).phase(description, total=total) as phase:
+                with (progress or Progress()).phase(description, total=generated.batches()) as phase:
                     parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer,
                                                    on_batch=phase.advance))
         return joined_windows(parts)

@@ -77,10 +77,11 @@ class GeneratedText:
 
     def describe(self, seq_len: int) -> str:
         return (f"{GENERATED}: {self.samples} windows of {seq_len} tokens sampled from the model (temperature "
-                f"{self.temperature:g}, top-p {self.top_p:g}, seeds {self.seed}–{self.seed + self._batches() - 1})")
+                f"{self.temperature:g}, top-p {self.top_p:g}, seeds {self.seed}–{self.seed + self.batches() - 1})")
 
-    def _batches(self) -> int:
-        return -(-self.samples // self.batch)
+    def batches(self, samples: int | None = None) -> int:
+        """How many batches `samples` windows (default: its own count) are generated in."""
+        return -(-(samples or self.samples) // self.batch)
 
 
 def parse_generated(source) -> GeneratedText | None:
@@ -127,8 +128,7 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
         first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
     cache = _cache_file(writer, text, seq_len, first)
     rows = []
-    batches = -(-samples // text.batch)
-    for b in range(batches):
+    for b in range(text.batches(samples)):
         rows.append(_cached_batch(cache, b) if cache is not None else None)
         if rows[-1] is None:
             rows[-1] = sample_batch(writer, text, seq_len, first, b)
