@@ -22,7 +22,7 @@ from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.causal_lm import vocabulary_size
 from onnx_nmm.errors import DataError, MissingDependencyError, OptionError
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.options import RANDOM_CALIBRATION, CalibrationOptions
+from onnx_nmm.options import RANDOM_CALIBRATION, CalibrationOptions, is_text_source
 from onnx_nmm.passes import LinearLayer
 from onnx_nmm.progress import Progress
 
@@ -112,7 +112,7 @@ def check_source_files(options: CalibrationOptions | None) -> None:
         return
     sources = token_sources(options.source) if options.source is not None else []
     for source in sources:
-        if _is_text(source):
+        if is_text_source(source):
             check_text_file(source)
         elif isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz") and not Path(source).is_file():
             raise DataError(f"{source}: no such file")
@@ -181,7 +181,7 @@ def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | No
     """Windows of any token source: a text file (with `tokenizer`), an .npz of input_ids, an array of token
     ids, or "random" (ids below `vocabulary()`). `spread` and `bos` (start each window with the BOS token
     the tokenizer adds, if it adds one) apply to text only: token ids are taken as they are."""
-    if spread and (not _is_text(source)):
+    if spread and (not is_text_source(source)):
         raise OptionError("{spread} chooses windows of a text: give a text file as the source",
                           spread="calibration.spread")
     if isinstance(source, np.ndarray):
@@ -219,13 +219,6 @@ def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, mod
                         f"of {vocabulary}: tokenize with the model's own tokenizer")
 
 
-def _is_text(source) -> bool:
-    from onnx_nmm.generated_text import parse_generated
-
-    return not isinstance(source, np.ndarray) and str(source) != RANDOM_CALIBRATION \
-        and not str(source).endswith(".npz") and parse_generated(source) is None
-
-
 class CalibrationData:
     """What a rewrite's calibration options point at, decided once: token windows to run the model (whose
     graph is `graph`) on, statistics saved earlier, or both (saved statistics, and a text for what must run
@@ -252,7 +245,7 @@ class CalibrationData:
             raise DataError(f"{options.statistics} is not a statistics file saved by an earlier rewrite")
         self.statistics_file = options.statistics or (source if source_is_statistics else None)
         self.token_sources = [] if source_is_statistics or source is None else token_sources(source)
-        if options.spread and not any(_is_text(s) for s in self.token_sources):
+        if options.spread and not any(is_text_source(s) for s in self.token_sources):
             raise OptionError("{spread} chooses windows of a text: give {source} a text file",
                               spread="calibration.spread", source="calibration.source")
         self._split: tuple[TokenWindows, TokenWindows] | None = None
@@ -326,7 +319,8 @@ class CalibrationData:
         kept, held = [], []
         for source, share in zip(self.token_sources, shares):
             windows, count = self._source_windows(source, share)
-            held_rows = _held_out_rows(len(windows.tokens), share, spread=self.options.spread and _is_text(source))
+            spread = self.options.spread and is_text_source(source)
+            held_rows = _held_out_rows(len(windows.tokens), share, spread=spread)
             rows = [i for i in range(len(windows.tokens)) if i not in held_rows][:count]
             kept.append(_recounted(windows.take(rows), len(windows.tokens)))
             if held_rows:
@@ -353,7 +347,7 @@ class CalibrationData:
             count = generated.samples
         else:
             windows = token_windows(source, o.tokenizer, o.samples + extra, o.seq_len,
-                                    o.spread and _is_text(source), self._vocabulary,
+                                    o.spread and is_text_source(source), self._vocabulary,
                                     tokenizer_option="calibration.tokenizer", bos=o.bos)
             count = o.samples
         check_token_ids(windows.tokens, vocabulary_size(self.graph), windows.description.split(":")[0], "the model")

@@ -240,6 +240,14 @@ class FactorizationOptions:
         return f"{self.method}, {inner} SVD"
 
 
+def is_text_source(source) -> bool:
+    """Whether a calibration source is a text file (not token ids, statistics, random or generated windows)."""
+    from onnx_nmm.generated_text import parse_generated
+
+    return isinstance(source, (str, os.PathLike)) and str(source) != RANDOM_CALIBRATION \
+        and not str(source).endswith(".npz") and parse_generated(source) is None
+
+
 @dataclass(frozen=True)
 class CalibrationOptions:
     """The data activation-aware SVD, Fisher weighting and the quality budgets learn from.
@@ -279,8 +287,7 @@ class CalibrationOptions:
     def is_one_text(self) -> bool:
         """Whether the source is a single text file (not token ids, statistics, random or generated windows)."""
         (source, *others) = self.sources
-        return not others and isinstance(source, (str, os.PathLike)) and str(source) != RANDOM_CALIBRATION \
-            and not str(source).endswith(".npz")
+        return not others and is_text_source(source)
 
     @property
     def has_tokens(self) -> bool:
