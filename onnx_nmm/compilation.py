@@ -65,6 +65,9 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     """Lower `model` for Trainium into the folder `output` (refused when it holds files, unless `overwrite`)."""
     options = options or CompileOptions()
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"{output} is a file, and compile writes a folder (graphs, NEFFs, manifest); choose a "
+                          "folder name for {output}", output="output")
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
                           "replace it", output="output", overwrite="overwrite")

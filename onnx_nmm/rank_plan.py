@@ -127,6 +127,16 @@ def explicit_ranks(layers: list[LinearLayer], rank: int | str) -> RankPlan:
     return {layer.name: min(layer.k, layer.n) if not isinstance(rank, int) else rank for layer in layers}
 
 
+def check_report_files(ranks) -> None:
+    """The reports that `ranks` (RankOptions) reads exist: checked before the model loads, so a typo costs no
+    time."""
+    for option in ("ranks_from", "sensitivity_from"):
+        path = getattr(ranks, option)
+        if isinstance(path, (str, os.PathLike)) and not Path(path).is_file():
+            raise OptionError(f"{{{option}}} {path}: no such file; give the report an earlier rewrite wrote",
+                              **{option: f"ranks.{option}"})
+
+
 def plan_from_report(source: str | os.PathLike | Mapping[str, int | Narrowed | None], layers: list[LinearLayer],
                      all_layers: list[LinearLayer]) -> RankPlan:
     """The ranks (and widths) an earlier rewrite of this model chose: from its report, or from a mapping layer →

@@ -1,13 +1,20 @@
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from threadpoolctl import threadpool_limits
 
 from exported_models import CACHE, exported_model
 
 
 def pytest_configure(config):
     CACHE.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # xdist runs a worker per core: threads of BLAS or torch on top of that oversubscribe the cores, and
+        # OpenBLAS's spinning threads then make a small eigendecomposition a hundred times slower
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        threadpool_limits(1)
 
 
 @pytest.fixture

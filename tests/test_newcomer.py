@@ -297,6 +297,21 @@ def test_a_missing_or_empty_calibration_text_is_refused_before_the_model_loads(c
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_missing_report_to_reuse_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    import onnx_nmm.pipeline as pipeline
+
+    def never(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline.ModelSource, "of", never)
+    missing = tmp_path / "missing.json"
+    for flags, flag in ((["--ranks-from", missing], "--ranks-from"),
+                        (["--keep", "0.9", "--budget", "sensitivity", "--calib", "random", "--sensitivity-from", missing],
+                         "--sensitivity-from")):
+        code, _, err = _cli(capsys, "rewrite", tmp_path / "model.onnx", "-o", tmp_path / "o.onnx", *flags)
+        _one_line_error(code, err, f"{flag} {missing}: no such file")
+
+
 def test_a_folder_given_as_the_model_says_what_to_give_instead(capsys, tmp_path):
     import shutil
 
@@ -372,6 +387,7 @@ def test_no_command_writes_over_an_existing_output_without_force(capsys, export,
         (["finetune", rewritten, "--text", tmp_path / "train.npz", "-o", tmp_path / "t.onnx", "--report", existing],
          "--report"),
         (["compile", rewritten, "--seq-len", "4", "--dry-run", "-o", compiled], "exists and is not empty"),
+        (["compile", rewritten, "--seq-len", "4", "--dry-run", "-o", existing, "--force"], "compile writes a folder"),
         (["bench", rewritten, "--plot", existing], "--plot"),
     ]
     for argv, said in cases:

@@ -28,6 +28,7 @@ from onnx_nmm.pipeline.plan import PlanRanks
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import GatherStatistics
 from onnx_nmm.progress import Progress
+from onnx_nmm.rank_plan import check_report_files
 from onnx_nmm.teacher import record_calibration, record_dense_model
 
 
@@ -61,7 +62,8 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     Raises an OnnxNmmError subclass (errors.py) for anything the input or the options make impossible.
     """
     options = options or RewriteOptions()
-    check_source_files(options.calibration)  # a missing text is said before the model loads
+    check_source_files(options.calibration)  # a missing file is said before the model loads
+    check_report_files(options.ranks)
     source = ModelSource.of(model)
     context = RewriteContext(options, source, progress or Progress())
     context.report.weight_bytes_before = weight_bytes(source.model)
