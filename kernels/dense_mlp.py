@@ -21,8 +21,16 @@ MLP (fused_mlp), with whole weights instead of factors. Block sizes come from bl
 from onnx_nmm.kernels.blocking import plan_dense_mlp
 from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.tiles import (PMAX, TILE_M, TILE_N, cdiv, evict_partial_sum, k_blocks, load_interleaved_rows,
-                                    transpose_rows)
+from onnx_nmm.kernels.tiles import (
+    PMAX,
+    TILE_M,
+    TILE_N,
+    cdiv,
+    evict_partial_sum,
+    k_blocks,
+    load_interleaved_rows,
+    transpose_rows,
+)
 
 
 @nki.jit

@@ -281,7 +281,8 @@ class NeuronDevice:
 
     def _time_with_nrtpy(self, neff: Path, names: list[str], work: Path) -> list[float]:
         env = {**os.environ, "LD_LIBRARY_PATH": f"/opt/aws/neuron/lib:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-        printed = _check_call([self.nrtpy_python, "-c", NRTPY_BENCHMARK, str(neff), str(work), str(self.samples), *names],
+        printed = _check_call([self.nrtpy_python, "-c", NRTPY_BENCHMARK, str(neff), str(work), str(self.samples),
+                               *names],
                               env=env)
         return [ms * 1e3 for ms in json.loads(printed.strip().splitlines()[-1])]
 

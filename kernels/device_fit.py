@@ -25,8 +25,8 @@ from onnx_nmm.kernels.device import KERNELS, launch_of, scaled_core
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import trace
 
-PARAMETERS = ("pe_hz", "dma_engine_bytes_per_s", "dma_fixed_latency_s", "dma_issue_interval_s", "dma_descriptor_overhead_s",
-              "act_hz", "dve_hz")
+PARAMETERS = ("pe_hz", "dma_engine_bytes_per_s", "dma_fixed_latency_s", "dma_issue_interval_s",
+              "dma_descriptor_overhead_s", "act_hz", "dve_hz")
 FACTOR_RANGE = (0.25, 4.0)
 ITERATIONS = 50
 DIFFERENCE_STEP = 1e-3  # of a log-factor (0.1 %), for the Jacobian's finite differences
@@ -49,7 +49,8 @@ class Fit:
                     "the grid it saw: a parameter the launches barely exercise stays near 1",
             "parameters": {
                 name: {"documented": {target: values[name] for target, values in self.documented.items()},
-                       "fitted": {target: values[name] * self.factors[name] for target, values in self.documented.items()},
+                       "fitted": {target: values[name] * self.factors[name]
+                                  for target, values in self.documented.items()},
                        "factor": self.factors[name]}
                 for name in PARAMETERS
             },
@@ -107,7 +108,8 @@ def least_squares(residuals: Callable[[np.ndarray], np.ndarray], dimensions: int
                                     for axis in np.eye(dimensions)])
         normal, gradient = jacobian.T @ jacobian, jacobian.T @ current
         while damping < 1e8:
-            step = np.linalg.solve(normal + damping * (np.diag(np.diag(normal)) + 1e-12 * np.eye(dimensions)), -gradient)
+            step = np.linalg.solve(normal + damping * (np.diag(np.diag(normal)) + 1e-12 * np.eye(dimensions)),
+                                   -gradient)
             candidate = np.clip(point + step, *bounds)
             tried = residuals(candidate)
             if tried @ tried < current @ current:

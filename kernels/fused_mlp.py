@@ -103,7 +103,8 @@ def act_down_strip(x, gate, up, ud, vd, row0, tokens, plan, act):
     first_columns = blocks[0][1] * blocks[0][2]
     projections = (gate,) if up is None else (gate, up)
     strips, prefetched = project_tokens(x, tuple(p[0] for p in projections), row0, tokens, plan.k_tiles,
-                                        prefetch=tuple((p[1], first_columns) for p in projections) + ((vd, plan.n_block),))
+                                        prefetch=tuple((p[1], first_columns) for p in projections)
+                                                 + ((vd, plan.n_block),))
     *first_v_blocks, first_vd_block = prefetched
     down_strip = nl.ndarray((PMAX, cdiv(rank_d, PMAX), tokens), dtype=x.dtype, buffer=nl.sbuf)
     steps = 0  # Ud sub-blocks: the contraction blocks of the down projection

@@ -26,7 +26,8 @@ def silu_mul(gate, up):
     act = nl.ndarray((M, intermediate), dtype=gate.dtype, buffer=nl.shared_hbm)
     size = M * intermediate
     rows, columns = (PMAX, size // PMAX) if size % PMAX == 0 else (M, intermediate)
-    gate_view, up_view, act_view = gate.reshape((rows, columns)), up.reshape((rows, columns)), act.reshape((rows, columns))
+    gate_view, up_view, act_view = (gate.reshape((rows, columns)), up.reshape((rows, columns)),
+                                    act.reshape((rows, columns)))
     block = DMA_BYTES_PER_PARTITION // dtype_bytes(gate.dtype)
     for row0 in range(0, rows, PMAX):
         P = min(PMAX, rows - row0)

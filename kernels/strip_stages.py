@@ -32,7 +32,8 @@ def project_tokens(x, us, row0, tokens, k_tiles, prefetch):
     128 tokens TensorE transposes the next block's x midway through this block's matmuls, so ScalarE moves
     those transposes out of PSUM while TensorE multiplies and the next block's matmuls find their x^T ready;
     at 128 tokens or fewer the kernel waits on DMA, and a late x load would stall the matmuls queued behind
-    its transposes (TensorE runs in program order), so each block transposes its own x first. `prefetch` lists (V, columns): the first column block of each V the stages after this one start with,
+    its transposes (TensorE runs in program order), so each block transposes its own x first. `prefetch` lists
+    (V, columns): the first column block of each V the stages after this one start with,
     loaded once the first contraction block's loads are under way, so they arrive while stage 1 computes.
     """
     K = x.shape[1]

@@ -14,41 +14,52 @@ changed. Every error is an OnnxNmmError subclass saying what is wrong and what t
 
 __version__ = "0.1.0"
 
-from onnx_nmm.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
 from onnx_nmm.benchmark import Benchmark, BenchOptions, ModelSpeed, bench
-from onnx_nmm.calibration_data import load_tokenizer
-from onnx_nmm.causal_lm import CausalLm
+from onnx_nmm.calibration.sources import GeneratedText
+from onnx_nmm.calibration.tokens import load_tokenizer
 from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
-from onnx_nmm.compilation import Compilation, CompileOptions, compile
-from onnx_nmm.decoder_shape import DecoderShape, decoder_shape, decoder_shape_of_config, factorized
-from onnx_nmm.decoding import Decoder, DecoderState
-from onnx_nmm.errors import (DataError, ExecutionError, LoweringMismatch, MissingDependencyError, ModelError,
-                             NeuronSdkMissing, OnnxNmmError, OptionError, OutputError, TrainingDiverged)
+from onnx_nmm.errors import (
+    DataError,
+    ExecutionError,
+    LoweringMismatch,
+    MissingDependencyError,
+    ModelError,
+    NeuronSdkMissing,
+    OnnxNmmError,
+    OptionError,
+    OutputError,
+    TrainingDiverged,
+)
 from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
-from onnx_nmm.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
-from onnx_nmm.generated_text import GeneratedText
-from onnx_nmm.generation import GenerateOptions, Generation, generate
-from onnx_nmm.host import describe_machine
+from onnx_nmm.generation.decoding import Decoder, DecoderState
+from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
 from onnx_nmm.model_io import check_output_path, external_data_path
 from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
 from onnx_nmm.progress import Phase, Progress
-from onnx_nmm.rank_plan import Dense, RankPlan
+from onnx_nmm.ranks.rank_plan import Dense, RankPlan
+from onnx_nmm.runtime.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
+from onnx_nmm.runtime.causal_lm import CausalLm
+from onnx_nmm.runtime.host import describe_machine
 from onnx_nmm.scale import RewritePlan, StreamOptions, plan_rewrite, rewrite_streamed, work_dir_of
-from onnx_nmm.trainium_speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
+from onnx_nmm.training.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
+from onnx_nmm.trainium.compilation import Compilation, CompileOptions, compile
+from onnx_nmm.trainium.decoder_shape import DecoderShape, decoder_shape, decoder_shape_of_config, factorized
+from onnx_nmm.trainium.speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
 
 __all__ = [
-    "Benchmark", "BenchOptions", "CalibrationOptions", "CausalLm", "Compilation", "CompileOptions", "DataError",
-    "Decoder", "DecoderShape", "DecoderState", "Dense", "Diff", "DiffOptions", "Evaluation", "ExecutionError", "FactorizationOptions",
-    "FinetuneOptions", "FinetuneResult", "GeneratedText", "GenerateOptions", "Generation", "Inspection", "LayerInfo", "LayerOutcome",
-    "LoweringMismatch", "MissingDependencyError", "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing",
-    "OnnxNmmError", "OptionError", "OutputError", "Phase", "Progress", "RankOptions", "RankPlan", "RewriteOptions",
-    "RewriteReport", "RewriteResult", "RUN_BACKENDS", "RunResult", "Selection", "TextDiff", "TextOptions",
-    "TinyShape", "TrainiumEstimate", "TrainiumOptions", "TrainingData", "TrainingDiverged", "TrainingOptions", "bench", "build_model", "check_output_path",
-    "compile", "decoder_shape", "decoder_shape_of_config", "describe_machine", "diff", "diff_on_text",
-    "estimate_trainium", "evaluate", "export_causal_lm", "export_checkpoint", "external_data_path", "factorized", "finetune", "generate", "inspect", "load_gguf_causal_lm", "load_tokenizer", "rewrite",
-    "run_model",
-    "RewritePlan", "StreamOptions", "plan_rewrite", "rewrite_streamed", "work_dir_of",
+    "bench", "Benchmark", "BenchOptions", "build_model", "CalibrationOptions", "CausalLm", "check_output_path",
+    "Compilation", "compile", "CompileOptions", "DataError", "Decoder", "decoder_shape", "decoder_shape_of_config",
+    "DecoderShape", "DecoderState", "Dense", "describe_machine", "Diff", "diff", "diff_on_text", "DiffOptions",
+    "estimate_trainium", "evaluate", "Evaluation", "ExecutionError", "export_causal_lm", "export_checkpoint",
+    "external_data_path", "FactorizationOptions", "factorized", "finetune", "FinetuneOptions", "FinetuneResult",
+    "generate", "GeneratedText", "GenerateOptions", "Generation", "inspect", "Inspection", "LayerInfo",
+    "LayerOutcome", "load_gguf_causal_lm", "load_tokenizer", "LoweringMismatch", "MissingDependencyError",
+    "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing", "OnnxNmmError", "OptionError", "OutputError",
+    "Phase", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite", "rewrite_streamed", "RewriteOptions",
+    "RewritePlan", "RewriteReport", "RewriteResult", "RUN_BACKENDS", "run_model", "RunResult", "Selection",
+    "StreamOptions", "TextDiff", "TextOptions", "TinyShape", "TrainingData", "TrainingDiverged", "TrainingOptions",
+    "TrainiumEstimate", "TrainiumOptions", "work_dir_of",
 ]

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm.backend_runner import Model
-from onnx_nmm.decoding import Decoder, DecoderState
 from onnx_nmm.errors import OptionError
-from onnx_nmm.host import describe_machine, peak_resident_bytes, reset_peak, resident_bytes
+from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.progress import Progress
+from onnx_nmm.runtime.backend_runner import Model
+from onnx_nmm.runtime.host import describe_machine, peak_resident_bytes, reset_peak, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ class ModelSpeed:
                          "tokens_per_s": self.prefill_tokens_per_s(length), "rounds_s": self.first_token_s[length]}
                         for length in options.prompt_lengths],
             "decode": [{"context": context, "tokens_per_s": self.decode_tokens_per_s(context),
-                        "latency_median_s": self.step_latency(context), "latency_p90_s": self.step_latency(context, 0.9),
+                        "latency_median_s": self.step_latency(context),
+                        "latency_p90_s": self.step_latency(context, 0.9),
                         "bytes_read_per_step": self.step_bytes(context)} for context in options.contexts],
         }
 

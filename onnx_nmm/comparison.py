@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_nmm import metrics
-from onnx_nmm.backend_runner import Model, ModelRunner, check_backend
+from onnx_nmm.calibration.calibration_data import check_token_ids
 from onnx_nmm.errors import ModelError, OptionError
-from onnx_nmm.calibration_data import check_token_ids
 from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.options import DEFAULT_WINDOW
-from onnx_nmm.perplexity import TextComparison, compare_on_text, window_count
 from onnx_nmm.progress import Progress
+from onnx_nmm.quality import metrics
+from onnx_nmm.quality.perplexity import TextComparison, compare_on_text, window_count
+from onnx_nmm.runtime.backend_runner import Model, ModelRunner, check_backend
 
 
 @dataclass(frozen=True)

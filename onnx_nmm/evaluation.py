@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_nmm.backend_runner import Model, ModelRunner
-from onnx_nmm.calibration_data import check_token_ids, read_tokens
+from onnx_nmm.calibration.calibration_data import check_token_ids, read_tokens
 from onnx_nmm.options import DEFAULT_WINDOW
-from onnx_nmm.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.progress import Progress
+from onnx_nmm.quality.perplexity import PerplexityResult, Windows, perplexity, window_count
+from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ class _ExportInputs:
     axes: dict[str, dict[int, str]]  # input or output name → {axis: dimension name}
 
     @classmethod
-    def logits_only(cls, model, batch: int, seq_len: int) -> "_ExportInputs":
+    def logits_only(cls, model, batch: int, seq_len: int) -> _ExportInputs:
         import torch
 
         tokens = {0: "batch", 1: "sequence"}
@@ -187,7 +187,7 @@ class _ExportInputs:
                    {"input_ids": tokens, "attention_mask": tokens, "logits": tokens})
 
     @classmethod
-    def with_cache(cls, model, batch: int, seq_len: int, past_len: int = 3) -> "_ExportInputs":
+    def with_cache(cls, model, batch: int, seq_len: int, past_len: int = 3) -> _ExportInputs:
         """A step of seq_len tokens after past_len cached ones (neither 0 nor 1, which the exporter would fix)."""
         import torch
 
@@ -268,7 +268,8 @@ def _move_weights_to_external_data(path: Path) -> None:
     model = onnx.load(str(path))
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".onnx", delete=False) as handle:
         temporary = Path(handle.name)
-    onnx.save(model, str(temporary), save_as_external_data=True, location=external_data_path(path).name, size_threshold=1024)
+    onnx.save(model, str(temporary), save_as_external_data=True, location=external_data_path(path).name,
+              size_threshold=1024)
     make_public(temporary)
     temporary.replace(path)
 

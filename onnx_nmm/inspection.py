@@ -13,7 +13,7 @@ from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RankOptions, Selection
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
-from onnx_nmm.rank_plan import Dense, keep_choice
+from onnx_nmm.ranks.rank_plan import Dense, keep_choice
 
 
 @dataclass
@@ -89,7 +89,8 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
 
 def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
     rank, note = _rank(layer, ranks) if targeted else (None, "not targeted")
-    storage = "external data" if layer.weight.is_external else ("initializer" if layer.weight.is_initializer else "Constant")
+    storage = ("external data" if layer.weight.is_external
+               else ("initializer" if layer.weight.is_initializer else "Constant"))
     quantized = layer.weight.quantized
     if quantized is not None:
         storage = f"{quantized.format} {quantized.bits}-bit" + (f" blocks of {quantized.block_size}"

@@ -113,7 +113,8 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     `open` would give (tempfile's are private)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".onnx-nmm-", delete=False, encoding="utf-8") as handle:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".onnx-nmm-", delete=False,
+                                     encoding="utf-8") as handle:
         handle.write(text)
         staged = Path(handle.name)
     make_public(staged)
@@ -144,7 +145,7 @@ def check_model_file(path: Path, source: str | os.PathLike | None = None) -> Non
     if error is None:
         return
     if source is not None and _checker_error(Path(source)) == error:
-        from onnx_nmm.ort_runner import create_session
+        from onnx_nmm.runtime.ort_runner import create_session
 
         create_session(path, label="the rewritten model")
         warnings.warn(f"the input already fails onnx.checker ({error}); the rewritten model was checked by loading it "

@@ -13,9 +13,9 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm import ort_runner
 from onnx_nmm.errors import ModelError
 from onnx_nmm.model_io import load_model, uses_external_data
+from onnx_nmm.runtime import ort_runner
 
 
 class ModelSource:
@@ -40,7 +40,7 @@ class ModelSource:
         self.used_external_data = uses_external_data(self.model)
 
     @classmethod
-    def of(cls, model) -> "ModelSource":
+    def of(cls, model) -> ModelSource:
         return model if isinstance(model, ModelSource) else cls(model)
 
     @property
@@ -52,7 +52,8 @@ class ModelSource:
         """The folder the original model's external data files are relative to."""
         if self.path is not None:
             return str(self.path.parent.resolve())
-        folders = {str(Path(value.const_value.base_dir).resolve()) for value in self.original.graph.initializers.values()
+        folders = {str(Path(value.const_value.base_dir).resolve())
+                   for value in self.original.graph.initializers.values()
                    if isinstance(value.const_value, ir.ExternalTensor)}
         if len(folders) > 1:
             raise ModelError(f"the in-memory model reads external data from {len(folders)} folders; save it once "

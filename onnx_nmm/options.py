@@ -1,7 +1,7 @@
 """The options of a rewrite: typed, validated when made, each default written here and only here.
 
     RewriteOptions
-      ├─ ranks          RankOptions            how each target's rank is chosen (DESIGN.md §4)
+      ├─ ranks          RankOptions            how each target's rank is chosen (docs/design.md §2)
       ├─ selection      Selection              which linear layers are targets
       ├─ factorization  FactorizationOptions   plain, whitened or Fisher-weighted SVD, and how it is computed
       ├─ calibration    CalibrationOptions     the data activation-aware methods and budgets learn from
@@ -17,9 +17,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from onnx_nmm.calibration.sources import GeneratedText, is_text, parse_generated, source_kind
+from onnx_nmm.decomposition.lowrank import SVD_METHODS
+from onnx_nmm.decomposition.nystrom import DEFAULT_SCORE, NEURON_SCORES
 from onnx_nmm.errors import OptionError
-from onnx_nmm.lowrank import SVD_METHODS
-from onnx_nmm.nystrom import DEFAULT_SCORE, NEURON_SCORES
 from onnx_nmm.passes import TARGETS
 
 DEFAULT_KEEP = 0.8
@@ -39,7 +40,6 @@ CALIBRATED_METHODS = ("whiten", "fisher", "nystrom")
 BUDGETS = ("uniform", "global", "sensitivity")
 CALIBRATION_MODES = ("independent", "sequential")
 FACTOR_DTYPES = ("float16", "float32")
-RANDOM_CALIBRATION = "random"
 
 # The ways of choosing ranks; exactly one drives a rewrite.
 RANK_RULES = ("keep", "rank", "energy", "max_ppl_increase", "max_kl", "ranks_from")
@@ -198,8 +198,8 @@ class FactorizationOptions:
     """method: svd (truncated SVD of W), whiten (SVD-LLM: minimise the layer's output error on the
     calibration data), fisher (also weigh each output direction by the loss's gradients), or nystrom
     (narrow each targeted MLP to the intermediate neurons it keeps, by `neuron_score`, and refit its output
-    projection: onnx_nmm.nystrom; other targets are whitened); None means nystrom with calibration data (whiten
-    for an explicit rank or energy rule and for sequential calibration, which choose and fit ranks only), else
+    projection: onnx_nmm.decomposition.nystrom; other targets are whitened); None means nystrom with calibration data
+    (whiten for an explicit rank or energy rule and for sequential calibration, which choose and fit ranks only), else
     svd. svd: how the inner SVD is computed (lowrank.SVD_METHODS);
     the randomized one uses power_iterations, oversample and seed (seed also drives fisher's sampling).
     factor_dtype: how U and V are stored — None: as the weight was (a quantized weight's factors quantized
@@ -240,14 +240,6 @@ class FactorizationOptions:
         return f"{self.method}, {inner} SVD"
 
 
-def is_text_source(source) -> bool:
-    """Whether a calibration source is a text file (not token ids, statistics, random or generated windows)."""
-    from onnx_nmm.generated_text import parse_generated
-
-    return isinstance(source, (str, os.PathLike)) and str(source) != RANDOM_CALIBRATION \
-        and not str(source).endswith(".npz") and parse_generated(source) is None
-
-
 @dataclass(frozen=True)
 class CalibrationOptions:
     """The data activation-aware SVD, Fisher weighting and the quality budgets learn from.
@@ -255,7 +247,7 @@ class CalibrationOptions:
     source:          a text file (with `tokenizer`), an .npz holding input_ids [samples, seq_len], statistics
                      saved by an earlier rewrite (`save_statistics`), "random" (tests only), token ids
                      [samples, seq_len] as an array, "generated[:N]" or a GeneratedText (N windows sampled from
-                     the model itself, onnx_nmm.generated_text), or a list of such token sources, mixed
+                     the model itself, onnx_nmm.calibration.generated_text), or a list of such token sources, mixed
     samples, seq_len: windows taken from a text, and their length in tokens
     spread:          take the windows evenly spaced over the whole text rather than from its start
     bos:             start each window of a text with the BOS token its tokenizer adds (when it adds one)
@@ -287,30 +279,22 @@ class CalibrationOptions:
     def is_one_text(self) -> bool:
         """Whether the source is a single text file (not token ids, statistics, random or generated windows)."""
         (source, *others) = self.sources
-        return not others and is_text_source(source)
+        return not others and is_text(source)
 
     @property
     def has_tokens(self) -> bool:
         """Whether the source gives tokens to run the model on (not only statistics saved earlier)."""
-        from onnx_nmm.activation_stats import GramStatistics
-
-        source = self.source
-        return source is not None and not (isinstance(source, (str, os.PathLike)) and str(source).endswith(".npz")
-                                           and GramStatistics.is_statistics_file(source))
+        return self.source is not None and source_kind(self.source) != "statistics"
 
     def __post_init__(self):
         if self.source is None and self.statistics is None:
             raise OptionError("calibration needs data: give {source} (a text, token ids, or saved statistics) or "
                               "{statistics}", source="calibration.source", statistics="calibration.statistics")
         if isinstance(self.source, (list, tuple)):
-            from onnx_nmm.generated_text import parse_generated
-
             if not self.source:
                 raise OptionError("{source} is an empty list", source="calibration.source")
             object.__setattr__(self, "source", tuple(parse_generated(s) or s for s in self.source))
         elif isinstance(self.source, str):
-            from onnx_nmm.generated_text import parse_generated
-
             object.__setattr__(self, "source", parse_generated(self.source) or self.source)
         for name in ("samples", "seq_len", "batch"):
             if getattr(self, name) < 1:
@@ -351,8 +335,6 @@ class RewriteOptions:
             ranks = replace(self.ranks, keep=None, max_ppl_increase=DEFAULT_PPL_INCREASE)
             object.__setattr__(self, "ranks", ranks)
             if self.method_by_default and self.method == "nystrom" and self.calibration.is_one_text:
-                from onnx_nmm.generated_text import GeneratedText
-
                 mixed = (*self.calibration.sources, GeneratedText(samples=DEFAULT_MIXED_GENERATED))
                 object.__setattr__(self, "calibration", replace(self.calibration, source=mixed))
         method, calibration, ranks = self.method, self.calibration, self.ranks

@@ -2,8 +2,8 @@
 the factors a pass swaps in come computed."""
 
 from onnx_nmm.passes import svd_ops
-from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.passes.linear_layers import LinearLayer, UnreadLayer, WeightSource, find_linear_layers, find_unread_layers
+from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.passes.selection import TARGETS, LayerFilter, select_layers
 from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
 

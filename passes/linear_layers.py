@@ -1,6 +1,6 @@
 """Find the linear layers of an exported graph: products of an activation with a constant weight.
 
-Matched forms (all seen in real exports, ASSETS.md):
+Matched forms (all seen in real exports: docs/formats.md, docs/architectures.md):
 
     MatMul(X, W)                      W an initializer or Constant, stored [K, N]
     MatMul(X, Transpose(W))           dynamo with optimize=False, tied lm_head: W stored [N, K]
@@ -25,8 +25,15 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.passes import roles
-from onnx_nmm.passes.quantized_weights import (DEQUANTIZE, IntegerProduct, QuantizedWeight, dequantize_linear_parts,
-                                               integer_layer_parts, nbits_layer_parts, unsupported_quantized)
+from onnx_nmm.passes.quantized_weights import (
+    DEQUANTIZE,
+    IntegerProduct,
+    QuantizedWeight,
+    dequantize_linear_parts,
+    integer_layer_parts,
+    nbits_layer_parts,
+    unsupported_quantized,
+)
 
 # Ops allowed between a weight's storage and the MatMul that reads it.
 _WEIGHT_PATH_OPS = ("Identity", "Transpose", "Cast", DEQUANTIZE)
@@ -154,7 +161,7 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
     return layers
 
 
-def _consumer(node: ir.Node, layer: "LinearLayer | None") -> str:
+def _consumer(node: ir.Node, layer: LinearLayer | None) -> str:
     """What else reads a layer's weight, in words: another linear layer by its path and role, the embedding's
     lookup, or the node."""
     if layer is not None:

@@ -7,7 +7,7 @@ weight was, and the nodes between them compute the same on fewer columns.
 
 The result is plain ONNX (MatMul, or the layer's own MatMulNBits, DequantizeLinear → MatMul or
 MatMulInteger product): every runtime runs it at full speed. The pass is graph surgery only: the kept
-neurons and the new weights come computed (onnx_nmm.nystrom), quantized when they are to be stored so.
+neurons and the new weights come computed (onnx_nmm.decomposition.nystrom), quantized when they are to be stored so.
 Each new product keeps the replaced node's name and metadata, so module paths and roles survive, and
 records how wide the MLP was (NARROWED_KEY).
 """
@@ -24,9 +24,18 @@ from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer
 from onnx_nmm.passes.mlp_modules import Mlp, inside_values, width_constant
 from onnx_nmm.passes.quantized_weights import DEQUANTIZE, INTEGER, MICROSOFT, NBITS
-from onnx_nmm.passes.stored_weights import (NameAllocator, QuantizedFactor, bias_value, cast, dequantize,
-                                            drop_unread_weight_inputs, initializer, integer_product, nbits_node,
-                                            quantized_initializers)
+from onnx_nmm.passes.stored_weights import (
+    NameAllocator,
+    QuantizedFactor,
+    bias_value,
+    cast,
+    dequantize,
+    drop_unread_weight_inputs,
+    initializer,
+    integer_product,
+    nbits_node,
+    quantized_initializers,
+)
 
 # Node metadata of a narrowed product: "k of I", the neurons its MLP kept.
 NARROWED_KEY = "onnx_nmm.narrowed"

@@ -7,7 +7,7 @@ by the same quantized form twice.
     Y = MatMulInteger(DQL(X), W…)  →   H = MatMulInteger(DQL(X), U…);  Y = MatMulInteger(DQL(H), V…) (+ b)
 
 The pass is pure graph surgery: the factors come computed (onnx_nmm.pipeline.factorize), quantized too when
-they are to be stored so (onnx_nmm.quantization). Float U and V become initializers in W's float dtype (or
+they are to be stored so (onnx_nmm.decomposition.quantization). Float U and V become initializers in W's float dtype (or
 the one asked for), behind a Cast when the layer computes in another. The new node keeps the replaced
 node's name and metadata (so module paths survive) and records the names of the nodes it replaced.
 Weights, Transposes and Identities nobody reads any more are removed; a weight that another node still
@@ -25,9 +25,19 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer
 from onnx_nmm.passes.quantized_weights import INTEGER, MICROSOFT, NBITS
-from onnx_nmm.passes.stored_weights import (NameAllocator, QuantizedFactor, bias_value, cast, dequantize,
-                                            drop_unread_weight_inputs, dynamic_quantization, initializer,
-                                            integer_product, nbits_node, quantized_initializers)
+from onnx_nmm.passes.stored_weights import (
+    NameAllocator,
+    QuantizedFactor,
+    bias_value,
+    cast,
+    dequantize,
+    drop_unread_weight_inputs,
+    dynamic_quantization,
+    initializer,
+    integer_product,
+    nbits_node,
+    quantized_initializers,
+)
 
 # Node metadata of the two nodes a quantized layer becomes: which factor each computes, and the rank.
 FACTOR_KEY, RANK_KEY = "onnx_nmm.svd_factor", "onnx_nmm.rank"

@@ -1,4 +1,4 @@
-"""The `ai.onnx_nmm` custom ops and their model-local functions (DESIGN.md §3).
+"""The `ai.onnx_nmm` custom ops and their model-local functions (docs/design.md §1).
 
 Every custom op ships with a FunctionProto whose body is its plain-ONNX decomposition, so any runtime
 executes the rewritten model, while a backend that knows the op (the Neuron lowering) calls its fused

@@ -3,9 +3,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from threadpoolctl import threadpool_limits
-
 from exported_models import CACHE, exported_model
+from threadpoolctl import threadpool_limits
 
 
 def pytest_configure(config):

@@ -91,7 +91,8 @@ def test_inspect_diff_eval_and_run_on_the_command_line_are_the_api(capsys, expor
     assert untargeted and all(layer.rank is None and layer.rank_note == "not targeted" for layer in untargeted)
 
     compared = json.loads(_cli(capsys, "diff", source, candidate, "--seq-len", "9", "--json"))
-    assert compared == json.loads(json.dumps(onnx_nmm.diff(source, candidate, onnx_nmm.DiffOptions(seq_len=9)).to_dict()))
+    assert compared == json.loads(json.dumps(onnx_nmm.diff(source, candidate,
+                                                           onnx_nmm.DiffOptions(seq_len=9)).to_dict()))
 
     text = onnx_nmm.TextOptions(tokens, window=16)
     scored = json.loads(_cli(capsys, "eval", candidate, "--text", tokens, "--window", "16", "--json"))

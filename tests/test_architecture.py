@@ -30,7 +30,8 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def _outside(names: set[str], allowed: tuple[str, ...], watched: tuple[str, ...], exact: tuple[str, ...] = ()) -> set[str]:
+def _outside(names: set[str], allowed: tuple[str, ...], watched: tuple[str, ...],
+             exact: tuple[str, ...] = ()) -> set[str]:
     """The imports of a `watched` package that are neither one of the `allowed` modules (or below them) nor one
     of the `exact` names."""
     return {name for name in names if name.startswith(watched) and name not in exact
@@ -54,8 +55,9 @@ def test_passes_know_graphs_and_nothing_else_of_the_project(path):
 
 # What the CLI may use besides the top-level API: its own modules, the option constants for flag choices,
 # the plotting helpers, JSON writing, and the kernels' benchmark (`bench-kernels` is a shell over it).
-CLI_MAY_IMPORT = ("onnx_nmm.cli", "onnx_nmm.options", "onnx_nmm.finetuning", "onnx_nmm.report_plot", "onnx_nmm.bench_plot",
-                  "onnx_nmm.finetune_plot", "onnx_nmm.model_io", "onnx_nmm.kernels")
+CLI_MAY_IMPORT = ("onnx_nmm.cli", "onnx_nmm.options", "onnx_nmm.training.finetuning", "onnx_nmm.training.schedule",
+                  "onnx_nmm.plots.report", "onnx_nmm.plots.bench",
+                  "onnx_nmm.plots.finetune", "onnx_nmm.model_io", "onnx_nmm.kernels")
 
 
 @pytest.mark.parametrize("path", _python_files(LIBRARY / "cli"), ids=lambda p: str(p.relative_to(ROOT)))
@@ -84,3 +86,97 @@ def test_library_errors_name_options_not_flags(path):
              if re.search(r"(^|\s)--[a-z]", message) and "pip install" not in message]
     assert not flags, f"{path.name} raises errors that name command-line flags: {flags}"
     assert "onnx_nmm.cli" not in str(_imports(path))
+
+
+def test_the_top_level_holds_the_api_and_few_modules_besides():
+    modules = sorted(path.stem for path in LIBRARY.glob("*.py"))
+    assert len(modules) <= 15, f"onnx_nmm/ holds {len(modules)} modules: give the new one a subpackage ({modules})"
+
+
+# What each subpackage must never import: the layers above it (docs/architecture.md).
+ABOVE = {
+    "quality": ("calibration", "decomposition", "generation", "ranks", "runtime", "training", "trainium"),
+    "runtime": ("calibration", "decomposition", "generation", "ranks", "training", "trainium"),
+    "decomposition": ("generation", "ranks", "training", "trainium"),
+    "ranks": ("calibration", "generation", "training", "trainium"),
+    "calibration": ("ranks", "training", "trainium"),
+    "generation": ("decomposition", "ranks", "training", "trainium"),
+    "training": ("ranks", "trainium"),
+    "trainium": ("calibration", "generation", "training"),
+}
+EVERY_LAYER_ABOVE = ("pipeline", "scale", "plots", "cli")  # never imported by anything below the API
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_a_subpackage_imports_nothing_above_it(package):
+    forbidden = tuple(f"onnx_nmm.{name}" for name in (*ABOVE[package], *EVERY_LAYER_ABOVE))
+    for path in _python_files(LIBRARY / package):
+        assert not {name for name in _imports(path) if name.startswith(forbidden)}, path.name
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = ("onnx_nmm", *relative.parts[1:]) if relative.parts[0] in ("onnx_nmm", "passes", "kernels") else ()
+    if relative.parts[0] in ("passes", "kernels"):
+        parts = ("onnx_nmm", *relative.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module a file imports, with `from package import module` named as the module."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Imports inside functions count too: a circle broken only by importing late is still a circle."""
+    files = {_module_name(path): path for folder in (LIBRARY, ROOT / "passes")
+             for path in _python_files(folder) if "cli" not in path.parts}
+    graph = {}
+    for name, path in files.items():
+        imported = set()
+        for target in _imported_names(path):
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            imported.add(target)
+        graph[name] = imported - {name, "onnx_nmm", ""}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError("an import circle: " + " → ".join([*path[path.index(module):], module]))
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_the_kind_of_a_calibration_source_is_decided_in_one_function():
+    """onnx_nmm.calibration.sources.source_kind: nothing else looks at a source's suffix or spelling."""
+    sources = LIBRARY / "calibration" / "sources.py"
+    for path in _python_files(LIBRARY):
+        if path != sources:
+            text = path.read_text()
+            assert 'endswith(".npz")' not in text and "== RANDOM" not in text, path.name
+
+
+def test_the_repository_explains_itself():
+    """No file points into the team's notes outside the repository: the docs are docs/design.md and its
+    neighbours."""
+    outside = ("DESIGN" + ".md", "ASSETS" + ".md", "research" + "/", "../" + "shared")
+    files = [path for folder in ("onnx_nmm", "passes", "kernels", "tests", "tools", "docs")
+             for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".md") and path.is_file()]
+    for path in [*files, ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]:
+        named = [name for name in outside if name in path.read_text()]
+        assert not named, f"{path.relative_to(ROOT)} names {named}"

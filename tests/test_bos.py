@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import onnx_nmm
-from onnx_nmm.calibration_data import CalibrationData, bos_id, load_tokenizer, text_tokens
+from onnx_nmm.calibration.calibration_data import CalibrationData, bos_id, text_tokens
+from onnx_nmm.calibration.tokens import load_tokenizer
 from onnx_nmm.cli import main
 from onnx_nmm.model_source import ModelSource
 

@@ -2,19 +2,20 @@
 
 import json
 
+import graphs
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 from onnx import helper
 
-import graphs
-from onnx_nmm import ExecutionError, Selection, calibration_data
-from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm import ExecutionError, Selection
+from onnx_nmm.calibration import calibration_data
+from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.calibration.calibration_data import observed_inputs
 from onnx_nmm.cli import main
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers, select_layers
-from onnx_nmm.calibration_data import observed_inputs
 
 
 def _float_feeds(x):
@@ -73,8 +74,8 @@ def test_calibrated_full_rank_rewrite_is_exact(capsys, export, tmp_path):
     source = export("llama", "dynamo")
     out = tmp_path / "whitened.onnx"
     with pytest.warns(UserWarning, match="random token ids"):
-        code, _, _ = _run(capsys, "rewrite", source, "-o", out, "--rank", "full", "--targets", "all", "--calib", "random",
-                          "--calib-samples", "4", "--seq-len", "32", "--quiet")
+        code, _, _ = _run(capsys, "rewrite", source, "-o", out, "--rank", "full", "--targets", "all",
+                          "--calib", "random", "--calib-samples", "4", "--seq-len", "32", "--quiet")
     assert code == 0
     expected, actual = run_both(source, out, batch=2, seq_len=9, seed=3)
     assert_logits_close(expected, actual)
@@ -87,7 +88,8 @@ def test_whitening_lowers_the_output_error_of_a_real_export(capsys, export, tmp_
     for method in ("svd", "whiten"):
         report = tmp_path / f"{method}.json"
         saved = ["--calib", stats] if stats.exists() else ["--calib", "random", "--save-calib-stats", stats]
-        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{method}.onnx", "--keep", "0.5", "--align", "32",
+        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{method}.onnx",
+                          "--keep", "0.5", "--align", "32",
                           "--method", method, *saved, "--calib-samples", "8", "--seq-len", "64", "--report", report,
                           "--quiet")
         assert code == 0
@@ -104,7 +106,8 @@ def test_global_budget_spends_the_same_parameters(capsys, export, tmp_path):
     totals = {}
     for budget in ("uniform", "global"):
         report = tmp_path / f"{budget}.json"
-        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{budget}.onnx", "--keep", "0.5", "--align", "32",
+        code, _, _ = _run(capsys, "rewrite", source, "-o", tmp_path / f"{budget}.onnx",
+                          "--keep", "0.5", "--align", "32",
                           "--calib", "random", "--calib-samples", "8", "--seq-len", "32", "--budget", budget,
                           "--report", report, "--quiet")
         assert code == 0
@@ -142,7 +145,8 @@ def test_calibration_windows_come_from_the_start_or_spread_over_the_text(tmp_pat
     assert ["".join(map(chr, w)) for w in first.tokens] == ["aaaa", "bbbb", "cccc", "dddd"]
     assert ["".join(map(chr, w)) for w in spread.tokens] == ["aaaa", "dddd", "gggg", "jjjj"]
     everything = calibration_data.windows_from_text(text, _characters, 10, 4, spread=True)
-    np.testing.assert_array_equal(everything.tokens, calibration_data.windows_from_text(text, _characters, None, 4).tokens)
+    np.testing.assert_array_equal(everything.tokens,
+                                  calibration_data.windows_from_text(text, _characters, None, 4).tokens)
 
 
 def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
@@ -154,8 +158,7 @@ def test_spreading_windows_needs_a_text(capsys, export, tmp_path):
 
 def _record_windows(monkeypatch):
     """Record the windows (as strings of their token ids) the statistics and the budget's probe run on."""
-    from onnx_nmm import sensitivity
-
+    from onnx_nmm.ranks import sensitivity
     seen = {"statistics": [], "budget": []}
     gather = calibration_data.collect_gram_matrices
 
@@ -222,8 +225,9 @@ def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, ex
 def test_mixed_and_generated_calibration_hold_windows_out_of_each_source(tmp_path, monkeypatch):
     """A text mixed with windows the model generates: each source gives its windows, the budget windows are
     held out of both and are none of them; the generated windows are the same for the same seed."""
-    import onnx_nmm
     from exported_models import exported_model
+
+    import onnx_nmm
 
     text = _ten_lettered_windows(tmp_path)
     monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
@@ -241,7 +245,8 @@ def test_mixed_and_generated_calibration_hold_windows_out_of_each_source(tmp_pat
     assert ids == [f"t.txt#{i}" for i in range(4)] + [f"generated#{i}" for i in range(3)]
     assert result.report.quality_budget["spread"]["windows"] == ["t.txt#4", "generated#3"]
     monkeypatch.setenv("ONNX_NMM_CACHE", "off")  # sampled again, not read back
-    again = onnx_nmm.generated_text.generated_windows(generated, exported_model("llama", "dynamo"), 4, samples=4)
+    again = onnx_nmm.calibration.generated_text.generated_windows(generated, exported_model("llama", "dynamo"), 4,
+                                                                  samples=4)
     assert [" ".join(map(str, w)) for w in again.tokens] == statistics[4:] + [budget[1]]
     assert all(window.split()[0] == "1" for window in statistics[4:])  # each starts with the start token
 
@@ -268,7 +273,7 @@ def test_calibration_sources_parse_generated_and_mix(tmp_path):
 
 
 def test_nucleus_sampling_keeps_to_the_nucleus_and_repeats_with_its_seed():
-    from onnx_nmm.generated_text import sample_nucleus
+    from onnx_nmm.calibration.generated_text import sample_nucleus
 
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
     picks = sample_nucleus(logits, 1.0, 0.75, np.random.default_rng(0))
@@ -297,8 +302,9 @@ def test_sampling_generated_windows_is_a_phase_the_progress_hears(tmp_path, monk
     """Generating calibration text takes minutes on a real model: it is said, batch by batch, not done in silence."""
     import contextlib
 
-    import onnx_nmm
     from exported_models import exported_model
+
+    import onnx_nmm
 
     monkeypatch.setenv("ONNX_NMM_CACHE", str(tmp_path / "cache"))
     heard = []

@@ -5,13 +5,13 @@ import shutil
 import subprocess
 import sys
 
+import graphs
 import numpy as np
 import onnx
 import pytest
 
-import graphs
-from onnx_nmm.passes import svd_ops
 from onnx_nmm.cli import main
+from onnx_nmm.passes import svd_ops
 
 
 def _cli(capsys, *argv):

@@ -3,7 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnx_nmm.decoding import Decoder
+from onnx_nmm.generation.decoding import Decoder
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 

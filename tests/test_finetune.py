@@ -7,16 +7,15 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-
 from exported_models import exported_model
-from onnx_nmm.backend_runner import ModelRunner
-from onnx_nmm.cli import main
-from onnx_nmm import TrainingDiverged, TrainingOptions
-from onnx_nmm.factor_training import finetune, next_token_loss, replace_factors
-from onnx_nmm.lowering import CausalLmInputs
-from onnx_nmm.lowering import call_lowered, factor_parameters, lower
-from onnx_nmm.model_io import check_model_file, load_model, save_model
 from rewriting import assert_logits_close
+
+from onnx_nmm import TrainingDiverged, TrainingOptions
+from onnx_nmm.cli import main
+from onnx_nmm.lowering import CausalLmInputs, call_lowered, factor_parameters, lower
+from onnx_nmm.model_io import check_model_file, load_model, save_model
+from onnx_nmm.runtime.backend_runner import ModelRunner
+from onnx_nmm.training.factor_training import finetune, next_token_loss, replace_factors
 
 pytestmark = pytest.mark.xdist_group("lowering")
 
@@ -69,7 +68,8 @@ def test_finetuning_lowers_the_loss_and_changes_only_the_factors(rewritten_llama
     factors = {name: factor.clone() for name, factor in factor_parameters(module).items()}
     loss_before = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
 
-    result = finetune(module, windows, inputs, TrainingOptions(steps=30, learning_rate=1e-3, batch=4, loss="next-token"))
+    result = finetune(module, windows, inputs,
+                      TrainingOptions(steps=30, learning_rate=1e-3, batch=4, loss="next-token"))
 
     loss_after = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
     assert len(result.records) == 30 and result.stopped_by == "steps"
@@ -150,7 +150,8 @@ def test_a_rising_loss_is_warned_about(capsys, rewritten_llama, tmp_path):
 def test_time_budget_ends_training(rewritten_llama):
     module = lower(rewritten_llama)
     inputs = CausalLmInputs(rewritten_llama)
-    result = finetune(module, _token_ids(2, 16), inputs, TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
+    result = finetune(module, _token_ids(2, 16), inputs,
+                      TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
     last = result.records[-1]
     assert result.stopped_by == "time" and 1 < last.step < 100_000
     assert last.seconds <= 0.5 + 2 * last.seconds / last.step  # at most about one step over

@@ -8,14 +8,14 @@ import pytest
 from graphs import swiglu_mlp
 from rewriting import assert_logits_close, run_both
 
-from onnx_nmm.causal_lm import CausalLm
-from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
-from onnx_nmm.cli import main
-from onnx_nmm.fisher import collect_fisher_statistics
 from onnx_nmm import Selection
+from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.calibration.calibration_data import observed_inputs
+from onnx_nmm.cli import main
+from onnx_nmm.decomposition.fisher import collect_fisher_statistics
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers, select_layers
-from onnx_nmm.calibration_data import observed_inputs
+from onnx_nmm.runtime.causal_lm import CausalLm
 
 
 def _windows(samples=16, seq_len=64, vocab=1000, seed=0):
@@ -37,7 +37,8 @@ def test_input_grams_equal_onnxruntimes(export):
         np.testing.assert_allclose(fisher.grams[name], gram, rtol=1e-4, atol=1e-4 * np.abs(gram).max())
     assert fisher.tokens == reference.tokens == windows.size
     assert fisher.output_grams.keys() == {layer.name for layer in targets}
-    # the output-gradient Grams, the bigger half, are kept in float32 (damped before use: onnx_nmm.whitening)
+    # the output-gradient Grams, the bigger half, are kept in float32 (damped before use:
+    # onnx_nmm.decomposition.whitening)
     assert {g.dtype for g in fisher.grams.values()} == {np.dtype(np.float64)}
     assert {g.dtype for g in fisher.output_grams.values()} == {np.dtype(np.float32)}
 
@@ -102,7 +103,8 @@ def test_saved_fisher_statistics_give_the_same_rewrite(capsys, export, tmp_path)
     source, stats = export("llama", "dynamo"), tmp_path / "stats.npz"
     common = ["--method", "fisher", "--keep", "0.6", "--align", "16", "--quiet"]
     assert main([str(a) for a in ("rewrite", source, "-o", tmp_path / "a.onnx", "--calib", "random",
-                                  "--calib-samples", "4", "--seq-len", "32", "--save-calib-stats", stats, *common)]) == 0
+                                  "--calib-samples", "4", "--seq-len", "32", "--save-calib-stats", stats,
+                                  *common)]) == 0
     saved = GramStatistics.load(stats)
     assert saved.output_grams and saved.tokens == 4 * 32
     assert main([str(a) for a in ("rewrite", source, "-o", tmp_path / "b.onnx", "--calib", stats, *common)]) == 0
@@ -118,7 +120,8 @@ def test_fisher_with_statistics_that_lack_gradients_is_an_error(capsys, export, 
     code = main([str(a) for a in ("rewrite", source, "-o", tmp_path / "b.onnx", "--calib", stats,
                                   "--method", "fisher", "--quiet")])
     error = capsys.readouterr().err
-    assert code == 2 and "hold no output-gradient Grams, which --method fisher weighs by" in error and len(error.splitlines()) == 1
+    assert (code == 2 and "hold no output-gradient Grams, which --method fisher weighs by" in error
+            and len(error.splitlines()) == 1)
     assert not (tmp_path / "b.onnx").exists()
 
 

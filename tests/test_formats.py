@@ -11,10 +11,10 @@ import onnxruntime as ort
 import pytest
 
 import onnx_nmm
-from onnx_nmm.causal_lm import CausalLm
-from onnx_nmm.model_source import ModelSource
 from onnx_nmm.cli import main
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import svd_ops
+from onnx_nmm.runtime.causal_lm import CausalLm
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 PAST, MERGED = FORMATS / "optimum-past" / "model.onnx", FORMATS / "optimum-merged" / "model.onnx"
@@ -241,7 +241,8 @@ def test_an_onnxruntime_genai_model_rewrites_into_a_folder_its_generator_runs(ca
         _cli(capsys, "rewrite", source, "-o", tmp_path / "whitened" / "rewritten.onnx", "--calib", tokens, "--keep",
              "0.5", "--align", "16", "--quiet")
     config = json.loads((tmp_path / "whitened" / "genai_config.json").read_text())
-    assert config["model"]["decoder"]["filename"] == "rewritten.onnx" and (tmp_path / "whitened" / "tokenizer.json").exists()
+    assert (config["model"]["decoder"]["filename"] == "rewritten.onnx"
+            and (tmp_path / "whitened" / "tokenizer.json").exists())
     assert not (source.parent / "rewritten.onnx").exists()  # the input's folder is left alone
     original = _generate(source.parent)
     if precision == "fp32":  # float factors of a float model at full rank: the same greedy text
@@ -267,7 +268,8 @@ def test_what_needs_the_lowering_runs_on_a_genai_model(capsys, tmp_path, tokens)
     """GroupQueryAttention and the fused layer norms are lowered: fisher and the budgets run on the builder's
     graph, and the output still runs in onnxruntime."""
     source = FORMATS / "genai-fp32" / "model.onnx"
-    for name, budget in (("fisher", ["--method", "fisher", "--keep", "0.5"]), ("budget", ["--max-ppl-increase", "0.2"])):
+    for name, budget in (("fisher", ["--method", "fisher", "--keep", "0.5"]),
+                         ("budget", ["--max-ppl-increase", "0.2"])):
         out = tmp_path / f"{name}.onnx"
         code = main(["rewrite", str(source), "-o", str(out), "--calib", str(tokens), "--calib-samples", "2",
                      "--quiet", *budget])

@@ -35,11 +35,13 @@ def _write_large_model(folder):
             for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
                 tensor.external_data.add(key=key, value=value)
             initializers.append(tensor)
-            nodes.append(helper.make_node("MatMul", ["X", f"W{i}"], [f"Y{i}"], name=f"/model/layers.{i}/mlp/up_proj/MatMul"))
+            nodes.append(helper.make_node("MatMul", ["X", f"W{i}"], [f"Y{i}"],
+                                          name=f"/model/layers.{i}/mlp/up_proj/MatMul"))
             outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["batch", N]))
     graph = helper.make_graph(nodes, "large", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", K])],
                               outputs, initializers)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), folder / "model.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10),
+              folder / "model.onnx")
     return folder / "model.onnx"
 
 

@@ -1,8 +1,8 @@
+import graphs
 import numpy as np
 import onnx_ir as ir
 import pytest
 
-import graphs
 from onnx_nmm.passes import find_linear_layers
 
 

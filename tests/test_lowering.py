@@ -2,20 +2,20 @@
 
 import json
 
+import graphs
 import numpy as np
 import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
-
-import graphs
-from onnx_nmm import neuron
-from onnx_nmm.passes import svd_ops
-from onnx_nmm.backend_runner import ModelRunner
-from onnx_nmm.cli import main
-from onnx_nmm import ModelError
-from onnx_nmm.lowering import lower
 from rewriting import assert_logits_close
+
+from onnx_nmm import ModelError
+from onnx_nmm.cli import main
+from onnx_nmm.lowering import lower
+from onnx_nmm.passes import svd_ops
+from onnx_nmm.runtime.backend_runner import ModelRunner
+from onnx_nmm.trainium import neuron
 
 pytestmark = pytest.mark.xdist_group("lowering")
 
@@ -103,8 +103,8 @@ def test_run_and_diff_on_a_backend(capsys, export, tmp_path):
 def test_compile_dry_run_writes_a_manifest(capsys, export, tmp_path):
     rewritten = _rewritten(capsys, export("llama", "dynamo"), tmp_path, fuse=False)
     target = tmp_path / "compiled"
-    code, out, err = _cli(capsys, "compile", rewritten, "--target", "trn1", "--batch", "2", "--seq-len", "8", "-o", target,
-                          "--dry-run")
+    code, out, err = _cli(capsys, "compile", rewritten, "--target", "trn1", "--batch", "2", "--seq-len", "8",
+                          "-o", target, "--dry-run")
     assert code == 0, err
     manifest = json.loads((target / "manifest.json").read_text())
     assert manifest["inputs"][0] == {"name": "input_ids", "shape": [2, 8], "dtype": "int64"}

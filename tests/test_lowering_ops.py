@@ -96,8 +96,8 @@ def test_attention_23_flat_causal_with_a_cache_and_softcap():
 
 
 def test_attention_24_nonpad_lengths_and_25_windows():
-    inputs = {"q": _random(2, 2, 4, 8), "k": _random(2, 2, 6, 8), "v": _random(2, 2, 6, 8), "mask": None, "past_key": None,
-              "past_value": None, "lengths": np.array([6, 4], np.int64)}
+    inputs = {"q": _random(2, 2, 4, 8), "k": _random(2, 2, 6, 8), "v": _random(2, 2, 6, 8), "mask": None,
+              "past_key": None, "past_value": None, "lengths": np.array([6, 4], np.int64)}
     _assert_lowered_matches("Attention", inputs, opset=24, is_causal=1)
     _assert_lowered_matches("Attention", {"q": _random(1, 2, 6, 8), "k": _random(1, 2, 6, 8), "v": _random(1, 2, 6, 8)},
                             opset=25, is_causal=1, left_window_size=2)

@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
 
-from onnx_nmm.lowrank import decompose
-from onnx_nmm.rank_plan import block_aligned_rank, break_even_rank, energy_rank
+from onnx_nmm.decomposition.lowrank import decompose
+from onnx_nmm.ranks.rank_plan import block_aligned_rank, break_even_rank, energy_rank
 
 
 @pytest.mark.parametrize(
     "hidden, intermediate, keep, rank",
-    [  # the ranks NeuronMM's formula gives (research/paper.md §2.2)
+    [  # the ranks NeuronMM's formula gives (docs/design.md §2)
         (2048, 8192, 0.80, 1280),
         (3072, 8192, 0.80, 1792),
         (4096, 14336, 0.80, 2560),

@@ -1,20 +1,20 @@
-"""MLP compression as a module (--method nystrom): the maths (onnx_nmm.nystrom), the rule that finds MLPs
+"""MLP compression as a module (--method nystrom): the maths (onnx_nmm.decomposition.nystrom), the rule that finds MLPs
 (passes/mlp_modules), the surgery (passes/mlp_narrowing), and the rewrite that plans widths."""
 
 import json
 from pathlib import Path
 
+import graphs
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-import graphs
 import onnx_nmm
 from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions
+from onnx_nmm.decomposition.nystrom import NEURON_SCORES, MlpNarrowing
 from onnx_nmm.errors import OptionError
-from onnx_nmm.nystrom import NEURON_SCORES, MlpNarrowing
 from onnx_nmm.passes import find_linear_layers
 from onnx_nmm.passes.mlp_modules import find_mlps
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
@@ -143,8 +143,8 @@ def _mlp_of(model: ir.Model, down_name: str):
 
 
 def _logits(model: ir.Model, tokens: np.ndarray) -> np.ndarray:
-    from onnx_nmm.causal_lm import CausalLm
     from onnx_nmm.model_source import ModelSource
+    from onnx_nmm.runtime.causal_lm import CausalLm
 
     source = ModelSource(model)
     return source.session().run(None, CausalLm.of_source(source).feeds(tokens))[0]
@@ -227,8 +227,8 @@ def test_the_answer_check_measures_how_likely_the_rewritten_model_finds_the_dens
     """The rewrite asks the check prompts when it has a tokenizer: a rewrite that keeps everything gives the dense
     answers, as likely as the dense model does; one that keeps almost nothing does not, and the warning names a
     prompt and both answers."""
-    from onnx_nmm.answers import MAX_ANSWER_DROP, check_answers
-    from onnx_nmm.calibration_data import load_tokenizer
+    from onnx_nmm import load_tokenizer
+    from onnx_nmm.generation.answers import MAX_ANSWER_DROP, check_answers
     from onnx_nmm.model_source import ModelSource
 
     folder = FORMATS / "genai-fp32"
@@ -251,7 +251,7 @@ def test_the_answer_check_measures_how_likely_the_rewritten_model_finds_the_dens
 def test_answers_that_mostly_diverge_are_worth_a_warning_even_when_likely():
     """A likely dense answer does not make the greedy one right: when most greedy answers leave the dense ones
     within the first tokens, the rewrite warns and shows one of them."""
-    from onnx_nmm.answers import AnswerCheck
+    from onnx_nmm.generation.answers import AnswerCheck
 
     prompts = ["What is the capital of France?", "Why is the sky blue?", "Spider legs?", "Bees?"]
     dense = ["Paris.", "Rayleigh scattering.", "Eight.", "Honey."]
@@ -272,8 +272,7 @@ def test_an_mlp_nystrom_cannot_narrow_is_factorized_and_the_report_says_why(expo
 
 
 def test_a_budget_reuses_the_sensitivities_an_earlier_one_measured(export, tmp_path, monkeypatch):
-    from onnx_nmm import sensitivity
-
+    from onnx_nmm.ranks import sensitivity
     path = export("llama", "dynamo")
     first = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.75, align=64, budget="sensitivity")))
     (tmp_path / "first.json").write_text(json.dumps(first.report.to_dict()))

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from onnx_nmm.perplexity import Windows, compare_on_text, perplexity
+from onnx_nmm.quality.perplexity import Windows, compare_on_text, perplexity
 
 
 def bigram(table: np.ndarray):

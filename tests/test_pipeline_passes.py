@@ -1,11 +1,11 @@
 """Each rewrite pass on its own, as a model → model unit over a hand-made context."""
 
+import graphs
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-import graphs
 from onnx_nmm import CalibrationOptions, Dense, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import FuseMlpPass, find_linear_layers, svd_ops

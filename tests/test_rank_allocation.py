@@ -2,7 +2,8 @@
 
 import pytest
 
-from onnx_nmm.rank_allocation import KEPT_DENSE as DENSE, allocate_by_damage, cheapest_moves
+from onnx_nmm.ranks.rank_allocation import KEPT_DENSE as DENSE
+from onnx_nmm.ranks.rank_allocation import allocate_by_damage, cheapest_moves
 
 
 def _layer(dense, damages):
@@ -39,7 +40,8 @@ def test_allocation_removes_at_least_the_target_where_it_costs_least():
 def test_allocation_matches_exhaustive_search_on_convex_layers(target):
     from itertools import product
 
-    options = {"a": _layer(100, {8: 0.01, 6: 0.05, 4: 0.2, 2: 1.0}), "b": _layer(100, {8: 0.02, 6: 0.04, 4: 0.1, 2: 0.5}),
+    options = {"a": _layer(100, {8: 0.01, 6: 0.05, 4: 0.2, 2: 1.0}),
+               "b": _layer(100, {8: 0.02, 6: 0.04, 4: 0.1, 2: 0.5}),
                "c": _layer(100, {8: 0.3, 6: 0.7, 4: 1.2, 2: 2.0})}
     chosen = allocate_by_damage(options, target)
 

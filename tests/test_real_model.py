@@ -6,12 +6,12 @@ Slow (an export of ~100 s on first use, cached in .cache/assets): run in CI, ski
 
 import json
 
+import assets
 import pytest
 from filelock import FileLock
 
-import assets
-from onnx_nmm.cli import main
 from onnx_nmm import external_data_path
+from onnx_nmm.cli import main
 
 # one worker runs every test that writes GBs (here and test_large_model.py), so their files never add up
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gigabytes")]
@@ -52,7 +52,8 @@ def test_whitened_svd_beats_plain_svd_on_smollm2(capsys, smollm2, tmp_path):
     perplexities = {}
     for method, extra in (("svd", []), ("whiten", calibration)):
         out = tmp_path / f"{method}.onnx"
-        _run(capsys, "rewrite", model, "-o", out, "--keep", "0.8", "--align", "32", "--method", method, *extra, "--quiet")
+        _run(capsys, "rewrite", model, "-o", out, "--keep", "0.8", "--align", "32", "--method", method, *extra,
+             "--quiet")
         perplexities[method] = _perplexity(capsys, out, tokenizer)
         _discard(out)
     assert dense < perplexities["whiten"] < perplexities["svd"]

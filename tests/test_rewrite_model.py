@@ -1,18 +1,18 @@
 """What the rewrite writes: SvdMatMul calls with function bodies, factors in W's dtype, nothing lost."""
 
+import graphs
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
+from rewriting import rewrite_file
 
-import graphs
 import onnx_nmm
 from onnx_nmm import ModelError, OnnxNmmError, OptionError, RankOptions, RewriteOptions, Selection
 from onnx_nmm.model_io import check_model_file, save_model
 from onnx_nmm.passes import svd_ops
-from rewriting import rewrite_file
 
 EVERY_LAYER = Selection(targets="all", lm_head=True)
 

@@ -10,11 +10,11 @@ import textwrap
 import numpy as np
 import onnxruntime as ort
 import pytest
+from scale_model import write_llama_shaped
 from threadpoolctl import threadpool_limits
 
 import onnx_nmm
 from onnx_nmm.cli import main
-from scale_model import write_llama_shaped
 
 OPTIONS = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8, align=32), selection=onnx_nmm.Selection("all"))
 CLI_OPTIONS = ["--keep", "0.8", "--align", "32", "--targets", "all", "--threads", "1", "--quiet"]

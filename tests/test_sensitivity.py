@@ -8,8 +8,8 @@ import pytest
 
 from onnx_nmm import Dense, OptionError
 from onnx_nmm.cli import main
-from onnx_nmm.lowrank import Spectrum
-from onnx_nmm.sensitivity import Candidate, greedy_moves, select_for_parameters, select_within_budget
+from onnx_nmm.decomposition.lowrank import Spectrum
+from onnx_nmm.ranks.sensitivity import Candidate, greedy_moves, select_for_parameters, select_within_budget
 
 DENSE = Dense("kept dense by the test")
 
@@ -87,9 +87,9 @@ def test_a_parameter_target_takes_the_shortest_prefix_that_reaches_it():
 
 def test_rewrite_within_a_perplexity_budget(capsys, export, tmp_path):
     report = tmp_path / "r.json"  # external data: the sensitivity pass must read the weights from beside the input
-    code = main([str(a) for a in ("rewrite", export("llama", "dynamo", external_data=True), "-o", tmp_path / "o.onnx", "--calib", "random",
-                                  "--calib-samples", "8", "--seq-len", "48", "--align", "32", "--max-ppl-increase", "0.02",
-                                  "--report", report, "--quiet")])
+    code = main([str(a) for a in ("rewrite", export("llama", "dynamo", external_data=True), "-o", tmp_path / "o.onnx",
+                                  "--calib", "random", "--calib-samples", "8", "--seq-len", "48", "--align", "32",
+                                  "--max-ppl-increase", "0.02", "--report", report, "--quiet")])
     assert code == 0, capsys.readouterr().err
     data = json.loads(report.read_text())
     budget = data["quality_budget"]
@@ -116,7 +116,8 @@ def test_rewrite_keeping_a_fraction_where_it_costs_least(capsys, export, tmp_pat
     assert code == 0, capsys.readouterr().err
     data = json.loads(report.read_text())
     targets = [layer for layer in data["layers"] if layer["status"] != "skipped"]
-    removed = 1 - sum(layer["parameters_after"] for layer in targets) / sum(layer["parameters_before"] for layer in targets)
+    removed = 1 - (sum(layer["parameters_after"] for layer in targets)
+                   / sum(layer["parameters_before"] for layer in targets))
     assert 0.1 <= removed < 0.5, removed
     assert data["quality_budget"]["keep"] == 0.9 and data["quality_budget"]["budget"] is None
     assert "sensitivity budget keeping 90.0%" in data["rule"]

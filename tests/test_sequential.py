@@ -1,19 +1,19 @@
 """Sequential calibration on a two-layer linear network, where the right answer can be computed."""
 
+import graphs
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 from onnx import helper
 
-import graphs
 from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions
-from onnx_nmm.activation_stats import collect_gram_matrices
+from onnx_nmm.calibration.activation_stats import collect_gram_matrices
+from onnx_nmm.calibration.calibration_data import observed_inputs
+from onnx_nmm.decomposition.sequential import RIDGE, GroupObserver
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers
 from onnx_nmm.pipeline import FactorizeLayers, PlanRanks, RewriteContext
-from onnx_nmm.calibration_data import observed_inputs
-from onnx_nmm.sequential import RIDGE, GroupObserver
 
 K, HIDDEN, N, RANK = 24, 32, 20, 6
 

@@ -7,11 +7,11 @@ import pytest
 import onnx_nmm
 from onnx_nmm import kernels
 from onnx_nmm.cli import main
-from onnx_nmm.decoder_shape import DenseMlp, FusedMlp, Linear
 from onnx_nmm.export import TinyShape, build_config
 from onnx_nmm.kernels.hardware import TRN1
-from onnx_nmm.rank_plan import block_aligned_rank
-from onnx_nmm.trainium_speed import ELEMENT_BYTES, KERNEL, ROOFLINE, price
+from onnx_nmm.ranks.rank_plan import block_aligned_rank
+from onnx_nmm.trainium.decoder_shape import DenseMlp, FusedMlp, Linear
+from onnx_nmm.trainium.speed import ELEMENT_BYTES, KERNEL, ROOFLINE, price
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)

@@ -3,9 +3,13 @@
 import numpy as np
 import pytest
 
-from onnx_nmm.lowrank import decompose
-from onnx_nmm.whitening import (activation_loss, output_whitening_factor, whitened_decomposition,
-                                whitening_factor)
+from onnx_nmm.decomposition.lowrank import decompose
+from onnx_nmm.decomposition.whitening import (
+    activation_loss,
+    output_whitening_factor,
+    whitened_decomposition,
+    whitening_factor,
+)
 
 
 def _correlated_inputs(tokens=4000, k=48, seed=0):

@@ -40,7 +40,8 @@ def main() -> int:
     seconds = data["seconds"]
     print(f"machine: {machine()}")
     print(f"SmolLM2-135M-Instruct, MLP targets, whitened SVD, keep 0.8, align 32; calibration: {data['calibration']}")
-    print(f"wall {wall:.1f} s (calibration {seconds['calibration']:.1f} s, factorization {seconds['factorization']:.1f} s, "
+    print(f"wall {wall:.1f} s (calibration {seconds['calibration']:.1f} s, "
+          f"factorization {seconds['factorization']:.1f} s, "
           f"writing {seconds['writing']:.1f} s, start-up and the rest {wall - sum(seconds.values()):.1f} s); "
           f"peak RSS {rss / 2**30:.2f} GiB")
     bars = {"under 5 minutes": wall < 300, "peak RSS under 4 GB": rss < 4e9}

@@ -24,11 +24,12 @@ New Testament) and modern English news (the Lee corpus, tools/assets.modern_text
 calibration, the largest share of the MLP parameters removed within +10 % on the modern text.
 
 Generated windows are sampled from an export of the same model with a KV cache (`--calib-generator`), which
-is much faster than re-reading each sequence; they are cached (onnx_nmm.generated_text), so the rewrites and
+is much faster than re-reading each sequence; they are cached (onnx_nmm.calibration.generated_text), so the rewrites and
 the fine-tuning of one calibration share them. The statistics are saved by a calibration's first rewrite
 when a later one reuses them; a study of one rewrite per calibration, or one given --reuse-stats, reuses the
 statistics an earlier study left in --work. Models already in --work are kept: an interrupted study
-resumes; delete the folder to start afresh. Every command is recorded in the page (docs/quality.md, one section per model).
+resumes; delete the folder to start afresh. Every command is recorded in the page (docs/quality.md, one section per
+model).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import argparse
 import json
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402

@@ -160,7 +160,8 @@ class Study:
             f"Every model is scored on {a.eval_windows} windows of 512 tokens of two texts no step saw: **KJV NT**,",
             "the held-out New Testament (the calibration corpus's other part), and **modern**, English news prose of",
             "2001 from another source (the Lee corpus, 300 ABC news articles; tools/assets.py). Each cell: perplexity,",
-            f"then its increase over dense on the same text; the bar on each text is +{TOLERANCE:.0%} over dense (KJV NT",
+            f"then its increase over dense on the same text; the bar on each text is +{TOLERANCE:.0%} over dense "
+            "(KJV NT",
             f"{dense['kjv'] * (1 + TOLERANCE):.3f}, modern {dense['modern'] * (1 + TOLERANCE):.3f}).",
             "",
             f"**Dense: KJV NT {dense['kjv']:.3f}, modern {dense['modern']:.3f}.**",
@@ -169,7 +170,8 @@ class Study:
             f"ranks aligned to 32. The statistics come from one pass over {a.calib_samples} Old Testament windows of",
             "512 tokens. *whitened*",
             "measures where to compress (every matrix truncated at two ranks on two calibration windows); *fisher*",
-            "predicts it from the KL each rank adds (onnx_nmm/fisher.py). *+sequential* refits the fisher ranks with",
+            "predicts it from the KL each rank adds (onnx_nmm/decomposition/fisher.py). "
+            "*+sequential* refits the fisher ranks with",
             f"error-aware calibration on {a.sequential_samples} windows.",
             *([f"*{SPREAD}*: the fisher statistics again, from {a.calib_samples} windows evenly spaced over the whole",
                f"Old Testament (`--calib-spread`) instead of its first {a.calib_samples}."] if a.spread_keeps else []),
@@ -208,7 +210,8 @@ class Study:
             against = "; ".join(f"{heading} " + ", ".join(f"{ppl[d] / self.control[d] - 1:+.1%}" for method, _, _, ppl
                                                           in self.rows if "next-token" in method)
                                 for d, heading in DOMAINS.items())
-            lines += ["", f"The dense model given the same {self.args.finetune_steps} steps of next-token fine-tuning (a "
+            lines += ["", f"The dense model given the same {self.args.finetune_steps} steps of next-token "
+                      "fine-tuning (a "
                       f"full-rank rewrite, so the same factors train): {control}. Next-token fine-tuning also teaches "
                       "the model the style of the text, which the held-out part shares; measured against this adapted "
                       f"dense model, the next-token row above is {against}."]

@@ -64,13 +64,15 @@ def tiny(out: Path) -> int:
         export_causal_lm(build_model("llama", shape), model, "dynamo", external_data=True, cache=True)
     steps = [
         ["inspect", model, "--keep", "0.5", "--align", "64"],
-        ["rewrite", model, "-o", rewritten, "--keep", "0.5", "--align", "64", "--report", out / "report.json", "--force"],
+        ["rewrite", model, "-o", rewritten, "--keep", "0.5", "--align", "64", "--report", out / "report.json",
+         "--force"],
         ["diff", model, rewritten, "--batch", "2", "--seq-len", "64"],
         ["diff", model, rewritten, "--batch", "2", "--past-len", "63", "--seq-len", "1"],
     ]
     if not all(run(step) == 0 for step in steps):
         return 1
-    print(f"\nRandom weights are not low-rank, so the logits move: `make demo` shows a real model. Files are in {out}/.")
+    print(f"\nRandom weights are not low-rank, so the logits move: `make demo` shows a real model. "
+          f"Files are in {out}/.")
     return 0
 
 

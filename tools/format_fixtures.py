@@ -55,7 +55,8 @@ def tiny_llama(folder: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator([TOKENIZER_TEXT] * 20, trainers.BpeTrainer(
-        vocab_size=config.vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=config.vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
                                          eos_token="<|endoftext|>").save_pretrained(folder)
     return folder

@@ -76,7 +76,8 @@ class Study:
         self.add("export", export, "`onnx-nmm export` (dynamo, KV cache)")
         if self.args.optimum_python:
             for kind in ("past", "merged"):
-                self.add(f"optimum {kind}", self.optimum(kind), f"optimum-onnx {'merged decoder' if kind == 'merged' else 'text-generation-with-past'}")
+                self.add(f"optimum {kind}", self.optimum(kind),
+                         f"optimum-onnx {'merged decoder' if kind == 'merged' else 'text-generation-with-past'}")
         int4 = self.quantized(export)
         self.add("int4", int4, "the export, onnxruntime's MatMulNBitsQuantizer (4 bits, block 32)")
         for name, source in (("export", export), ("int4", int4)):
@@ -113,7 +114,8 @@ class Study:
             command = [self.args.optimum_python, str(Path(__file__).with_name("format_fixtures.py")), "optimum",
                        "--checkpoint", str(self.tokenizer.resolve()), "--out", str(self.work.resolve())]
             print("$", " ".join(as_typed(part) for part in command), flush=True)
-            subprocess.run(command, check=True, cwd=self.work)  # not the repository root: its kernels/ shadows a package
+            # not the repository root: its kernels/ shadows a package
+            subprocess.run(command, check=True, cwd=self.work)
         return path
 
     def quantized(self, source: Path) -> Path:
@@ -152,7 +154,8 @@ class Study:
             "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for label, row in self.rows.items():
-            lines.append(f"| {label} | {self.made_by[label]} | {row['bytes'] / 1e6:,.0f} MB | {row['perplexity']:.3f} | "
+            lines.append(f"| {label} | {self.made_by[label]} | {row['bytes'] / 1e6:,.0f} MB | "
+                         f"{row['perplexity']:.3f} | "
                          f"{row['perplexity'] / dense['perplexity']:.2f}× | {row['ms_per_token']:.2f} | "
                          f"{1000 / row['ms_per_token']:.1f} | {dense['ms_per_token'] / row['ms_per_token']:.2f}× |")
         lines += ["", f"Measured on: {machine()}.", "", "### Commands", "",

@@ -90,7 +90,8 @@ def write_page(path: Path, dense: dict[str, float], rows: list[dict], commands: 
         cells = [f"{row[column][d]:,.2f} ({row[column][d] / dense[d]:,.1f}×)" for column in METHODS for d in DOMAINS]
         beats = ", ".join("yes" if row["whitened"][d] < row["plain SVD"][d]
                           and row["whitened, global budget"][d] < row["plain SVD"][d] else "**no**" for d in DOMAINS)
-        lines.append(f"| {row['align']} | {row['keep']} | {row['whitened kept']:.3f} | " + " | ".join(cells) + f" | {beats} |")
+        lines.append(f"| {row['align']} | {row['keep']} | {row['whitened kept']:.3f} | " + " | ".join(cells)
+                     + f" | {beats} |")
     lines += [
         "",
         f"Measured on: {machine()}.",

@@ -89,7 +89,8 @@ def write_page(path: Path, dense: dict[str, float], rows: list[dict], commands: 
         "",
         "Qwen2.5-Coder-0.5B-Instruct ([models.md](models.md): 24 layers, hidden 896, intermediate 4864, q/k/v with",
         "biases, untied lm_head; 630M parameters in fp32), MLPs rewritten, ranks aligned to 32. Statistics from",
-        f"{args.calib_samples} Old Testament windows of 512 tokens; sequential calibration runs on {args.sequential_samples}",
+        f"{args.calib_samples} Old Testament windows of 512 tokens; sequential calibration runs on "
+        f"{args.sequential_samples}",
         f"of them; fine-tuning distils from the dense model for {args.finetune_minutes:g} minutes on the CPU",
         f"(lr {args.finetune_lr:g}). Perplexity on the first {args.eval_windows} windows of 512 tokens of two texts",
         "no step saw: **KJV NT**, the held-out New Testament, and **modern**, English news prose of 2001 from another",

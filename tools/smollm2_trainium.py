@@ -98,12 +98,14 @@ def write_page(path, totals, agreement, answers, modelled, commands, args) -> No
         "SmolLM2-135M-Instruct ([models.md](models.md)) with its 30 MLPs rewritten and fused: each gate/up/down triple",
         "is one `ai.onnx_nmm::SvdGatedMLP`, which the lowering hands to the `fused_svd_mlp` NKI kernel",
         "(docs/kernels.md). Two rewrites: **keep 0.8** (whitened SVD calibrated on the Old Testament, ranks",
-        f"aligned to 128: rank {rank}, {kept['kept_fraction']:.1%} of the MLP parameters kept) and an exact **full-rank**",
+        f"aligned to 128: rank {rank}, {kept['kept_fraction']:.1%} of the MLP parameters kept) "
+        "and an exact **full-rank**",
         "rewrite, which isolates what the kernels themselves change: bf16 operands, fp32 accumulation.",
         "",
         "## Agreement with onnxruntime",
         "",
-        f"On the New Testament, {args.windows} windows of 256 tokens; the candidate runs on the **emulator backend** (the",
+        f"On the New Testament, {args.windows} windows of 256 tokens; the candidate runs on the "
+        "**emulator backend** (the",
         "lowered PyTorch module, every SvdGatedMLP executed by the NKI kernel on the NumPy emulator in bf16); the",
         "reference runs in onnxruntime (fp32).",
         "",
@@ -123,7 +125,8 @@ def write_page(path, totals, agreement, answers, modelled, commands, args) -> No
         "",
         "## Modelled Trainium time of the MLPs",
         "",
-        "From `onnx-nmm compile --dry-run` (the block sizes come from the kernels' planner; times from the cost model of",
+        "From `onnx-nmm compile --dry-run` (the block sizes come from the kernels' planner; "
+        "times from the cost model of",
         "docs/kernels.md — **modelled, not measured**). *Dense* is the same 30 MLPs with their original weights on the",
         "dense NKI matmul (three matmuls and the gated activation per MLP).",
         "",
@@ -154,7 +157,8 @@ def write_page(path, totals, agreement, answers, modelled, commands, args) -> No
         *commands,
         "```",
         "",
-        "(The greedy answers come from the same script, calling `onnx_nmm.backend_runner.ModelRunner` in a loop.)",
+        "(The greedy answers come from the same script, calling "
+        "`onnx_nmm.runtime.backend_runner.ModelRunner` in a loop.)",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -104,7 +104,8 @@ def table(title: str, labels: list[str], result: dict, plot: Path) -> list[str]:
         prefill = model["prefill"][0]
         cells = [f"{row['tokens_per_s']:.1f} · {model['decode_speedup'][str(row['context'])]:.2f}× "
                  f"({model['ideal_decode_speedup'][str(row['context'])]:.2f}×)" for row in model["decode"]]
-        lines.append(f"| {label} | {model['weight_bytes'] / 1e6:,.0f} MB | {model['step_weight_bytes'] / 1e6:,.0f} MB | "
+        lines.append(f"| {label} | {model['weight_bytes'] / 1e6:,.0f} MB | "
+                     f"{model['step_weight_bytes'] / 1e6:,.0f} MB | "
                      f"{1000 * prefill['time_to_first_token_s']:,.0f} ms ({prefill['tokens_per_s']:,.0f} tok/s) | "
                      + " | ".join(cells) + " |")
     lines += ["", f"![decode tokens/s against context]({plot.name})", ""]

@@ -95,7 +95,8 @@ def blocked_free_dimension(lhsT, rhs):
                 for n in range(n0 // TILE_N, (n0 + block_n) // TILE_N):
                     acc = nl.ndarray((TILE_M, TILE_N), dtype=nl.float32, buffer=nl.psum)
                     for k in range(K // TILE_K):
-                        nisa.nc_matmul(dst=acc, stationary=left[k], moving=right[k][:, (n * TILE_N - n0):(n * TILE_N - n0) + TILE_N])
+                        nisa.nc_matmul(dst=acc, stationary=left[k],
+                                       moving=right[k][:, (n * TILE_N - n0):(n * TILE_N - n0) + TILE_N])
                     _evict_and_store(acc, out, m, n)
     return out
 
@@ -125,7 +126,8 @@ def main() -> None:
             kernel(Placeholder((K, M), "bfloat16"), Placeholder((K, N), "bfloat16"))
         (traces[name],) = session.traces
     print(f"bf16 lhsT [{K},{M}] @ [{K},{N}] on trn1: modelled / measured (1.00 is the measurement)\n")
-    print("| issue interval | descriptor overhead | " + " | ".join(f"{n} ({MEASURED_MS[n]} ms)" for n in SCHEDULES) + " |")
+    print("| issue interval | descriptor overhead | " + " | ".join(f"{n} ({MEASURED_MS[n]} ms)" for n in SCHEDULES)
+          + " |")
     print("|---:|---:|" + "---:|" * len(SCHEDULES))
     for issue, overhead in settings:
         core = dataclasses.replace(TRN1, dma_issue_interval_s=issue * 1e-9,

@@ -123,7 +123,8 @@ def _operand(value, partitions: int, what: str):
 
 
 # -- data movement ------------------------------------------------------------------------------------------
-def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown, name=None):
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
+             name=None):
     """dst = src between HBM and SBUF, through float32 when the dtypes differ."""
     for what, tensor in (("dst", dst), ("src", src)):
         require(tensor.buffer is not MemoryRegion.psum, "dma-no-psum", lambda: f"dma_copy {what} is in PSUM")
@@ -203,7 +204,8 @@ def nc_matmul(
         adds = bool(accumulate)
         accumulating = adds
         if accumulate:
-            require(bool(written.all()), "psum-accumulate", lambda: f"accumulate=True onto dst {dst.shape} not written by nc_matmul")
+            require(bool(written.all()), "psum-accumulate",
+                    lambda: f"accumulate=True onto dst {dst.shape} not written by nc_matmul")
     if _computing():
         product = _values(stationary).reshape(contraction, -1).T @ _values(moving).reshape(contraction, -1)
         product = product.reshape(dst.shape)

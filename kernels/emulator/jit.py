@@ -75,7 +75,8 @@ def _to_hbm(run: session.KernelRun, value):
         return NkiTensor(Storage(MemoryRegion.private_hbm, value.shape, value.dtype, None))
     if not isinstance(value, np.ndarray):
         return value
-    require(value.ndim >= 1 and value.dtype in dtypes.SUPPORTED, "kernel-input", lambda: f"array {value.dtype}{value.shape}")
+    require(value.ndim >= 1 and value.dtype in dtypes.SUPPORTED, "kernel-input",
+            lambda: f"array {value.dtype}{value.shape}")
     data = None if run.trace_only else np.ascontiguousarray(value).reshape(-1)
     return NkiTensor(Storage(MemoryRegion.private_hbm, value.shape, value.dtype, data))
 

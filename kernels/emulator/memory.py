@@ -96,7 +96,8 @@ class OnChipMemory:
         size = max(self.granule, -(-storage.partition_elements * storage.dtype.itemsize // self.granule) * self.granule)
         describe = f"{storage.shape} {storage.dtype} from {_kernel_line()}"
         require(size <= self.capacity, self.rule,
-                lambda: f"one tensor {describe} needs {size} B per partition, over the {self.capacity} B of {self.memory}")
+                lambda: f"one tensor {describe} needs {size} B per partition, "
+                        f"over the {self.capacity} B of {self.memory}")
         self.lifetimes[storage.id] = Lifetime(size, now, now, describe)
 
     def touch(self, storage_id: int, now: int) -> None:

@@ -134,7 +134,8 @@ class NkiTensor:
             known = prod(s for s in shape if s != -1)
             shape[shape.index(-1)] = self.size // known
         require(prod(shape) == self.size, "view", lambda: f"reshape {self.shape} to {tuple(shape)}")
-        require(not (self._on_chip and shape[0] != self.shape[0]), "view", lambda: f"reshape {self.shape} to {tuple(shape)}")
+        require(not (self._on_chip and shape[0] != self.shape[0]), "view",
+                lambda: f"reshape {self.shape} to {tuple(shape)}")
         strides = _reshaped_strides(self.shape, self.strides, shape)
         require(strides is not None, "view", lambda: f"reshape of a non-contiguous view {self.shape} to {tuple(shape)}")
         return NkiTensor(self._storage, shape, strides, self.offset)
@@ -173,7 +174,8 @@ class NkiTensor:
     def _view_of(self, flat: np.ndarray) -> np.ndarray:
         """The view's elements within `flat`, an array laid out like the storage (its data or flags)."""
         itemsize = flat.dtype.itemsize
-        return np.ndarray(self.shape, flat.dtype, flat, self.offset * itemsize, tuple(s * itemsize for s in self.strides))
+        return np.ndarray(self.shape, flat.dtype, flat, self.offset * itemsize,
+                          tuple(s * itemsize for s in self.strides))
 
     def _write(self, values: np.ndarray) -> None:
         """Store `values` (computed in float32) with the view's dtype; casts to bf16 round to nearest even."""

@@ -200,7 +200,7 @@ class LogProgress(onnx_nmm.Progress):
             if line.elapsed() >= self.interval:
                 _log(line.text(f"done in {line.elapsed():.0f} s"))
 
-    def _tick(self, line: "_LogLine", stop: threading.Event) -> None:
+    def _tick(self, line: _LogLine, stop: threading.Event) -> None:
         while not stop.wait(self.interval):
             _log(line.text(line.status()))
 
@@ -262,7 +262,8 @@ def add_rank_options(parser) -> None:
     rule.add_argument("--keep", type=float, metavar="F",
                       help="fraction of each matrix's parameters to keep, in (0, 1]; the rank is "
                            f"align·round(F·K·N/((K+N)·align)) (default {onnx_nmm.options.DEFAULT_KEEP})")
-    rule.add_argument("--rank", type=_rank, metavar="R", help="one explicit rank for every target, or 'full' for min(K, N)")
+    rule.add_argument("--rank", type=_rank, metavar="R",
+                      help="one explicit rank for every target, or 'full' for min(K, N)")
     rule.add_argument("--energy", type=float, metavar="E",
                       help="smallest aligned rank holding fraction E of the squared singular values")
     parser.add_argument("--align", type=int, default=onnx_nmm.options.DEFAULT_ALIGN,

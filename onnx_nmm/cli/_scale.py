@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 import onnx_nmm
 from onnx_nmm.cli import _common
 

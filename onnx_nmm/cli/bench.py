@@ -3,10 +3,9 @@ or with `--target trn1|trn2` the same modelled on one NeuronCore (onnx_nmm.estim
 
 from __future__ import annotations
 
-
 import onnx_nmm
-from onnx_nmm.bench_plot import plot_benchmark
 from onnx_nmm.cli import _common, bench_trainium
+from onnx_nmm.plots.bench import plot_benchmark
 
 
 def register(subparsers) -> None:
@@ -53,7 +52,8 @@ def run(args) -> int:
     if args.json:
         return 0
     _common.stdout.print(f"measured on {result.machine}; {options.threads or 'default'} threads, median of "
-                         f"{_common.count(options.rounds, 'round')}" + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
+                         f"{_common.count(options.rounds, 'round')}" + (f"; wrote {args.plot}" if args.plot else ""),
+                         soft_wrap=True)
     return 0
 
 
@@ -62,7 +62,8 @@ def _print_models(result: onnx_nmm.Benchmark, names: dict[str, str]) -> None:
     for column in ("model", "weights", "a decode step reads", "KV cache per token", "peak RSS"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for model in result.models:
-        table.add_row(names[model.label], _common.megabytes(model.weight_bytes), _common.megabytes(model.step_weight_bytes),
+        table.add_row(names[model.label], _common.megabytes(model.weight_bytes),
+                      _common.megabytes(model.step_weight_bytes),
                       f"{model.cache_bytes_per_token / 1e3:,.1f} kB" if model.cache_bytes_per_token else "no cache",
                       _common.megabytes(model.peak_rss_bytes) if model.peak_rss_bytes is not None else "?")
     _common.stdout.print(table)

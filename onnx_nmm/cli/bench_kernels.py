@@ -12,10 +12,10 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from onnx_nmm.cli import _common
 from onnx_nmm import NeuronSdkMissing, OptionError
-from onnx_nmm.model_io import make_public, write_text_atomically
+from onnx_nmm.cli import _common
 from onnx_nmm.kernels import USING_EMULATOR, benchmark, device, device_fit
+from onnx_nmm.model_io import make_public, write_text_atomically
 
 DEFAULT_OUT = Path("out/bench-kernels")
 
@@ -154,7 +154,8 @@ def _tokens(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise OptionError(f"--tokens {text!r} is not a comma-separated list of integers; write e.g. --tokens 1,128") from None
+        raise OptionError(f"--tokens {text!r} is not a comma-separated list of integers; "
+                          "write e.g. --tokens 1,128") from None
     if not values or any(not 1 <= value <= 8192 for value in values):
         raise OptionError(f"--tokens {text!r}: every token count must be between 1 and 8192")
     return values

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 import onnx_nmm
-from onnx_nmm.bench_plot import plot_trainium
 from onnx_nmm.cli import _common
 from onnx_nmm.options import DEFAULT_ALIGN
+from onnx_nmm.plots.bench import plot_trainium
 
 
 def add_options(parser) -> None:
@@ -42,7 +41,8 @@ def run(args) -> int:
         shapes = []
         for model in args.models:
             fuse = not args.no_fuse_mlp
-            shape = onnx_nmm.decoder_shape_of_config(model) if _is_config(model) else onnx_nmm.decoder_shape(model, fuse)
+            shape = (onnx_nmm.decoder_shape_of_config(model) if _is_config(model)
+                     else onnx_nmm.decoder_shape(model, fuse))
             shapes.append(shape)
             shapes += [onnx_nmm.factorized(shape, keep, args.targets, args.align, fuse) for keep in args.keep or ()]
         result = onnx_nmm.estimate_trainium(shapes, options, progress)

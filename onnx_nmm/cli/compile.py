@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 import onnx_nmm
 from onnx_nmm.cli import _common
 
@@ -19,7 +18,8 @@ def register(subparsers) -> None:
                         help=f"Trainium generation (default {_common.default(C, 'target')})")
     parser.add_argument("--batch", type=int, help=f"static batch size (default {_common.default(C, 'batch')})")
     parser.add_argument("--seq-len", type=int, help="the static sequence length the graph is traced at (default "
-                                                    f"{_common.default(C, 'seq_len')}, a prompt bucket Neuron often uses)")
+                                                    f"{_common.default(C, 'seq_len')}, "
+                                                    "a prompt bucket Neuron often uses)")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")

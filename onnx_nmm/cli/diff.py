@@ -3,7 +3,6 @@ onnx_nmm.diff_on_text)."""
 
 from __future__ import annotations
 
-
 import onnx_nmm
 from onnx_nmm.cli import _common
 
@@ -13,7 +12,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("diff", help="compare two models' outputs in onnxruntime (A is the reference)")
     parser.add_argument("reference", help="the reference model, e.g. the original export")
     parser.add_argument("candidate", help="the model to judge, e.g. the rewritten one")
-    parser.add_argument("--batch", type=int, help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
+    parser.add_argument("--batch", type=int,
+                        help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
     parser.add_argument("--seq-len", type=int,
                         help="sequence length of the random inputs (default "
                              f"{_common.default(D, 'seq_len')}: enough positions to compare, quick on any model)")
@@ -25,8 +25,10 @@ def register(subparsers) -> None:
     parser.add_argument("--atol", type=float, help="exit 1 if any element differs by more than atol + rtol·|A|")
     parser.add_argument("--rtol", type=float, help="see --atol")
     parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS,
-                        help="how the candidate runs: onnxruntime (default), or its PyTorch lowering with the custom ops "
-                             "as torch math or on the NKI kernels on the emulator; the reference always runs in onnxruntime")
+                        help="how the candidate runs: onnxruntime (default), "
+                             "or its PyTorch lowering with the custom ops "
+                             "as torch math or on the NKI kernels on the emulator; "
+                             "the reference always runs in onnxruntime")
     parser.add_argument("--target", choices=("trn1", "trn2"), help="emulated target (emulator backend; default trn2)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx_nmm
 from onnx_nmm.cli import _common
 from onnx_nmm.model_io import check_new_output
-from onnx_nmm.finetuning import LOSSES
+from onnx_nmm.training.schedule import LOSSES
 
 
 def register(subparsers) -> None:
@@ -95,7 +95,7 @@ def run(args) -> int:
                              f"tuned model is likely worse than its input: try a lower --lr (this run: "
                              f"{options.training.learning_rate:g})")
     if args.plot:
-        from onnx_nmm.finetune_plot import plot_loss_curve
+        from onnx_nmm.plots.finetune import plot_loss_curve
 
         plot_loss_curve(result.training, args.plot, _plot_title(source, options, result, args.eval_text),
                         result.loss)
@@ -122,7 +122,8 @@ def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nm
                 eval_text: str | None) -> str:
     training, records = options.training, result.training.records
     title = (f"{source.name}: {result.loss} loss, {records[-1].step} steps of {result.data}, lr "
-             f"{training.learning_rate:g}" + (f", adapters of rank {training.adapter_rank}" if training.adapter_rank else ""))
+             f"{training.learning_rate:g}"
+             + (f", adapters of rank {training.adapter_rank}" if training.adapter_rank else ""))
     if result.before and result.after:
         title += (f"\nperplexity {result.before.perplexity:.3f} → {result.after.perplexity:.3f} on "
                   f"{Path(eval_text).name} (held out)")

@@ -16,7 +16,8 @@ def register(subparsers) -> None:
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a tokenizer folder or a .gguf file; needed unless the model's folder holds one (an "
                              "onnxruntime-genai folder does)")
-    parser.add_argument("--max-new-tokens", type=int, default=_common.default(onnx_nmm.GenerateOptions, "max_new_tokens"),
+    parser.add_argument("--max-new-tokens", type=int,
+                        default=_common.default(onnx_nmm.GenerateOptions, "max_new_tokens"),
                         help="stop after this many new tokens (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (the default): greedy; above 0: sample from softmax(logits / T)")
@@ -35,7 +36,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    options = onnx_nmm.GenerateOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    options = onnx_nmm.GenerateOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                       top_p=args.top_p,
                               seed=args.seed, chat=not args.no_chat, backend=args.backend, target=args.target,
                               threads=args.threads)
     stream = None if args.json else _print_piece
@@ -46,7 +48,8 @@ def run(args) -> int:
     print(flush=True)
     speed = result.decode_tokens_per_s
     _common.stderr.print(
-        f"{_common.count(len(result.tokens), 'new token')} ({'end of sequence' if result.stopped_by == 'eos' else 'limit reached'})"
+        f"{_common.count(len(result.tokens), 'new token')} "
+        f"({'end of sequence' if result.stopped_by == 'eos' else 'limit reached'})"
         f" after a prompt of {result.prompt_tokens}; first token {1000 * result.first_token_s:.0f} ms"
         + (f", then {speed:.1f} tokens/s" if speed else ""), style="dim", soft_wrap=True)
     return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-
 import onnx_nmm
 from onnx_nmm.cli import _common
 
@@ -32,8 +31,8 @@ def run(args) -> int:
 
 def _print_table(inspection: onnx_nmm.Inspection) -> None:
     prefix = _common.common_module_prefix([layer.module_path for layer in inspection.layers])
-    table = _common.Table(title=f"Linear layers of {inspection.model}" + (f" (module paths under {prefix})" if prefix else ""),
-                  title_justify="left")
+    title = f"Linear layers of {inspection.model}" + (f" (module paths under {prefix})" if prefix else "")
+    table = _common.Table(title=title, title_justify="left")
     for column, justify in (("#", "right"), ("node", "left"), ("module path", "left"), ("role", "left"),
                             ("K×N", "right"), ("dtype", "left"), ("weight", "left"), ("params", "right"),
                             ("rank", "right"), *([("targeted", "left")] if not sys.stdout.isatty() else [])):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 import onnx_nmm
 from onnx_nmm.cli import _common, _scale
-from onnx_nmm.model_io import check_new_output
 from onnx_nmm.cli._common import default
+from onnx_nmm.model_io import check_new_output
 from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, NEURON_SCORES, SVD_METHODS
 
 EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
@@ -24,7 +23,8 @@ def register(subparsers) -> None:
     _common.add_selection_options(parser)
     parser.add_argument("--method", choices=METHODS,
                         help="svd: truncated SVD of W; whiten: SVD-LLM activation-aware SVD, minimising the error of "
-                             "the layer's outputs on the calibration data; fisher: also weighs each output direction by "
+                             "the layer's outputs on the calibration data; "
+                             "fisher: also weighs each output direction by "
                              "how much the model's predictions depend on it (gradients through the model in PyTorch; "
                              "the best quality, and --budget global then spends parameters by predicted KL); "
                              "nystrom: narrow each targeted MLP to the intermediate neurons it keeps and refit its "
@@ -65,7 +65,8 @@ def register(subparsers) -> None:
                              help=f"sequences per onnxruntime run (default {default(C, 'batch')})")
     calibration.add_argument("--calib-mode", choices=CALIBRATION_MODES,
                              help="independent: whiten every layer from the dense model's activations; sequential: fit "
-                                  "each layer, in graph order, to the dense outputs from the inputs the already-compressed "
+                                  "each layer, in graph order, to the dense outputs "
+                                  "from the inputs the already-compressed "
                                   "model feeds it (one onnxruntime pass per group of layers; slower, errors stop "
                                   f"compounding) (default {default(C, 'mode')})")
     calibration.add_argument("--calib-stats", metavar="FILE.npz",
@@ -138,7 +139,7 @@ def run(args) -> int:
     if args.report:
         _common.write_json(args.report, {"input": str(source), "output": str(output), **report.to_dict()})
     if args.plot:
-        from onnx_nmm.report_plot import plot_report
+        from onnx_nmm.plots.report import plot_report
 
         plot_report(report, args.plot, title=f"{source.name}: {report.rule}; {report.method}")
     if not args.quiet:
@@ -158,7 +159,8 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
         calibration = onnx_nmm.CalibrationOptions(**given(
             source=_common.calibration_sources(args.calib, args.calib_generator), tokenizer=args.tokenizer,
             samples=args.calib_samples, seq_len=args.seq_len,
-            spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch, mode=args.calib_mode,
+            spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch,
+            mode=args.calib_mode,
             statistics=args.calib_stats, save_statistics=args.save_calib_stats))
     factorization = onnx_nmm.FactorizationOptions(**given(
         method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
@@ -186,7 +188,8 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Pat
                       f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—",
                       f"{layer.whitened_loss:.4f}" if layer.whitened_loss is not None else "—",
                       *([f"{layer.predicted_kl:.2e}" if layer.predicted_kl is not None else "—"] if fisher else []),
-                      ", ".join(filter(None, [layer.reason, layer.conditioning if layer.conditioning != "cholesky" else ""])))
+                      ", ".join(filter(None, [layer.reason,
+                                              layer.conditioning if layer.conditioning != "cholesky" else ""])))
     _common.stdout.print(table)
     conditioned = [layer for layer in report.factorized if layer.conditioning not in ("", "cholesky")]
     if conditioned:

@@ -21,13 +21,24 @@ if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("t
     raise MissingDependencyError("lowering to PyTorch needs torch and onnx2torch: pip install torch && "
                     "pip install --no-deps onnx2torch==1.5.15 (its torchvision dependency is not needed)")
 
-from onnx_nmm.lowering.kernel_backends import (BACKENDS, EmulatorKernels, KernelCall, NeuronKernels, TorchMath,
-                                                backend_named)
-from onnx_nmm.lowering.onnx2torch_compat import convert, extend_to_newer_versions, lowering_domain, modules_by_output
 # Each registers its converters on import.
 from onnx_nmm.lowering import microsoft_ops, quantized_converters, standard_ops  # noqa: F401
-from onnx_nmm.lowering.svd_converters import (factor_parameters, reset_shared_parameters, set_backend, svd_ops_of,
-                                              weights_as_parameters)
+from onnx_nmm.lowering.kernel_backends import (
+    BACKENDS,
+    EmulatorKernels,
+    KernelCall,
+    NeuronKernels,
+    TorchMath,
+    backend_named,
+)
+from onnx_nmm.lowering.onnx2torch_compat import convert, extend_to_newer_versions, lowering_domain, modules_by_output
+from onnx_nmm.lowering.svd_converters import (
+    factor_parameters,
+    reset_shared_parameters,
+    set_backend,
+    svd_ops_of,
+    weights_as_parameters,
+)
 
 extend_to_newer_versions()
 
@@ -58,8 +69,8 @@ class CausalLmInputs:
     folder's config gives the head size its graph leaves free."""
 
     def __init__(self, model):
-        from onnx_nmm.causal_lm import CausalLm
         from onnx_nmm.model_source import ModelSource
+        from onnx_nmm.runtime.causal_lm import CausalLm
 
         source = ModelSource.of(model)
         self.order = [value.name for value in source.model.graph.inputs if not value.is_initializer()]
@@ -188,6 +199,7 @@ def unsupported_nodes(proto: onnx.ModelProto) -> list[str]:
     return missing
 
 
-__all__ = ["BACKENDS", "CausalLmInputs", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named", "call_lowered",
+__all__ = ["BACKENDS", "CausalLmInputs", "EmulatorKernels", "KernelCall", "NeuronKernels", "TorchMath", "backend_named",
+           "call_lowered",
            "factor_parameters", "lower", "modules_by_output", "set_backend", "svd_ops_of", "unsupported_nodes",
            "weights_as_parameters"]

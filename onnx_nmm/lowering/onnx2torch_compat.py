@@ -63,8 +63,13 @@ from onnx2torch.node_converters.reduce import OnnxReduceStaticAxes  # noqa: E402
 from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription, add_converter  # noqa: E402
 from onnx2torch.onnx_graph import OnnxGraph  # noqa: E402
 from onnx2torch.onnx_node import OnnxNode  # noqa: E402
-from onnx2torch.utils.common import (OnnxMapping, OnnxToTorchModule, OperationConverterResult,  # noqa: E402
-                                     get_const_value, onnx_mapping_from_node)
+from onnx2torch.utils.common import (  # noqa: E402
+    OnnxMapping,
+    OnnxToTorchModule,
+    OperationConverterResult,
+    get_const_value,
+    onnx_mapping_from_node,
+)
 
 # Versions whose signature changed in a way the previous converter still computes, with the reason.
 COMPATIBLE_VERSIONS = {

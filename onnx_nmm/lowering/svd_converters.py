@@ -17,9 +17,9 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OnnxToTorchModule, OperationConverterResult
 from torch import nn
 
-from onnx_nmm.passes import svd_ops
 from onnx_nmm.lowering.kernel_backends import TorchMath
 from onnx_nmm.lowering.onnx2torch_compat import lowering_domain
+from onnx_nmm.passes import svd_ops
 
 DOMAIN = lowering_domain(svd_ops.DOMAIN)
 
@@ -87,7 +87,8 @@ class MlpModule(GatedMlpModule):
 def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
     for name in names:
         if name not in graph.initializers:
-            raise NotImplementedError(f"{node.operation_type} '{node.name}' with factor '{name}' that is not an initializer")
+            raise NotImplementedError(f"{node.operation_type} '{node.name}' with factor '{name}' "
+                                      "that is not an initializer")
         if name not in _parameters:
             _parameters[name] = nn.Parameter(graph.initializers[name].to_torch(), requires_grad=False)
     return [(name, _parameters[name]) for name in names]

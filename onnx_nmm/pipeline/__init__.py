@@ -16,7 +16,7 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.calibration_data import check_source_files
+from onnx_nmm.calibration.calibration_data import check_source_files
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
@@ -28,7 +28,7 @@ from onnx_nmm.pipeline.plan import PlanRanks
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import GatherStatistics
 from onnx_nmm.progress import Progress
-from onnx_nmm.rank_plan import check_report_files
+from onnx_nmm.ranks.rank_plan import check_report_files
 from onnx_nmm.teacher import record_calibration, record_dense_model
 
 
@@ -81,10 +81,10 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
 
 
 def _check_answers(source: ModelSource, context: RewriteContext, tokenizer) -> None:
-    """The rewritten model's greedy answers to the check prompts against the dense model's (onnx_nmm.answers),
-    in the report; a warning when they differ."""
-    from onnx_nmm.answers import check_answers
-    from onnx_nmm.calibration_data import load_tokenizer
+    """The rewritten model's greedy answers to the check prompts against the dense model's
+    (onnx_nmm.generation.answers), in the report; a warning when they differ."""
+    from onnx_nmm.calibration.tokens import load_tokenizer
+    from onnx_nmm.generation.answers import check_answers
 
     with context.progress.phase("checking answers against the dense model"):
         rewritten = ModelSource(source.model, folder=source.folder)  # the in-memory model, described as its input

@@ -8,18 +8,19 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from onnx_nmm.activation_stats import GramStatistics
-from onnx_nmm.calibration_data import CalibrationData, TokenWindows
+from onnx_nmm.calibration.activation_stats import GramStatistics
+from onnx_nmm.calibration.calibration_data import CalibrationData
+from onnx_nmm.calibration.tokens import TokenWindows
+from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.errors import DataError, ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
 from onnx_nmm.passes.mlp_modules import Mlp, find_mlps
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport
 from onnx_nmm.progress import Progress
-from onnx_nmm.rank_plan import RankPlan
+from onnx_nmm.ranks.rank_plan import RankPlan
 
 
 @dataclass

@@ -3,7 +3,7 @@
     independent   every layer from W and the statistics (one SvdFactorizationPass)
     sequential    group by group in graph order (layers reading one input form a group): observe the
                   group's input in the dense and the partly compressed model, fit, swap, go on
-                  (onnx_nmm.sequential)
+                  (onnx_nmm.decomposition.sequential)
 
 Weights are read one at a time and their memory-mapped storage released right after, so the process
 never holds two full copies of the weights: the original stays on disk, the factors (smaller than the
@@ -17,11 +17,11 @@ from dataclasses import replace
 
 import onnx_ir as ir
 
-from onnx_nmm import sequential
+from onnx_nmm.decomposition import sequential
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
 from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.rank_plan import Dense, Narrowed
+from onnx_nmm.ranks.rank_plan import Dense, Narrowed
 
 
 class FactorizeLayers(RewritePass):

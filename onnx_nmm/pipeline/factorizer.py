@@ -5,7 +5,7 @@
     fisher   Sᵀ·W·T = P Σ Qᵀ,    G_out = T Tᵀ            (whitening, two-sided; fisher statistics)
 
 With a group's sequential statistics the target is the least-squares map M_ls and the Gram the
-compressed model's (onnx_nmm.sequential). Every other rewrite step asks this class, so the plan, the
+compressed model's (onnx_nmm.decomposition.sequential). Every other rewrite step asks this class, so the plan, the
 factorization and the sensitivity probe decompose a layer the same way.
 """
 
@@ -16,13 +16,13 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import fisher, lowrank, sequential, whitening
-from onnx_nmm.activation_stats import GramStatistics
+from onnx_nmm.calibration.activation_stats import GramStatistics
+from onnx_nmm.decomposition import fisher, lowrank, sequential, whitening
 from onnx_nmm.errors import ExecutionError
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.rank_plan import break_even_rank
+from onnx_nmm.ranks.rank_plan import break_even_rank
 
 
 class Factorizer:
@@ -106,7 +106,7 @@ class Factorizer:
         """U and V quantized as the weight is, unless a float dtype is asked for (or the weight is float)."""
         if layer.weight.quantized is None or self.options.factor_dtype is not None:
             return None
-        from onnx_nmm.quantization import quantize_like
+        from onnx_nmm.decomposition.quantization import quantize_like
 
         return quantize_like(layer.weight.quantized, u), quantize_like(layer.weight.quantized, v)
 

@@ -1,11 +1,11 @@
 """Pass 3a (nystrom): narrow every MLP the plan gives a width, before the factorization of the other targets.
 
-    plan  {gate, up, down: Narrowed(k)}   →   S = the k neurons kept, W_d' = the refit (onnx_nmm.nystrom)
+    plan  {gate, up, down: Narrowed(k)}   →   S = the k neurons kept, W_d' = the refit (onnx_nmm.decomposition.nystrom)
                                            →   NarrowMlpPass: X·W_g[:, S], X·W_u[:, S], h_S·W_d'
 
 Each new weight is stored as its layer's was: float in the layer's dtype, a quantized weight quantized the
 same way — the columns of the input projections exactly (their codes sliced), the refitted output
-projection quantized again (onnx_nmm.quantization).
+projection quantized again (onnx_nmm.decomposition.quantization).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm.nystrom import MlpNarrowing
+from onnx_nmm.decomposition.nystrom import MlpNarrowing
 from onnx_nmm.passes import LinearLayer
 from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
 from onnx_nmm.pipeline.context import RewritePass, targets
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.rank_plan import Narrowed
+from onnx_nmm.ranks.rank_plan import Narrowed
 
 
 class NarrowMlps(RewritePass):
@@ -93,7 +93,7 @@ def _input_columns(layer: LinearLayer, kept: np.ndarray) -> NarrowedWeight:
     columns = np.ascontiguousarray(layer.weight_matrix()[:, kept])
     if layer.weight.quantized is None:
         return NarrowedWeight(layer, columns, bias=bias)
-    from onnx_nmm.quantization import kept_columns
+    from onnx_nmm.decomposition.quantization import kept_columns
 
     return NarrowedWeight(layer, columns, kept_columns(layer.weight.quantized, layer.n, kept, columns), bias)
 
@@ -102,6 +102,6 @@ def _stored(layer: LinearLayer, matrix: np.ndarray) -> NarrowedWeight:
     """A new weight for `layer`, quantized as its weight is (float in its dtype otherwise)."""
     if layer.weight.quantized is None:
         return NarrowedWeight(layer, matrix.astype(layer.dtype.numpy()))
-    from onnx_nmm.quantization import quantize_like
+    from onnx_nmm.decomposition.quantization import quantize_like
 
     return NarrowedWeight(layer, matrix.astype(np.float32), quantize_like(layer.weight.quantized, matrix))

@@ -8,11 +8,11 @@ targeted MLP (Narrowed, on each of its projections) — by the rule the options 
     global budget       the uniform rule's parameters, spent by spectrum rank_allocation
     rank                one rank everywhere                              rank_plan.explicit_ranks
     energy              the rank holding a fraction of Σσ²               rank_plan.energy_choice
-    keep                the block-aligned rank (DESIGN.md §4)            rank_plan.keep_choice
+    keep                the block-aligned rank (docs/design.md §2)            rank_plan.keep_choice
                         (nystrom: the block-aligned width)               rank_plan.keep_width
 
 The budgets spend parameters across layers and methods alike: an MLP's narrowing is one more candidate,
-its choices the widths, its loss the refit's relative error (onnx_nmm.nystrom). The model is not changed.
+its choices the widths, its loss the refit's relative error (onnx_nmm.decomposition.nystrom). The model is not changed.
 """
 
 from __future__ import annotations
@@ -23,15 +23,25 @@ import warnings
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm import rank_allocation, sensitivity
 from onnx_nmm.errors import OptionError
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
 from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
 from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.factorizer import Factorizer
-from onnx_nmm.rank_plan import (Dense, Narrowed, RankPlan, aligned_ranks, energy_choice, explicit_ranks, keep_choice,
-                                keep_width, parameters, plan_from_report)
+from onnx_nmm.ranks import rank_allocation, sensitivity
+from onnx_nmm.ranks.rank_plan import (
+    Dense,
+    Narrowed,
+    RankPlan,
+    aligned_ranks,
+    energy_choice,
+    explicit_ranks,
+    keep_choice,
+    keep_width,
+    parameters,
+    plan_from_report,
+)
 
 
 class PlanRanks(RewritePass):
@@ -147,7 +157,8 @@ class PlanRanks(RewritePass):
                                             fisher_tokens=fisher_tokens)
                       for layer in chosen if aligned_ranks(layer.k, layer.n, ranks.align)]
         candidates += [candidate for candidate in self._narrowing_candidates(mlps) if candidate.ranks(ranks.align)]
-        budget = None if ranks.budget == "sensitivity" else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
+        budget = (None if ranks.budget == "sensitivity"
+                  else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule)))
         dense = sum(layer.parameters for layer in chosen) + sum(mlp.parameters() for mlp in _unique(mlps))
         to_remove = math.ceil((1 - ranks.keep) * dense) if budget is None else None
         if ranks.sensitivity_from is not None:

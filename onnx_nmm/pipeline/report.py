@@ -10,8 +10,14 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnx_nmm.model_io import (PROTOBUF_LIMIT, carry_genai_config, check_model_file, check_output_path, save_model,
-                               weight_bytes)
+from onnx_nmm.model_io import (
+    PROTOBUF_LIMIT,
+    carry_genai_config,
+    check_model_file,
+    check_output_path,
+    save_model,
+    weight_bytes,
+)
 from onnx_nmm.passes import LinearLayer
 
 
@@ -45,7 +51,7 @@ class LayerOutcome:
     seconds: float = 0.0
 
     @classmethod
-    def of(cls, layer: LinearLayer, status: str, reason: str = "", **values) -> "LayerOutcome":
+    def of(cls, layer: LinearLayer, status: str, reason: str = "", **values) -> LayerOutcome:
         """A row; a layer left as it is keeps its bytes."""
         stored = layer.weight.quantized.stored_bytes if layer.weight.quantized else layer.weight.tensor.nbytes
         values.setdefault("bytes_after", stored if status != "skipped" else 0)
@@ -74,7 +80,7 @@ class RewriteReport:
     @property
     def budget_summary(self) -> str:
         """What a quality budget measured on its held-out windows, in a line; "" without a quality budget."""
-        from onnx_nmm.sensitivity import describe_measurement
+        from onnx_nmm.ranks.sensitivity import describe_measurement
 
         return describe_measurement(self.quality_budget) if self.quality_budget else ""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_nmm.activation_stats import collect_gram_matrices
+from onnx_nmm.calibration.activation_stats import collect_gram_matrices
 from onnx_nmm.pipeline.context import RewritePass, targets
 
 

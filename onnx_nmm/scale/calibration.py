@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm.activation_stats import GramStatistics, collect_gram_matrices
-from onnx_nmm.calibration_data import CalibrationData, observed_inputs
+from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.calibration.calibration_data import CalibrationData, observed_inputs
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.pipeline import GatherStatistics
 from onnx_nmm.pipeline.context import targets

@@ -22,7 +22,7 @@ from onnx_nmm.options import RewriteOptions
 from onnx_nmm.pipeline import PlanRanks, RewriteContext
 from onnx_nmm.pipeline.context import targets
 from onnx_nmm.pipeline.factorizer import Factorizer
-from onnx_nmm.rank_plan import Dense
+from onnx_nmm.ranks.rank_plan import Dense
 from onnx_nmm.scale.jobs import blas_threads
 
 

@@ -14,7 +14,7 @@ from onnx_nmm.errors import ModelError
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
 from onnx_nmm.pipeline import LayerOutcome
 from onnx_nmm.pipeline.context import RewritePass, sites, targets
-from onnx_nmm.rank_plan import Dense
+from onnx_nmm.ranks.rank_plan import Dense
 from onnx_nmm.scale.jobs import FactorJob, factor_arrays, stored_dtype
 from onnx_nmm.scale.work_dir import WorkDir
 

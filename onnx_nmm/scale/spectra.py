@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx_ir as ir
 from threadpoolctl import threadpool_limits
 
-from onnx_nmm import lowrank
+from onnx_nmm.decomposition import lowrank
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import LinearLayer
 from onnx_nmm.pipeline.context import RewritePass, targets

@@ -27,14 +27,13 @@ from onnx_nmm.errors import OptionError
 from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.pipeline import GatherStatistics, PlanRanks, RewriteContext, RewriteResult
-from onnx_nmm.pipeline import _root_cause
+from onnx_nmm.pipeline import GatherStatistics, PlanRanks, RewriteContext, RewriteResult, _root_cause
 from onnx_nmm.progress import Progress
+from onnx_nmm.scale.calibration import GatherStatisticsOnRay
 from onnx_nmm.scale.factorize import StreamFactorizeLayers
 from onnx_nmm.scale.options import StreamOptions
-from onnx_nmm.scale.spectra import SpectraOnRay
-from onnx_nmm.scale.calibration import GatherStatisticsOnRay
 from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray, ray_cluster
+from onnx_nmm.scale.spectra import SpectraOnRay
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import write_streamed
 from onnx_nmm.teacher import record_dense_model

@@ -50,7 +50,7 @@ class WorkDir:
         self.folder = folder
 
     @classmethod
-    def open(cls, output: str | os.PathLike, fingerprint: str, resume: bool) -> "WorkDir":
+    def open(cls, output: str | os.PathLike, fingerprint: str, resume: bool) -> WorkDir:
         """The work folder for `output`: the killed run's if it made the same thing, else a fresh one (a
         warning says when another run's work is discarded)."""
         folder = work_dir_of(output)

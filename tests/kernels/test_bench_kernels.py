@@ -61,7 +61,8 @@ def test_the_table_says_modelled_and_how_it_was_made(rows):
 
 
 def test_the_command_writes_the_table_json_and_chart(tmp_path, capsys):
-    code = main(["bench-kernels", "--models", "Llama-3.2-1B", "--tokens", "1", "--target", "trn2", "--out", str(tmp_path)])
+    code = main(["bench-kernels", "--models", "Llama-3.2-1B", "--tokens", "1", "--target", "trn2",
+                 "--out", str(tmp_path)])
     assert code == 0
     assert {p.name for p in tmp_path.iterdir()} == {
         "bench-kernels.md", "bench-kernels.json", "bench-kernels.png", "bench-kernels-roofline.png"}
@@ -72,7 +73,8 @@ def test_the_command_writes_the_table_json_and_chart(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [(["--tokens", "0"], "between 1 and 8192"), (["--tokens", "a"], "comma-separated"), (["--models", "GPT-5"], "unknown GPT-5")],
+    [(["--tokens", "0"], "between 1 and 8192"), (["--tokens", "a"], "comma-separated"),
+     (["--models", "GPT-5"], "unknown GPT-5")],
 )
 def test_bad_options_get_a_one_line_error(tmp_path, capsys, option, message):
     assert main(["bench-kernels", "--out", str(tmp_path), *option]) == 2

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from onnx_nmm.kernels.cost_model import model_trace
-from onnx_nmm.kernels.emulator import NkiValidationError, emulation
+from onnx_nmm.kernels.emulator import NkiValidationError, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
-from onnx_nmm.kernels.emulator import jit
 from onnx_nmm.kernels.emulator import language as nl
 from onnx_nmm.kernels.hardware import KIB, TRN1
 

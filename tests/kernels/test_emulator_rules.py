@@ -4,9 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from onnx_nmm.kernels.emulator import RULES, NkiValidationError, emulation
+from onnx_nmm.kernels.emulator import RULES, NkiValidationError, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
-from onnx_nmm.kernels.emulator import jit
 from onnx_nmm.kernels.emulator import language as nl
 
 

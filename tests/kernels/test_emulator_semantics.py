@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from onnx_nmm.kernels import nki_api
-from onnx_nmm.kernels.emulator import NkiValidationError, Placeholder, emulation
+from onnx_nmm.kernels.emulator import NkiValidationError, Placeholder, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
-from onnx_nmm.kernels.emulator import jit
 from onnx_nmm.kernels.emulator import language as nl
 
 BF16 = ml_dtypes.bfloat16
@@ -168,6 +167,7 @@ def test_the_trace_records_what_the_cost_model_needs():
     with emulation("trn2", trace_only=True) as session:
         kernel(Placeholder((128, 1024), "bfloat16"))
     load, matmul = session.traces[0].instructions
-    assert (load.engine, load.size, load.partitions, load.run_bytes, load.hbm_read) == ("dma", 262144, 128, 2048, 262144)
+    assert ((load.engine, load.size, load.partitions, load.run_bytes, load.hbm_read)
+            == ("dma", 262144, 128, 2048, 262144))
     assert (matmul.engine, matmul.size, matmul.flops, matmul.fp32) == ("pe", 512, 2 * 128 * 128 * 512, False)
     assert matmul.reads[0][0] == "sbuf" and matmul.writes[0][0] == "psum"

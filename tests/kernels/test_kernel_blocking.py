@@ -66,7 +66,8 @@ def test_weights_move_in_one_transfer_per_block_and_small_token_blocks_store_the
     assert transfers[v] == token_blocks * column_blocks  # R is a multiple of 128: no partial tile
     token_block_sizes = [min(plan.token_block, M - row0) for row0 in range(0, M, plan.token_block)]
     halves = 1 + any(n0 < I // 2 <= n0 + plan.n_block < I for n0 in range(0, I, plan.n_block))
-    assert transfers[y] == sum(halves if tokens <= 128 else column_blocks * -(-tokens // 128) for tokens in token_block_sizes)
+    assert transfers[y] == sum(halves if tokens <= 128 else column_blocks * -(-tokens // 128)
+                               for tokens in token_block_sizes)
 
 
 def test_plans_respect_the_shape_and_the_hardware_tiles():
@@ -81,7 +82,8 @@ def test_plans_respect_the_shape_and_the_hardware_tiles():
 
 def test_the_model_adapts_the_blocking_to_the_target():
     """The same shape gets a different blocking where SBUF and engine speeds differ."""
-    assert plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn1") != plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn2")
+    assert (plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn1")
+            != plan_mlp(512, H, I, R, R, R, "bfloat16", target="trn2"))
 
 
 def test_a_rank_too_large_for_sbuf_is_refused_with_a_clear_error():

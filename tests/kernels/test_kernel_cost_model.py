@@ -7,9 +7,8 @@ import pytest
 from onnx_nmm.kernels import dense_matmul_lhsT, estimate, lowrank_unfused
 from onnx_nmm.kernels.blocking import DensePlan, plan_dense
 from onnx_nmm.kernels.cost_model import model_trace, model_traces
-from onnx_nmm.kernels.emulator import Placeholder, emulation
+from onnx_nmm.kernels.emulator import Placeholder, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
-from onnx_nmm.kernels.emulator import jit
 from onnx_nmm.kernels.emulator import language as nl
 from onnx_nmm.kernels.hardware import TRN1, TRN2, dma_efficiency
 
@@ -45,7 +44,8 @@ def matmuls(count, moving, dtype=nl.bfloat16):
 
 @pytest.mark.parametrize(
     ("target", "moving", "dtype", "cycles"),
-    [(TRN1, 512, nl.bfloat16, 512), (TRN1, 32, nl.bfloat16, 64), (TRN1, 512, nl.float32, 4 * 512), (TRN2, 256, nl.bfloat16, 256)],
+    [(TRN1, 512, nl.bfloat16, 512), (TRN1, 32, nl.bfloat16, 64), (TRN1, 512, nl.float32, 4 * 512),
+     (TRN2, 256, nl.bfloat16, 256)],
 )
 def test_a_matmul_costs_its_moving_free_size_in_tensor_engine_cycles(target, moving, dtype, cycles):
     modelled = cost(matmuls(100, moving, dtype), target=target.name)

@@ -34,7 +34,8 @@ SMALL_DENSE_MLP = DenseMlpPlan(token_block=128, k_tiles=1, i_tiles=2)
 
 def arrays(seed, dtype, *shapes):
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal(shape) / np.sqrt(shape[0] if i else 1)).astype(DTYPES[dtype]) for i, shape in enumerate(shapes)]
+    return [(rng.standard_normal(shape) / np.sqrt(shape[0] if i else 1)).astype(DTYPES[dtype])
+            for i, shape in enumerate(shapes)]
 
 
 def f64(*values):

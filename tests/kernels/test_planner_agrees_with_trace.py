@@ -68,7 +68,8 @@ def test_the_planners_estimate_of_a_plan_is_the_traced_cost_of_the_kernel_run_wi
 @pytest.mark.parametrize(("kernel", "shape", "dtype", "target"), CASES)
 def test_the_planner_picks_the_fewest_hbm_bytes_among_the_candidates_it_estimates_fastest(kernel, shape, dtype, target):
     chosen = estimate_plan(kernel, shape, planned(kernel, shape, dtype, target), dtype, target)
-    estimates = [estimate_plan(kernel, shape, plan, dtype, target) for plan in fitting_plans(kernel, shape, dtype, target)]
+    estimates = [estimate_plan(kernel, shape, plan, dtype, target)
+                 for plan in fitting_plans(kernel, shape, dtype, target)]
     fastest = min(e.total_s for e in estimates)
     assert chosen.total_s <= fastest * (1 + TIE)
     assert chosen.hbm_bytes == min(e.hbm_bytes for e in estimates if e.total_s <= fastest * (1 + TIE))
@@ -79,6 +80,7 @@ def test_the_planner_picks_the_fewest_hbm_bytes_among_the_candidates_it_estimate
                           ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1")])
 def test_the_planners_choice_is_close_to_the_best_candidate_traced_cost(kernel, shape, dtype, target):
     """A loose check of the choice; tools/planner_check.py measures it on larger shapes."""
-    times = [traced_cost(kernel, shape, plan, dtype, target).total_s for plan in fitting_plans(kernel, shape, dtype, target)]
+    times = [traced_cost(kernel, shape, plan, dtype, target).total_s
+             for plan in fitting_plans(kernel, shape, dtype, target)]
     chosen = traced_cost(kernel, shape, planned(kernel, shape, dtype, target), dtype, target).total_s
     assert chosen <= 1.10 * min(times)

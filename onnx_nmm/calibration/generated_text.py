@@ -1,0 +1,136 @@
+"""Calibration text the model writes itself: `--calib generated[:N]`.
+
+A book calibrates the model for that book. Windows sampled from the dense model represent what the model
+does in general — its own distribution of text — so statistics, quality budgets and distillation learned
+from them are not tied to one corpus (docs/quality.md measures the difference).
+
+Each window starts with the tokenizer's BOS token (`start_token`; without one, the end-of-text token that
+separates pretraining documents) and continues with
+`seq_len − 1` tokens sampled from softmax(logits / temperature) restricted to the nucleus holding `top_p`
+of the probability (Holtzman et al., 2020). Windows are generated `batch` at a time through the KV cache
+when the model has one (onnx_nmm.generation.decoding; without one every step re-reads the sequence, which costs
+O(seq_len²) — give a `generator` export with a cache to go faster). Batch b samples with its own seed
+(`seed` + b), so a window depends only on the options and its position, and generating more windows
+keeps the first ones. An end-of-text token mid-window is kept: the model then starts a new document, as
+in its training data.
+
+Generated windows are cached on disk (ONNX_NMM_CACHE, default ~/.cache/onnx-nmm) under a key made of the
+generating model file (path, size, modification time) and the options: a second rewrite or a fine-tuning
+of the same model reads them back instead of generating them again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from onnx_nmm.calibration.sources import GENERATED, GeneratedText
+from onnx_nmm.calibration.tokens import TokenWindows, load_tokenizer
+from onnx_nmm.errors import DataError, OptionError
+
+
+def start_token(tokenizer) -> int:
+    """The token a generated window starts with: the tokenizer's BOS (SmolLM2's is "<|im_start|>", and its
+    windows read as general prose nonetheless), else the end-of-text token that separates pretraining
+    documents ("<|endoftext|>": GPT-2's, Qwen's), else EOS."""
+    if getattr(tokenizer, "bos_token_id", None) is not None:
+        return int(tokenizer.bos_token_id)
+    if "<|endoftext|>" in tokenizer.get_vocab():
+        return int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return int(tokenizer.eos_token_id)
+    raise DataError("the tokenizer has neither a BOS nor an end-of-text token to start generated windows with")
+
+
+def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, samples: int | None = None,
+                      on_batch: Callable[[], None] | None = None) -> TokenWindows:
+    """`samples` (default text.samples) windows of `seq_len` tokens sampled from `text.generator` or `model`;
+    `on_batch()` after each batch of them, generated or read from the cache."""
+    samples = samples or text.samples
+    writer = text.generator if text.generator is not None else model
+    first = text.start_token
+    if first is None:
+        if tokenizer is None:
+            raise OptionError("generated windows start with the tokenizer's BOS token: give the "
+                              "{tokenizer}", tokenizer="calibration.tokenizer")
+        first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
+    cache = _cache_file(writer, text, seq_len, first)
+    rows = []
+    for b in range(text.batches(samples)):
+        rows.append(_cached_batch(cache, b) if cache is not None else None)
+        if rows[-1] is None:
+            rows[-1] = sample_batch(writer, text, seq_len, first, b)
+            if cache is not None:
+                _store_batch(cache, b, rows[-1])
+        if on_batch is not None:
+            on_batch()
+    tokens = np.concatenate(rows)[:samples]
+    described = GeneratedText(**{**text.__dict__, "samples": samples}).describe(seq_len)
+    return TokenWindows(tokens, described, [f"{GENERATED}#{i}" for i in range(samples)])
+
+
+def sample_batch(model, text: GeneratedText, seq_len: int, first: int, index: int) -> np.ndarray:
+    """Batch `index`: text.batch windows [batch, seq_len], seeded by text.seed + index."""
+    from onnx_nmm.generation.decoding import Decoder
+
+    rng = np.random.default_rng(text.seed + index)
+    decoder = Decoder(model)
+    if not decoder.uses_cache and index == 0:
+        warnings.warn(f"sampling windows of {seq_len} tokens from a model without a KV cache re-reads the whole "
+                      "sequence at every step, which is slow: give an export of the same model with a cache as the "
+                      "generator (--calib-generator, or --generator for finetune)", stacklevel=2)
+    tokens = np.full((text.batch, 1), first, np.int64)
+    logits = decoder.prefill(tokens)
+    while tokens.shape[1] < seq_len:
+        new = sample_nucleus(logits, text.temperature, text.top_p, rng)
+        tokens = np.concatenate([tokens, new[:, None]], axis=1)
+        if tokens.shape[1] < seq_len:
+            logits = decoder.step(new[:, None])
+    return tokens
+
+
+def sample_nucleus(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of `logits` [B, V]: softmax(logits / temperature) restricted to the most likely tokens
+    whose mass reaches top_p (the one crossing it included)."""
+    scaled = logits.astype(np.float64) / temperature
+    probabilities = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probabilities /= probabilities.sum(axis=-1, keepdims=True)
+    order = np.argsort(-probabilities, axis=-1)
+    sorted_p = np.take_along_axis(probabilities, order, axis=-1)
+    before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the more likely tokens
+    sorted_p = np.where(before < top_p, sorted_p, 0.0)
+    sorted_p /= sorted_p.sum(axis=-1, keepdims=True)
+    picks = (sorted_p.cumsum(axis=-1) < rng.random((len(logits), 1))).sum(axis=-1)
+    return order[np.arange(len(logits)), np.minimum(picks, logits.shape[-1] - 1)].astype(np.int64)
+
+
+def _cache_file(model, text: GeneratedText, seq_len: int, first: int) -> Path | None:
+    """Where the batches of this model and these options are cached; None for a model held in memory."""
+    path = getattr(model, "path", model)  # a ModelSource's file
+    if not isinstance(path, (str, os.PathLike)) or os.environ.get("ONNX_NMM_CACHE") == "off":
+        return None
+    path = Path(path).resolve()
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{seq_len}|{first}|{text.temperature}|{text.top_p}|" \
+          f"{text.seed}|{text.batch}"
+    root = Path(os.environ.get("ONNX_NMM_CACHE", Path.home() / ".cache" / "onnx-nmm"))
+    return root / "generated" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _cached_batch(folder: Path, index: int) -> np.ndarray | None:
+    path = folder / f"batch{index}.npy"
+    return np.load(path) if path.is_file() else None
+
+
+def _store_batch(folder: Path, index: int, tokens: np.ndarray) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = folder / f".batch{index}.{os.getpid()}.npy"
+    np.save(staged, tokens)
+    staged.replace(folder / f"batch{index}.npy")

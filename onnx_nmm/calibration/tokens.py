@@ -1,0 +1,58 @@
+"""Token ids in windows (`TokenWindows`), and the tokenizer that makes them from text (`load_tokenizer`)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx_nmm.errors import DataError, MissingDependencyError
+
+
+@dataclass
+class TokenWindows:
+    """`samples` sequences of `seq_len` token ids, and where they came from."""
+
+    tokens: np.ndarray  # [samples, seq_len], int64
+    description: str
+    ids: list[str] | None = None  # one name per window, saying where it came from ("kjv.txt#12", "generated#3")
+
+    def __post_init__(self):
+        if self.ids is None:
+            self.ids = [f"{self.description.split(':')[0]}#{i}" for i in range(len(self.tokens))]
+
+    def take(self, rows) -> TokenWindows:
+        """The windows at `rows` (indices), with their ids."""
+        rows = list(rows)
+        return TokenWindows(self.tokens[rows], self.description, [self.ids[i] for i in rows])
+
+    def batches(self, batch_size: int):
+        for start in range(0, len(self.tokens), batch_size):
+            yield self.tokens[start:start + batch_size]
+
+    @property
+    def token_count(self) -> int:
+        return int(self.tokens.size)
+
+
+def load_tokenizer(spec: str | os.PathLike):
+    """A transformers tokenizer from a folder, or from a GGUF file (its folder and file name)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise MissingDependencyError("reading text needs transformers: pip install 'onnx-nmm[export]'") from None
+    path = Path(spec)
+    if not path.exists():
+        raise DataError(f"tokenizer {spec}: no such file or folder; give a tokenizer folder or a .gguf file")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if path.is_file():
+                return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return AutoTokenizer.from_pretrained(str(path))
+    except Exception as error:
+        raise DataError(f"cannot load a tokenizer from {spec}: {str(error).splitlines()[0]}") from None

@@ -1,0 +1,279 @@
+"""Fine-tune what a rewrite compressed and put it back into the same graph (`finetune`): the SVD factors,
+and the narrowed MLP weights of a nystrom rewrite.
+
+    read the training windows (and held-out text) ─ perplexity before (onnxruntime)
+    ─ lower to PyTorch ─ train the factors and narrowed weights only (factor_training) ─ write them into the
+    ONNX graph ─ perplexity after (onnxruntime, the tuned model)
+
+Only those initializers change, each in its dtype; the result saves like a rewrite's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_nmm.calibration.calibration_data import (
+    TokenWindows,
+    check_token_ids,
+    joined_windows,
+    token_sources,
+    token_windows,
+)
+from onnx_nmm.calibration.generated_text import generated_windows
+from onnx_nmm.calibration.sources import parse_generated
+from onnx_nmm.errors import ModelError, OptionError
+from onnx_nmm.evaluation import TextOptions
+from onnx_nmm.model_io import (
+    PROTOBUF_LIMIT,
+    carry_genai_config,
+    check_model_file,
+    check_output_path,
+    save_model,
+    weight_bytes,
+)
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes.mlp_narrowing import NARROWED_KEY
+from onnx_nmm.passes.svd_ops import DOMAIN
+from onnx_nmm.progress import Progress
+from onnx_nmm.quality.perplexity import PerplexityResult, Windows, perplexity, window_count
+from onnx_nmm.runtime.backend_runner import Model, ModelRunner
+from onnx_nmm.runtime.causal_lm import vocabulary_size
+from onnx_nmm.runtime.graph_probe import first_step
+from onnx_nmm.teacher import recorded_dense_model
+from onnx_nmm.training.schedule import TrainingOptions
+
+if TYPE_CHECKING:
+    from onnx_nmm.training.factor_training import TrainingResult
+
+DEFAULT_TRAINING_TEXT = "generated:64"
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """text: a UTF-8 file (with `tokenizer`), an .npz with input_ids [samples, seq_len], token ids as such
+    an array, "generated[:N]" or a GeneratedText (windows sampled from the dense model: the default, as
+    text the model writes itself teaches no corpus's style), or a list of these, mixed; cut into windows of
+    `seq_len` tokens (an .npz or array sets its own), the first `samples` of each text; each window of a
+    text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`."""
+
+    text: object = DEFAULT_TRAINING_TEXT
+    tokenizer: str | os.PathLike | None = None
+    seq_len: int = 256
+    samples: int | None = None
+    bos: bool = True
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise OptionError(f"{{seq_len}} must be at least 2, got {self.seq_len}", seq_len="data.seq_len")
+        if self.samples is not None and self.samples < 1:
+            raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
+
+    def windows(self, dense_model=None, progress: Progress | None = None) -> TokenWindows:
+        """The training windows; generated ones sampled from `dense_model` (unless they name a generator), which
+        `progress` hears."""
+        parts = []
+        for source in token_sources(self.text):
+            generated = parse_generated(source)
+            if generated is None:
+                parts.append(token_windows(source, self.tokenizer, self.samples, self.seq_len,
+                                           tokenizer_option="data.tokenizer", bos=self.bos))
+            elif dense_model is None and generated.generator is None:
+                raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
+                                  teacher="teacher")
+            else:
+                description = f"sampling training text ({generated.describe(self.seq_len)})"
+                with (progress or Progress()).phase(description, total=generated.batches()) as phase:
+                    parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer,
+                                                   on_batch=phase.advance))
+        return joined_windows(parts)
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """training: the loop's options; its loss, unless given, is distillation from the `teacher` — the dense
+    model the rewrite started from, by default the one the rewrite recorded (onnx_nmm.teacher). evaluation:
+    held-out text scored before and after (its window defaults to the training windows' length). threads:
+    PyTorch's CPU threads."""
+
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    teacher: Model | None = None
+    evaluation: TextOptions | None = None
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.training.loss is None and self.teacher is not None:
+            object.__setattr__(self, "training", replace(self.training, loss="distill"))
+        if self.threads is not None and self.threads < 1:
+            raise OptionError(f"{{threads}} must be a positive integer, got {self.threads}", threads="threads")
+
+
+@dataclass
+class FinetuneResult:
+    model: ir.Model  # the same graph, the tuned factors in it
+    training: TrainingResult
+    data: str  # where the training windows came from
+    loss: str = ""  # the loss trained: "distill" or "next-token"
+    teacher: str | None = None  # the dense model distilled from (a path, or "the in-memory model")
+    before: PerplexityResult | None = None  # on the held-out text, in onnxruntime
+    after: PerplexityResult | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
+    source_path: Path | None = None
+    source_used_external_data: bool = False
+
+    @property
+    def loss_rose(self) -> bool:
+        """The last tenth's mean loss well above the first tenth's: the learning rate was too high, and the
+        tuned model is likely worse than its input."""
+        return self.training.mean_loss(first=False) > LOSS_ROSE * self.training.mean_loss(first=True)
+
+    def save(self, path: str | os.PathLike, overwrite_input: bool = False) -> Path:
+        """Write the tuned model atomically, as the input was written (external data or not)."""
+        start = time.perf_counter()
+        if self.source_path is not None:
+            check_output_path(self.source_path, path, overwrite_input)
+        external = self.source_used_external_data or weight_bytes(self.model) > PROTOBUF_LIMIT
+        written = save_model(self.model, path, external_data=external,
+                             validate=functools.partial(check_model_file, source=self.source_path))
+        if self.source_path is not None:
+            carry_genai_config(self.source_path, written)
+        self.seconds["writing"] = time.perf_counter() - start
+        return written
+
+    def to_dict(self, options: FinetuneOptions) -> dict:
+        training = replace(options.training, loss=self.loss)
+        return {"loss": self.loss, "teacher": self.teacher, "training_data": self.data,
+                "options": asdict(training) | {"warmup_steps": training.warmup_steps}, **self.training.to_dict(),
+                "seconds_by_phase": self.seconds,
+                "perplexity_before": self.before.to_dict() if self.before else None,
+                "perplexity_after": self.after.to_dict() if self.after else None}
+
+
+# The last tenth's mean loss over the first tenth's that is taken as divergence: a margin, because single
+# batches differ in difficulty (on Qwen2.5-0.5B, lr 1e-4 took the distillation loss from 0.39 to 1.3 in
+# eight steps).
+LOSS_ROSE = 1.5
+
+
+def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None = None,
+             progress: Progress | None = None) -> FinetuneResult:
+    """Train the factors and narrowed weights of the rewritten `model` on `data`; the tuned model (same graph)
+    and how it went."""
+    from onnx_nmm.lowering import CausalLmInputs
+    from onnx_nmm.training.factor_training import check_windows, replace_factors
+
+    options, progress = options or FinetuneOptions(), progress or Progress()
+    source = ModelSource.of(model)
+    narrowed = narrowed_weights(source.model)
+    custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
+    if not narrowed and not custom:
+        if any(".narrowed" in name for name in source.model.graph.initializers):
+            raise ModelError(f"the narrowed weights of {source.label} are stored quantized (or in float16), and "
+                             "fine-tuning trains float32 weights: narrow the float32 export to fine-tune")
+        if any(".svd_" in name for name in source.model.graph.initializers):
+            raise ModelError(f"the factors of {source.label} are written quantized, and fine-tuning trains float "
+                             "factors: rewrite it with {factor_dtype} float32 (or float16) to fine-tune",
+                             factor_dtype="factorization.factor_dtype")
+        raise ModelError(f"{source.label} has no {DOMAIN} SVD ops and no narrowed MLPs, so nothing to fine-tune; "
+                         "rewrite it first")
+    vocabulary = vocabulary_size(source.model.graph)
+    options = _with_teacher(options, source)
+    teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None
+    if teacher is not None and None not in (vocabulary, teacher.vocabulary) and vocabulary != teacher.vocabulary:
+        raise ModelError(f"the teacher {teacher.label} predicts {teacher.vocabulary} tokens, {source.label} "
+                         f"{vocabulary}: give the dense model this one was rewritten from")
+    phases = _Phases()
+    with phases("reading data"):
+        windows = data.windows(options.teacher or recorded_dense_model(source.model), progress)
+        check_windows(windows.tokens, options.training)
+        check_token_ids(windows.tokens, vocabulary, windows.description, source.label)
+        evaluation = options.evaluation
+        if evaluation is not None:
+            eval_tokens, eval_windows = evaluation.read(windows.tokens.shape[1])
+            check_token_ids(eval_tokens, vocabulary, evaluation.label, source.label)
+    if options.threads:
+        import torch
+
+        torch.set_num_threads(options.threads)
+    teacher_label = None if teacher is None else teacher.label
+    result = FinetuneResult(source.model, None, windows.description, options.training.loss, teacher_label,
+                            seconds=phases.seconds,
+                            source_path=source.path, source_used_external_data=source.used_external_data)
+    if evaluation is not None:
+        with phases("perplexity before"):
+            result.before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
+    with phases("lowering"):
+        from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
+
+        module = lower(first_step(source.full_proto()))
+        weights = weights_as_parameters(module, narrowed)
+    with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
+                                            total=options.training.steps) as phase:
+        from onnx_nmm.training.factor_training import finetune as train_factors
+
+        result.training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
+                                        teacher.logits if teacher is not None else None,
+                                        on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"),
+                                        weights=weights)
+    del teacher  # its onnxruntime session
+    with phases("writing the factors"):
+        replace_factors(source.model, factor_parameters(module) | weights)
+        del module
+    if evaluation is not None:
+        with phases("perplexity after"):
+            result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress,
+                                       "perplexity after")
+    return result
+
+
+def narrowed_weights(model: ir.Model) -> list[str]:
+    """The float32 weight initializers of a nystrom rewrite's narrowed MLPs, which fine-tuning trains."""
+    names = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        weight = node.inputs[1] if NARROWED_KEY in node.metadata_props and node.op_type == "MatMul" else None
+        if weight is not None and weight.is_initializer() and weight.const_value.dtype == ir.DataType.FLOAT \
+                and weight.name not in names:
+            names.append(weight.name)
+    return names
+
+
+def _with_teacher(options: FinetuneOptions, source: ModelSource) -> FinetuneOptions:
+    """`options` with the loss decided: distillation from the given teacher, else from the dense model the
+    rewrite recorded; next-token only when asked for."""
+    if options.teacher is None and options.training.loss != "next-token":
+        recorded = recorded_dense_model(source.model)
+        if recorded is None:
+            raise OptionError(f"fine-tuning distils from the dense model {source.label} was rewritten from, and it "
+                              "names none that is still there: give the {teacher}, or choose {loss} next-token "
+                              "(which learns the training text's style as well)", teacher="teacher",
+                              loss="training.loss")
+        options = replace(options, teacher=str(recorded))
+    if options.training.loss is None:
+        options = replace(options, training=replace(options.training, loss="distill"))
+    return options
+
+
+def _perplexity(runner: ModelRunner, tokens: np.ndarray, windows: Windows, progress: Progress, label: str):
+    with progress.phase(label, total=window_count(len(tokens), windows)) as phase:
+        return perplexity(runner.logits, tokens, windows, on_window=phase.advance)
+
+
+class _Phases:
+    """Wall seconds of each named phase, in order."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start

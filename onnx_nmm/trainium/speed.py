@@ -1,0 +1,275 @@
+"""The Trainium view, modelled: a prefill and a decode step of a causal LM priced layer by layer on one
+NeuronCore, dense against rewritten, beside NeuronMM's end-to-end figures.
+
+Every linear product is priced by the kernels' cost model (trace-only emulation of the kernel `compile`
+would launch: dense_matmul, fused_xuv, fused_svd_mlp or fused_svd_ungated_mlp, in bfloat16). Everything else is priced
+by a roofline on the same NeuronCore parameters (kernels/hardware.py), each op on its own:
+
+    time = max(bytes / DMA bandwidth, TensorE FLOPs / TensorE peak, elementwise work / VectorE rate)
+
+— the attention (QKᵀ and PV on TensorE, the softmax, the KV cache read and the new K, V written), the
+MLP activations that run outside a fused kernel, RMS norms, residual adds, rotary embeddings and the
+embedding gather. A roofline is a lower bound: no launch overhead, perfect overlap within an op, so the
+non-linear share of a step is if anything too small. Everything is bfloat16 (2 bytes per element) and
+batch 1, as in NeuronMM's end-to-end runs. Nothing here is measured.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from onnx_nmm.errors import OptionError
+from onnx_nmm.passes import roles
+from onnx_nmm.progress import Progress
+from onnx_nmm.trainium.decoder_shape import DecoderShape, DenseMlp, Factorized, FusedMlp, Linear, Product, decoder_shape
+
+ELEMENT_BYTES = 2  # bfloat16
+TARGETS = ("trn1", "trn2")
+KERNEL, ROOFLINE = "kernel cost model", "roofline"
+# What the parts of a step are called, in the order tables show them.
+PARTS = ("attention projections", "MLP", "lm_head", "other linear", "attention core", "MLP activation",
+         "norms, residuals, rotary, embedding")
+_LINEAR_PART = {roles.ATTENTION: "attention projections", roles.MLP: "MLP", roles.LM_HEAD: "lm_head"}
+
+# NeuronMM's end-to-end speed-ups on trn1 (measured by its authors: arXiv 2510.25977, §5.2).
+PAPER_FIGURES = {
+    "NeuronMM v3, average over 4 LLMs": 1.66,
+    "NeuronMLP v4, average over 6 LLMs": 1.21,
+    "its code's README: Llama-3.2-1B at keep 0.8, context 32, 64 tokens": 1.454,
+}
+
+
+@dataclass(frozen=True)
+class TrainiumOptions:
+    """target: "trn1" or "trn2"; prompt_lengths: prefills priced; contexts: KV-cache lengths a decode step
+    is priced at; generation: (prompt tokens, new tokens) of the end-to-end figure — by default NeuronMM's
+    code benchmark (a context of 32, a sequence of 64)."""
+
+    targets: ClassVar[tuple[str, ...]] = TARGETS
+    target: str = "trn1"
+    prompt_lengths: tuple[int, ...] = (128, 512)
+    contexts: tuple[int, ...] = (128, 512, 2048)
+    generation: tuple[int, int] = (32, 32)
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise OptionError(f"{{target}} must be one of {', '.join(TARGETS)}, got {self.target!r}", target="target")
+        counts = (*self.prompt_lengths, *self.contexts, *self.generation)
+        if not self.prompt_lengths or not self.contexts or len(self.generation) != 2 or min(counts) < 1:
+            raise OptionError("{prompt_lengths}, {contexts} and {generation} must be positive token counts",
+                              prompt_lengths="prompt_lengths", contexts="contexts", generation="generation")
+
+
+@dataclass
+class Part:
+    seconds: float = 0.0
+    bytes: float = 0.0  # HBM traffic
+    flops: float = 0.0
+    how: str = ROOFLINE
+
+    def add(self, seconds: float, bytes_: float, flops: float, times: int = 1) -> None:
+        """Count an op `times` over (once per layer, say)."""
+        self.seconds += times * seconds
+        self.bytes += times * bytes_
+        self.flops += times * flops
+
+
+@dataclass
+class PhaseCost:
+    """One forward pass of `tokens` new tokens after a KV cache of `context`, part by part (modelled)."""
+
+    tokens: int
+    context: int
+    parts: dict[str, Part]
+
+    @property
+    def seconds(self) -> float:
+        return sum(part.seconds for part in self.parts.values())
+
+    @property
+    def kernel_share(self) -> float:
+        """The fraction of the time priced by the kernels' cost model (the rest: by a roofline)."""
+        return sum(part.seconds for part in self.parts.values() if part.how == KERNEL) / self.seconds
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "context": self.context, "seconds": self.seconds,
+                "parts": {name: asdict(part) for name, part in self.parts.items()}}
+
+
+@dataclass
+class ModelledModel:
+    shape: DecoderShape
+    prefill: dict[int, PhaseCost]  # prompt length → the prefill
+    decode: dict[int, PhaseCost]  # context → one decode step
+    generation_prefill_s: float
+    generation_decode_s: float  # every step of the end-to-end generation, summed
+
+    @property
+    def label(self) -> str:
+        return self.shape.label
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the linear weights in bfloat16 (what a decode step streams from HBM)."""
+        return self.shape.linear_parameters * ELEMENT_BYTES
+
+    def step_bytes(self, context: int) -> int:
+        """What a decode step at `context` must read: the linear weights and the KV cache."""
+        return self.weight_bytes + 2 * self.shape.layers * self.shape.kv_width * context * ELEMENT_BYTES
+
+    @property
+    def generation_s(self) -> float:
+        return self.generation_prefill_s + self.generation_decode_s
+
+    def to_dict(self) -> dict:
+        return {"model": self.label, "layers": self.shape.layers, "products": self.shape.counts(),
+                "weight_bytes_bf16": self.weight_bytes, "notes": list(self.shape.notes),
+                "prefill": [phase.to_dict() for phase in self.prefill.values()],
+                "decode": [phase.to_dict() for phase in self.decode.values()],
+                "generation": {"prefill_s": self.generation_prefill_s, "decode_s": self.generation_decode_s,
+                               "total_s": self.generation_s}}
+
+
+@dataclass
+class TrainiumEstimate:
+    paper_figures: ClassVar[dict[str, float]] = PAPER_FIGURES
+    options: TrainiumOptions
+    models: list[ModelledModel] = field(default_factory=list)
+
+    def decode_parts(self, context: int) -> list[str]:
+        """The parts any model's decode step at `context` has, in the order of PARTS."""
+        return [name for name in PARTS if any(name in model.decode[context].parts for model in self.models)]
+
+    def prefill_speedup(self, model: ModelledModel, length: int) -> float:
+        return self.models[0].prefill[length].seconds / model.prefill[length].seconds
+
+    def decode_speedup(self, model: ModelledModel, context: int) -> float:
+        return self.models[0].decode[context].seconds / model.decode[context].seconds
+
+    def ideal_decode_speedup(self, model: ModelledModel, context: int) -> float:
+        """The ratio of bytes a decode step reads, the first model's over `model`'s."""
+        return self.models[0].step_bytes(context) / model.step_bytes(context)
+
+    def generation_speedups(self, model: ModelledModel) -> dict[str, float]:
+        """The end-to-end generation against the first model's: prefill, decode and the whole."""
+        first = self.models[0]
+        return {"prefill": first.generation_prefill_s / model.generation_prefill_s,
+                "decode": first.generation_decode_s / model.generation_decode_s,
+                "end to end": first.generation_s / model.generation_s}
+
+    def to_dict(self) -> dict:
+        prompt, new = self.options.generation
+        return {"note": "modelled on onnx-nmm's Trainium cost model and roofline, not measured",
+                "target": self.options.target, "dtype": "bfloat16", "batch": 1,
+                "generation": {"prompt_tokens": prompt, "new_tokens": new}, "paper_end_to_end": PAPER_FIGURES,
+                "models": [{**model.to_dict(), "speedup": {
+                    "prefill": {str(n): self.prefill_speedup(model, n) for n in self.options.prompt_lengths},
+                    "decode": {str(c): self.decode_speedup(model, c) for c in self.options.contexts},
+                    "ideal_decode": {str(c): self.ideal_decode_speedup(model, c) for c in self.options.contexts},
+                    "generation": self.generation_speedups(model)}} for model in self.models]}
+
+
+def estimate_trainium(models: Sequence, options: TrainiumOptions = TrainiumOptions(),
+                      progress: Progress | None = None) -> TrainiumEstimate:
+    """Price every model (a path, an in-memory model, or a DecoderShape) on `options.target`; ratios are
+    against the first. ONNX models are taken as `compile` would run them (gated MLPs fused)."""
+    progress = progress or Progress()
+    estimate = TrainiumEstimate(options)
+    with progress.phase(f"pricing on {options.target} (modelled)", total=len(models)) as phase:
+        for model in models:
+            shape = model if isinstance(model, DecoderShape) else decoder_shape(model)
+            estimate.models.append(_modelled(shape, options))
+            phase.advance(detail=shape.label)
+    return estimate
+
+
+def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseCost:
+    """One forward pass of `tokens` new tokens after `context` cached ones, part by part (modelled)."""
+    parts = {name: Part() for name in PARTS}
+    for product in shape.products:
+        part = parts[_LINEAR_PART.get(product.group, "other linear")]
+        part.how = KERNEL
+        part.add(*_kernel_cost(product, tokens, target))
+    roofline = functools.partial(_roofline, target=target)
+    h, q, kv, layers = shape.hidden, shape.q_width, shape.kv_width, shape.layers
+    keys = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs under the causal mask
+    attention = roofline(bytes_=ELEMENT_BYTES * (2 * kv * (context + tokens) + 2 * kv * tokens + 2 * q * tokens),
+                         tensor_flops=4 * q * keys, elementwise=3 * shape.heads * keys)
+    parts["attention core"].add(*attention, times=layers)
+    for width, gated in shape.activations:
+        parts["MLP activation"].add(*_activation_cost(width, gated, tokens, target))
+    norm = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h, elementwise=4 * tokens * h)
+    residual = roofline(bytes_=ELEMENT_BYTES * 3 * tokens * h, elementwise=tokens * h)
+    rotary = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * (q + kv), elementwise=3 * tokens * (q + kv))
+    rest = parts["norms, residuals, rotary, embedding"]
+    for op, times in ((norm, 2 * layers + 1), (residual, 2 * layers), (rotary, layers)):
+        rest.add(*op, times=times)
+    rest.add(*roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h))  # the embedding gather: a row in, a row out
+    return PhaseCost(tokens, context, {name: part for name, part in parts.items() if part.seconds})
+
+
+def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
+    target = options.target
+    prefill = {length: price(shape, length, 0, target) for length in options.prompt_lengths}
+    decode = {context: price(shape, 1, context, target) for context in options.contexts}
+    prompt, new = options.generation
+    generation_prefill = price(shape, prompt, 0, target).seconds
+    generation_decode = sum(price(shape, 1, context, target).seconds for context in range(prompt, prompt + new - 1))
+    return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode)
+
+
+def _roofline(bytes_: float, target: str, tensor_flops: float = 0.0, elementwise: float = 0.0
+              ) -> tuple[float, float, float]:
+    """(seconds, bytes, flops) of one op at its physical limit on one NeuronCore."""
+    from onnx_nmm.kernels.hardware import neuron_core
+
+    core = neuron_core(target)
+    seconds = max(bytes_ / core.dma_bytes_per_s, tensor_flops / core.pe_bf16_flops,
+                  elementwise / (core.partitions * core.dve_hz))
+    return seconds, bytes_, tensor_flops
+
+
+def _activation_cost(width: int, gated: bool, tokens: int, target: str) -> tuple[float, float, float]:
+    """An MLP activation run between its projections (act(g)·u read from and written to HBM), at its roofline."""
+    return _roofline(bytes_=ELEMENT_BYTES * (3 if gated else 2) * tokens * width, target=target,
+                     elementwise=3 * tokens * width)
+
+
+def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, float, float]:
+    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (modelled, memoized by shape); a
+    dense MLP's by the faster of its one fused launch and its projections' launches with the activation
+    between."""
+    if isinstance(product, DenseMlp):
+        h, i = product.hidden, product.intermediate
+        if product.gated:
+            fused = _estimate("dense_gated_mlp", ((tokens, h), (h, i), (h, i), (i, h)), target)
+        else:
+            fused = _estimate("dense_ungated_mlp", ((tokens, h), (h, i), (i,), (i, h)), target)
+        projections = [_estimate("dense_matmul", ((tokens, h), (h, i)), target)] * (2 if product.gated else 1)
+        projections += [_estimate("dense_matmul", ((tokens, i), (i, h)), target),
+                        _activation_cost(i, product.gated, tokens, target)]
+        separate = tuple(map(sum, zip(*projections)))
+        return min(fused, separate)
+    if isinstance(product, Linear):
+        return _estimate("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
+    if isinstance(product, Factorized):
+        k, r, n = product.k, product.rank, product.n
+        return _estimate("fused_xuv", ((tokens, k), (k, r), (r, n)), target)
+    assert isinstance(product, FusedMlp)
+    h, i = product.hidden, product.intermediate
+    if not product.gated:
+        r1, r2 = product.ranks
+        return _estimate("fused_svd_ungated_mlp", ((tokens, h), (h, r1), (r1, i), (i,), (i, r2), (r2, h)), target)
+    rg, ru, rd = product.ranks
+    return _estimate("fused_svd_mlp", ((tokens, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h)), target)
+
+
+@functools.cache
+def _estimate(kernel: str, shapes: tuple, target: str) -> tuple[float, float, float]:
+    from onnx_nmm import kernels
+
+    cost = kernels.estimate(getattr(kernels, kernel), *shapes, dtype="bfloat16", target=target)
+    return cost.total_s, cost.hbm_bytes, cost.flops
