@@ -30,7 +30,7 @@ class CommandLog:
         self._record(argv, "$")
         result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], capture_output=True, text=True)
         if result.returncode != 0:
-            raise SystemExit(f"command failed (exit {result.returncode}): {self.lines[-1]}\n{result.stderr.strip()}")
+            raise SystemExit(f"command failed (exit {result.returncode}): {shlex.join(argv)}\n{result.stderr.strip()}")
         return result.stdout
 
     def produce(self, outputs, *argv) -> None:
@@ -44,8 +44,10 @@ class CommandLog:
         self.run(*argv)
 
     def _record(self, argv: list[str], label: str) -> None:
-        self.lines.append(shlex.join(["onnx-nmm", *map(as_typed, argv)]))
-        print(label, self.lines[-1], flush=True)
+        line = shlex.join(["onnx-nmm", *map(as_typed, argv)])
+        if line not in self.lines:  # a step two tables share is listed once
+            self.lines.append(line)
+        print(label, line, flush=True)
 
     def json(self, *argv) -> dict:
         """`run`, for a command given --json."""
