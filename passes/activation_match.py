@@ -58,15 +58,6 @@ def activation_region(g: ir.Value, output: ir.Value) -> list[ir.Node] | None:
     return in_dependency_order(region) if any(g in node.inputs for node in region) else None
 
 
-def read_only_inside(region: list[ir.Node], g: ir.Value, output: ir.Value, graph: ir.Graph) -> bool:
-    """Whether g and every value `region` computes but `output` are read by region nodes only, so that
-    replacing the region loses nothing."""
-    inside = set(map(id, region))
-    internal = [g] + [value for node in region for value in node.outputs if value is not output]
-    return not any(value in graph.outputs or any(id(use.node) not in inside for use in value.uses())
-                   for value in internal)
-
-
 def identify(region: list[ir.Node], g: ir.Value, output: ir.Value) -> str | None:
     """The name in ACTIVATIONS of what `region` computes from g, or None."""
     values = {id(g): PROBE}

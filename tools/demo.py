@@ -3,7 +3,7 @@ its MLPs narrowed where it costs least, then what that cost and what it bought â
 the perplexity on text no step saw, and the decode speed on this machine.
 
     make demo            (sets everything up, then runs this)
-    python tools/demo.py [--out DIR] [--keep 0.95]
+    python tools/demo.py [--out DIR] [--keep 0.97]
 
 Every step is the real `onnx-nmm` command, printed before it runs, so it can be copied. `--tiny` runs the same
 steps on a random-weight Llama instead (seconds, no real model: a smoke test, whose logits move by design).
@@ -26,7 +26,7 @@ PROMPTS = ("What is the capital of France?", "Why is the sky blue?")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo", help="folder for the exported and rewritten models")
-    parser.add_argument("--keep", default="0.95", help="the share of the MLP parameters to keep (default 0.95)")
+    parser.add_argument("--keep", default="0.97", help="the share of the MLP parameters to keep (default 0.97)")
     parser.add_argument("--tiny", action="store_true", help="a random-weight Llama instead: a smoke test")
     args = parser.parse_args()
     out = Path(args.out)
