@@ -421,3 +421,40 @@ def _help_of(command: str) -> str:
     parser = build_parser()
     (subparsers,) = [action for action in parser._actions if action.choices and command in action.choices]
     return subparsers.choices[command].format_help()
+
+
+def test_the_demo_runs_commands_the_cli_takes(tmp_path):
+    """`make demo`'s steps (tools/demo.py) are real commands with flags the CLI accepts; a renamed flag would
+    otherwise surface only in a 16-minute run."""
+    import demo
+
+    from onnx_nmm.cli import build_parser
+
+    steps = demo.real_steps(tmp_path, "0.97", tmp_path / "m.gguf", tmp_path / "c.txt", tmp_path / "h.txt")
+    assert [step[0] for step in steps] == ["export", "rewrite", *["generate"] * 4, "diff", "bench"]
+    for step in steps:
+        build_parser().parse_args([str(arg) for arg in step])
+
+
+@pytest.mark.slow
+def test_make_smoke_runs_the_tool_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    demo = Path(__file__).resolve().parent.parent / "tools" / "demo.py"
+    result = subprocess.run([sys.executable, str(demo), "--tiny", "--out", str(tmp_path)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "llama-kv.nmm.onnx").exists() and "top-1 agree" in result.stdout
+
+
+def test_a_reader_that_leaves_early_is_no_error(export):
+    """`onnx-nmm inspect model.onnx --json | head -1`: the pipe closes before the output is written."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "onnx_nmm", "inspect", str(export("llama", "dynamo")), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait() == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -34,10 +34,19 @@ def main() -> int:
 
 
 def real(out: Path, keep: str) -> int:
-    gguf, calibration, held_out = assets.smollm2_gguf(), assets.kjv_text("calibration"), assets.modern_text()
+    steps = real_steps(out, keep, assets.smollm2_gguf(), assets.kjv_text("calibration"), assets.modern_text())
+    if not all(run(step) == 0 for step in steps):
+        return 1
+    print(f"\nThe held-out text is modern news, which neither step saw; the calibration was the Old Testament. "
+          f"Files are in {out}/. docs/quality.md has the operating points, docs/speed.md their speed.")
+    return 0
+
+
+def real_steps(out: Path, keep: str, gguf: Path, calibration: Path, held_out: Path) -> list[list]:
+    """The `onnx-nmm` commands of the demo, the export only when its model is not there yet."""
     model, rewritten = out / "smollm2.onnx", out / "smollm2.nmm.onnx"
     steps = [] if model.exists() else [["export", gguf, "-o", model]]
-    steps += [
+    return steps + [
         # the MLPs, narrowed where held-out calibration windows say it costs least
         ["rewrite", model, "-o", rewritten, "--calib", calibration, "--calib-samples", "16", "--tokenizer", gguf,
          "--keep", keep, "--budget", "sensitivity", "--align", "64", "--force"],
@@ -46,11 +55,6 @@ def real(out: Path, keep: str) -> int:
         ["diff", model, rewritten, "--text", held_out, "--tokenizer", gguf, "--max-windows", "4"],
         ["bench", model, rewritten, "--prompt-lengths", "64", "--contexts", "128", "--rounds", "3"],
     ]
-    if not all(run(step) == 0 for step in steps):
-        return 1
-    print(f"\nThe held-out text is modern news, which neither step saw; the calibration was the Old Testament. "
-          f"Files are in {out}/. docs/quality.md has the operating points, docs/speed.md their speed.")
-    return 0
 
 
 def tiny(out: Path) -> int:
