@@ -24,6 +24,7 @@ from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
 from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
 
 
@@ -47,7 +48,6 @@ MODELS = (
     MlpShape("Qwen3-4B", 2560, 9728, 1664),
 )
 TOKENS = (1, 32, 128, 512, 2048, 8192)
-TARGETS = ("trn1", "trn2")
 VARIANTS = ("dense", "unfused", "fused_xuv", "fused_mlp")
 PROJECTIONS = ("gate", "up", "down")
 XUV_BAR = 1.35  # NeuronMM's kernel-level average speed-up
@@ -134,7 +134,8 @@ def launch_costs(variant: str, shape: MlpShape, tokens: int, target: str, dtype:
     return [model_trace(trace, target) for trace in session.traces]
 
 
-def run_benchmark(models=MODELS, tokens=TOKENS, targets=TARGETS, dtype="bfloat16", on_row=None) -> list[BenchmarkRow]:
+def run_benchmark(models=MODELS, tokens=TOKENS, targets=TRAINIUM_TARGETS, dtype="bfloat16",
+                  on_row=None) -> list[BenchmarkRow]:
     """Every (model, tokens, target) of the grid; `on_row(row)` is called as each one is done."""
     rows = []
     for target in targets:

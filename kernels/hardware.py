@@ -154,7 +154,8 @@ TRN2 = NeuronCore(
     hbm_core_bytes_per_s=2.9e12 / 8,  # 2.9 TB/s per Trainium2 chip of 8 NeuronCores (ARCH_TRN2: "3TB/s")
 )
 
-TARGETS = {"trn1": TRN1, "trn2": TRN2}
+NEURON_CORES = {"trn1": TRN1, "trn2": TRN2}
+TRAINIUM_TARGETS = tuple(NEURON_CORES)  # every target the kernels are planned and priced for
 
 
 def neuron_core(target: str | NeuronCore) -> NeuronCore:
@@ -162,9 +163,9 @@ def neuron_core(target: str | NeuronCore) -> NeuronCore:
     if isinstance(target, NeuronCore):
         return target
     try:
-        return TARGETS[target]
+        return NEURON_CORES[target]
     except KeyError:
-        raise ValueError(f"unknown Trainium target {target!r}; use one of {sorted(TARGETS)}") from None
+        raise ValueError(f"unknown Trainium target {target!r}; use one of {', '.join(TRAINIUM_TARGETS)}") from None
 
 
 def dma_efficiency(contiguous_bytes: float, core: NeuronCore | None = None) -> float:

@@ -15,7 +15,7 @@ from onnx_nmm.cli import main
 from onnx_nmm.lowering import CausalLmInputs, call_lowered, factor_parameters, lower
 from onnx_nmm.model_io import check_model_file, load_model, save_model
 from onnx_nmm.runtime.backend_runner import ModelRunner
-from onnx_nmm.training.factor_training import finetune, next_token_loss, replace_factors
+from onnx_nmm.training.factor_training import next_token_loss, replace_factors, train_factors
 
 pytestmark = pytest.mark.xdist_group("lowering")
 
@@ -68,8 +68,8 @@ def test_finetuning_lowers_the_loss_and_changes_only_the_factors(rewritten_llama
     factors = {name: factor.clone() for name, factor in factor_parameters(module).items()}
     loss_before = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
 
-    result = finetune(module, windows, inputs,
-                      TrainingOptions(steps=30, learning_rate=1e-3, batch=4, loss="next-token"))
+    result = train_factors(module, windows, inputs,
+                           TrainingOptions(steps=30, learning_rate=1e-3, batch=4, loss="next-token"))
 
     loss_after = next_token_loss(call_lowered(module, *inputs(windows)), torch.from_numpy(windows)).item()
     assert len(result.records) == 30 and result.stopped_by == "steps"
@@ -90,7 +90,7 @@ def test_written_model_runs_in_onnxruntime_with_the_tuned_factors(tmp_path):
     model = load_model(rewritten)
     module = lower(rewritten)
     inputs = CausalLmInputs(model)
-    finetune(module, _token_ids(4, 16), inputs, TrainingOptions(steps=5, learning_rate=1e-3, loss="next-token"))
+    train_factors(module, _token_ids(4, 16), inputs, TrainingOptions(steps=5, learning_rate=1e-3, loss="next-token"))
     replace_factors(model, factor_parameters(module))
     tuned = save_model(model, tmp_path / "tuned.onnx", external_data=False, validate=check_model_file)
 
@@ -150,8 +150,8 @@ def test_a_rising_loss_is_warned_about(capsys, rewritten_llama, tmp_path):
 def test_time_budget_ends_training(rewritten_llama):
     module = lower(rewritten_llama)
     inputs = CausalLmInputs(rewritten_llama)
-    result = finetune(module, _token_ids(2, 16), inputs,
-                      TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
+    result = train_factors(module, _token_ids(2, 16), inputs,
+                           TrainingOptions(steps=100_000, time_budget=0.5, batch=1, loss="next-token"))
     last = result.records[-1]
     assert result.stopped_by == "time" and 1 < last.step < 100_000
     assert last.seconds <= 0.5 + 2 * last.seconds / last.step  # at most about one step over

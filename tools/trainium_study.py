@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_study  # noqa: E402
 from commands import CommandLog, write_section  # noqa: E402
 
-TARGETS = ("trn1", "trn2")
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS  # noqa: E402
+
 CONTEXTS = speed_study.CONTEXTS
 PROMPT = speed_study.PROMPT
 GENERATION = (32, 32)  # NeuronMM's benchmark: a context of 32, a sequence of 64
@@ -56,7 +57,7 @@ def main() -> int:
                              ",".join(map(str, CONTEXTS)), "--generation", ",".join(map(str, GENERATION)), *flags,
                              "--json")
 
-    results = {title: {**{target: priced(models, target) for target in TARGETS},
+    results = {title: {**{target: priced(models, target) for target in TRAINIUM_TARGETS},
                        "trn1 unfused": priced(models, "trn1", "--no-fuse-mlp")}
                for title, (_, models) in model_sets.items()}
     (work / "trainium-modelled.json").write_text(json.dumps(results, indent=2))
@@ -90,7 +91,7 @@ def table(model_sets: dict, results: dict) -> list[str]:
               + " | end to end, trn1 | end to end, trn2 |")
     lines = [header, "|---|---|---:|---:|" + "---:|" * len(CONTEXTS) + "---:|---:|"]
     for title, (labels, _) in model_sets.items():
-        trn1, trn2 = (results[title][target]["models"] for target in TARGETS)
+        trn1, trn2 = (results[title][target]["models"] for target in TRAINIUM_TARGETS)
         for label, model, other in zip(labels, trn1, trn2):
             prefill = model["prefill"][0]
             cells = [f"{row['seconds'] * 1e3:.2f} ms · {model['speedup']['decode'][str(row['context'])]:.2f}× "

@@ -35,7 +35,7 @@ def streams(args) -> bool:
     return bool(args.stream or args.ray)
 
 
-def rewrite_streamed(args, options, source: Path, output: Path, progress):
+def run_streamed(args, options, source: Path, output: Path, progress):
     stream = onnx_nmm.StreamOptions(ray=args.ray, threads=args.threads, resume=not args.restart)
     return onnx_nmm.rewrite_streamed(source, output, options, stream, progress)
 

@@ -15,6 +15,7 @@ from rich.progress import Progress
 from onnx_nmm import NeuronSdkMissing, OptionError
 from onnx_nmm.cli import _common
 from onnx_nmm.kernels import USING_EMULATOR, benchmark, device, device_fit
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public, write_text_atomically
 
 DEFAULT_OUT = Path("out/bench-kernels")
@@ -62,7 +63,7 @@ def run(args) -> int:
     if args.device:
         return _on_device(args)
     args.out = args.out or DEFAULT_OUT
-    targets = benchmark.TARGETS if args.target == "both" else (args.target,)
+    targets = TRAINIUM_TARGETS if args.target == "both" else (args.target,)
     tokens = _tokens(args.tokens)
     models = _models(args.models)
     command = _command(args)

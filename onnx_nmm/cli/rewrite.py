@@ -130,7 +130,7 @@ def run(args) -> int:
     new_folder = next((folder for folder in reversed(output.parents) if not folder.exists()), None)
     with _common.progress(args.quiet) as progress:
         if _scale.streams(args):
-            result = _scale.rewrite_streamed(args, options, source, output, progress)
+            result = _scale.run_streamed(args, options, source, output, progress)
         else:
             result = onnx_nmm.rewrite(source, options, progress)
             with progress.phase("writing"):

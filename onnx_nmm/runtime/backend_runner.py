@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import DataError, OptionError
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import ort_runner
 from onnx_nmm.runtime.causal_lm import CausalLm
@@ -22,7 +23,6 @@ from onnx_nmm.runtime.graph_probe import first_step
 from onnx_nmm.teacher import CALIBRATION
 
 RUN_BACKENDS = ("ort", "torch", "emulator")
-TARGETS = ("trn1", "trn2")
 
 Model = str | os.PathLike | ir.Model | onnx.ModelProto
 
@@ -114,8 +114,8 @@ class ModelRunner:
 def check_backend(backend: str, target: str) -> None:
     if backend not in RUN_BACKENDS:
         raise OptionError(f"{{backend}} must be one of {', '.join(RUN_BACKENDS)}, got {backend!r}", backend="backend")
-    if target not in TARGETS:
-        raise OptionError(f"{{target}} must be one of {', '.join(TARGETS)}, got {target!r}", target="target")
+    if target not in TRAINIUM_TARGETS:
+        raise OptionError(f"{{target}} must be one of {', '.join(TRAINIUM_TARGETS)}, got {target!r}", target="target")
 
 
 @dataclass

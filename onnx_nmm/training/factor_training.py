@@ -77,9 +77,9 @@ class TrainingResult:
                 "records": [asdict(record) for record in self.records]}
 
 
-def finetune(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,
-             teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None,
-             weights: dict[str, nn.Parameter] | None = None) -> TrainingResult:
+def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,
+                  teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None,
+                  weights: dict[str, nn.Parameter] | None = None) -> TrainingResult:
     """Train the factors of the lowered `module`, and the narrowed `weights` (lowering.weights_as_parameters),
     in place on `windows` [samples, S] of token ids.
 

@@ -217,7 +217,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         weights = weights_as_parameters(module, narrowed)
     with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
                                             total=options.training.steps) as phase:
-        from onnx_nmm.training.factor_training import finetune as train_factors
+        from onnx_nmm.training.factor_training import train_factors
 
         result.training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
                                         teacher.logits if teacher is not None else None,

@@ -22,6 +22,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
@@ -48,8 +49,8 @@ class CompileOptions:
     dry_run: bool = False
 
     def __post_init__(self):
-        if self.target not in neuron.TARGETS:
-            raise OptionError(f"{{target}} must be one of {', '.join(neuron.TARGETS)}, got {self.target!r}",
+        if self.target not in TRAINIUM_TARGETS:
+            raise OptionError(f"{{target}} must be one of {', '.join(TRAINIUM_TARGETS)}, got {self.target!r}",
                               target="target")
         if self.batch < 1 or self.seq_len < 1:
             raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")

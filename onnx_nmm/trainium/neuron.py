@@ -19,7 +19,6 @@ from onnx_nmm.passes import svd_ops
 
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
-TARGETS = ("trn1", "trn2")
 
 
 def missing_neuron_packages() -> list[str]:

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from onnx_nmm.errors import OptionError
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
 from onnx_nmm.trainium.decoder_shape import DecoderShape, DenseMlp, Factorized, FusedMlp, Linear, Product, decoder_shape
 
 ELEMENT_BYTES = 2  # bfloat16
-TARGETS = ("trn1", "trn2")
 KERNEL, ROOFLINE = "kernel cost model", "roofline"
 # What the parts of a step are called, in the order tables show them.
 PARTS = ("attention projections", "MLP", "lm_head", "other linear", "attention core", "MLP activation",
@@ -48,15 +48,16 @@ class TrainiumOptions:
     is priced at; generation: (prompt tokens, new tokens) of the end-to-end figure — by default NeuronMM's
     code benchmark (a context of 32, a sequence of 64)."""
 
-    targets: ClassVar[tuple[str, ...]] = TARGETS
+    targets: ClassVar[tuple[str, ...]] = TRAINIUM_TARGETS
     target: str = "trn1"
     prompt_lengths: tuple[int, ...] = (128, 512)
     contexts: tuple[int, ...] = (128, 512, 2048)
     generation: tuple[int, int] = (32, 32)
 
     def __post_init__(self):
-        if self.target not in TARGETS:
-            raise OptionError(f"{{target}} must be one of {', '.join(TARGETS)}, got {self.target!r}", target="target")
+        if self.target not in TRAINIUM_TARGETS:
+            raise OptionError(f"{{target}} must be one of {', '.join(TRAINIUM_TARGETS)}, got {self.target!r}",
+                              target="target")
         counts = (*self.prompt_lengths, *self.contexts, *self.generation)
         if not self.prompt_lengths or not self.contexts or len(self.generation) != 2 or min(counts) < 1:
             raise OptionError("{prompt_lengths}, {contexts} and {generation} must be positive token counts",
