@@ -163,7 +163,7 @@ class Selection:
     """Which linear layers are targets: a group (mlp, attention, all), regexes searched in node names and
     module paths (exclude wins over include), and the lm_head only on request (the paper leaves it alone)."""
 
-    targets: str = "mlp"
+    targets: str = "mlp"  # the paper's choice
     include: str | None = None
     exclude: str | None = None
     lm_head: bool = False

@@ -281,8 +281,8 @@ def _rank(text: str) -> int | str:
 
 
 def add_selection_options(parser) -> None:
-    parser.add_argument("--targets", choices=onnx_nmm.options.TARGETS, default="mlp",
-                        help="which layers to factorize (default mlp, as in the paper)")
+    parser.add_argument("--targets", choices=onnx_nmm.options.TARGETS, default=default(onnx_nmm.Selection, "targets"),
+                        help="which layers to factorize (default %(default)s, as in the paper)")
     parser.add_argument("--include", metavar="REGEX", help="only layers whose node name or module path matches")
     parser.add_argument("--exclude", metavar="REGEX", help="leave out layers whose node name or module path matches")
     parser.add_argument("--lm-head", action="store_true", help="factorize the lm_head too")

@@ -17,7 +17,8 @@ def add_options(parser) -> None:
     group.add_argument("--keep", type=float, action="append", metavar="K",
                        help="after each MODEL, the same model with its --targets layers factorized at keep K: shapes "
                             "only, no weights read (what a rewrite at --keep K would run); may be repeated")
-    group.add_argument("--targets", choices=("mlp", "attention", "all"), default="mlp",
+    group.add_argument("--targets", choices=onnx_nmm.options.TARGETS,
+                       default=_common.default(onnx_nmm.Selection, "targets"),
                        help="the layers --keep factorizes (default %(default)s)")
     group.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="--keep's rank alignment (default %(default)s)")
     group.add_argument("--no-fuse-mlp", action="store_true",

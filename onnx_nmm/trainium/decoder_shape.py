@@ -20,9 +20,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnx_nmm.errors import ModelError, OptionError
+from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.options import DEFAULT_ALIGN
+from onnx_nmm.options import DEFAULT_ALIGN, RankOptions, Selection
 from onnx_nmm.passes import find_linear_layers, roles, svd_ops
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.passes.mlp_modules import find_mlps
@@ -205,15 +205,12 @@ def decoder_shape_of_config(config: str | os.PathLike | dict, label: str | None 
                         head_dim, vocab, tuple(products), ())
 
 
-def factorized(shape: DecoderShape, keep: float, targets: str = "mlp", align: int = DEFAULT_ALIGN,
+def factorized(shape: DecoderShape, keep: float, targets: str = Selection.targets, align: int = DEFAULT_ALIGN,
                fuse_mlp: bool = True) -> DecoderShape:
     """`shape` with its dense `targets` products ("mlp", "attention", "all"; never the lm_head) at the rank
     keeping `keep` of their parameters, block-aligned, and each layer's gate/up/down fused when all three
     are factorized and `fuse_mlp`. Only shapes change: this is the model a rewrite would give, not one."""
-    if targets not in ("mlp", "attention", "all"):
-        raise OptionError(f"{{targets}} must be mlp, attention or all, got {targets!r}", targets="targets")
-    if not 0.0 < keep <= 1.0:
-        raise OptionError(f"{{keep}} must be in (0, 1], got {keep}", keep="keep")
+    Selection(targets=targets), RankOptions(keep=keep, align=align)  # refused as a rewrite would refuse them
 
     def at_keep(product: Product) -> Product:
         chosen = isinstance(product, Linear) and product.group != roles.LM_HEAD and targets in ("all", product.group)
