@@ -122,3 +122,40 @@ def test_fusion_leaves_a_partly_dense_mlp_alone():
     FactorizeLayers(context)(context.source.model)
     fusion = FuseMlpPass()
     assert not fusion(context.source.model).modified and fusion.fused == []
+
+
+# The context's slots a pass fills for the later ones, and the pass that fills each.
+HANDED_ON = {"statistics": "GatherStatistics", "held_out_statistics": "GatherStatistics", "plan": "PlanRanks"}
+
+
+@pytest.mark.parametrize("options", [
+    RewriteOptions(ranks=RankOptions(keep=0.5, align=16)),
+    RewriteOptions(ranks=RankOptions(keep=0.5, align=16, budget="global"), factorization=FactorizationOptions("whiten"),
+                   calibration=CalibrationOptions("random", samples=4, seq_len=16)),
+    RewriteOptions(ranks=RankOptions(keep=0.8, align=16, budget="sensitivity", sensitivity_windows=2),
+                   factorization=FactorizationOptions("nystrom"), check_answers=False,
+                   calibration=CalibrationOptions("random", samples=6, seq_len=16)),
+], ids=["svd", "whiten-global", "nystrom-sensitivity"])
+def test_no_pass_reads_what_a_later_pass_hands_on(export, monkeypatch, options):
+    """A slot of RewriteContext read before the pass that fills it has started would be None: a bug that
+    passes for 'no statistics'."""
+    import onnx_nmm
+    from onnx_nmm.pipeline import context
+
+    started, too_early = [], []
+    run = context.RewritePass.call
+    get = context.RewriteContext.__getattribute__
+
+    def call(self, model):
+        started.append(type(self).__name__)
+        return run(self, model)
+
+    def read(self, name):
+        if name in HANDED_ON and HANDED_ON[name] not in started:
+            too_early.append((name, started[-1] if started else "before any pass"))
+        return get(self, name)
+
+    monkeypatch.setattr(context.RewritePass, "call", call)
+    monkeypatch.setattr(context.RewriteContext, "__getattribute__", read)
+    onnx_nmm.rewrite(export("llama", "dynamo"), options)
+    assert started[:2] == ["GatherStatistics", "PlanRanks"] and not too_early, too_early
