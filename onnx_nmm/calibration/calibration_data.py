@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.calibration.generated_text import generated_windows
-from onnx_nmm.calibration.sources import is_text, parse_generated, source_kind
+from onnx_nmm.calibration.sources import is_npz, is_text, parse_generated, source_kind
 from onnx_nmm.calibration.tokens import TokenWindows, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.model_source import ModelSource
@@ -71,7 +71,7 @@ def check_source_files(options: CalibrationOptions | None) -> None:
     for source in sources:
         if is_text(source):
             check_text_file(source)
-        elif source_kind(source) in ("token_ids", "statistics") and not Path(source).is_file():
+        elif is_npz(source) and not Path(source).is_file():
             raise DataError(f"{source}: no such file")
     if options.statistics is not None and not Path(options.statistics).is_file():
         raise DataError(f"{options.statistics}: no such file")
@@ -143,6 +143,8 @@ def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | No
     if spread and (not is_text(source)):
         raise OptionError("{spread} chooses windows of a text: give a text file as the source",
                           spread="calibration.spread")
+    if is_npz(source):  # saved statistics too: windows_from_npz says they hold no input_ids
+        return windows_from_npz(source, samples)
     kind = source_kind(source)
     if kind == "array":
         return windows_from_array(source, samples, "token ids")
@@ -150,8 +152,6 @@ def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | No
         if vocabulary is None:
             raise DataError("random token ids need the model's vocabulary size")
         return random_windows(vocabulary(), samples or 16, seq_len)
-    if kind in ("token_ids", "statistics"):  # statistics here: windows_from_npz says they hold no input_ids
-        return windows_from_npz(source, samples)
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
                           tokenizer=tokenizer_option)
@@ -162,7 +162,7 @@ def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: s
                 ) -> tuple[np.ndarray, int | None]:
     """All token ids of a text file, or of an .npz's input_ids read as one sequence; and the BOS token id the
     tokenizer starts a text with (None for an .npz, whose ids are taken as they are)."""
-    if source_kind(source) in ("token_ids", "statistics"):
+    if is_npz(source):
         return windows_from_npz(source, None).tokens.reshape(-1), None
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",

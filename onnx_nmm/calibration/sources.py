@@ -15,27 +15,38 @@ from dataclasses import dataclass
 from onnx_nmm.errors import OptionError
 
 RANDOM = "random"
-SOURCE_KINDS = ("text", "token_ids", "statistics", "random", "generated", "array")
 
 
 def source_kind(source) -> str:
-    """Which of SOURCE_KINDS `source` is (an .npz is opened to tell token ids from saved statistics)."""
+    """"text", "token_ids", "statistics", "random", "generated" or "array" (an .npz is opened to tell token ids
+    from saved statistics)."""
+    kind = _kind_by_name(source)
+    if kind != "npz":
+        return kind
+    from onnx_nmm.calibration.activation_stats import GramStatistics
+
+    return "statistics" if GramStatistics.is_statistics_file(source) else "token_ids"
+
+
+def is_text(source) -> bool:
+    """Whether `source` is a text file (nothing is opened)."""
+    return _kind_by_name(source) == "text"
+
+
+def is_npz(source) -> bool:
+    """Whether `source` names an .npz, of token ids or of statistics (nothing is opened)."""
+    return _kind_by_name(source) == "npz"
+
+
+def _kind_by_name(source) -> str:
+    """source_kind's answer as far as the source's type and spelling tell it: an .npz is just "npz"."""
     if parse_generated(source) is not None:
         return "generated"
     if not isinstance(source, (str, os.PathLike)):
         return "array"
     if str(source) == RANDOM:
         return "random"
-    if str(source).endswith(".npz"):
-        from onnx_nmm.calibration.activation_stats import GramStatistics
-
-        return "statistics" if GramStatistics.is_statistics_file(source) else "token_ids"
-    return "text"
-
-
-def is_text(source) -> bool:
-    """Whether `source` is a text file."""
-    return source_kind(source) == "text"
+    return "npz" if str(source).endswith(".npz") else "text"
 
 
 GENERATED = "generated"
