@@ -138,6 +138,12 @@ def plan_dense_mlp(M, H, intermediate, gated, dtype, target=None):
     return _fastest("dense_gated_mlp" if gated else "dense_ungated_mlp", (M, H, intermediate), dtype, target)
 
 
+def plan_blocks(kernel, shape, dtype, target=None):
+    """The blocking of any of KERNELS on `shape`, the dimensions candidate_plans names."""
+    _check_kernel(kernel)
+    return _fastest(kernel, shape, dtype, target)
+
+
 def candidate_plans(kernel, shape):
     """Every blocking the planner considers for `kernel` (one of KERNELS) on `shape`, the dimensions plan_*
     takes: (M, K, N) for the dense kernels, (M, K, rank, N) for fused_xuv, (M, H, I, rg, ru, rd) for

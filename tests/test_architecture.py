@@ -180,3 +180,36 @@ def test_the_repository_explains_itself():
     for path in [*files, ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]:
         named = [name for name in outside if name in path.read_text()]
         assert not named, f"{path.relative_to(ROOT)} names {named}"
+
+
+def _code_names(path: Path) -> set[str]:
+    """The identifiers and string constants of a file's code, its docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.add(node.value)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name)
+    return names
+
+
+def test_one_table_says_which_kernel_runs_each_custom_op():
+    """onnx_nmm.kernel_table covers every ai.onnx_nmm op, and no other library file names one of its kernels or
+    their planners: the lowering's backends, compile's plan and the Trainium estimate all read the table."""
+    from onnx_nmm.kernel_table import KERNEL_TABLE
+    from onnx_nmm.passes import svd_ops
+
+    assert set(KERNEL_TABLE) == {svd_ops.SVD_MATMUL, *svd_ops.MLP_OPS, *svd_ops.DENSE_MLP_OPS}
+    table_only = {spec.kernel for spec in KERNEL_TABLE.values()} | {
+        "plan_xuv", "plan_mlp", "plan_ungated_mlp", "plan_dense_mlp", "plan_blocks"}
+    for path in _python_files(LIBRARY):
+        if path.name != "kernel_table.py" and "cli" not in path.parts:
+            assert not _code_names(path) & table_only, path.relative_to(ROOT)

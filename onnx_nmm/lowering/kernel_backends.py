@@ -4,9 +4,8 @@
     emulator   the NKI kernels of onnx_nmm.kernels on the NumPy emulator, in bfloat16, as on Trainium;
     neuron     the same @nki.jit kernels on XLA tensors, for torch_neuronx.trace (needs the Neuron SDK).
 
-Kernels take x as [tokens, features]: leading dimensions are flattened on the way in and restored
-on the way out; an output bias is added after the kernel, in the model's dtype (SvdMLP's first bias comes
-before its activation, so the kernel adds it).
+Every backend runs an op as `run(node, op, x, *inputs, activation=...)`, the inputs in the op's order; the
+kernel backends launch the op's kernel in onnx_nmm.kernel_table.
 """
 
 from __future__ import annotations
@@ -14,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from onnx_nmm.kernel_table import kernel_spec
+from onnx_nmm.passes import svd_ops
 
 BACKENDS = ("torch", "emulator", "neuron")
 # The MLP ops' activations (svd_ops.ACTIVATIONS) in PyTorch.
@@ -34,77 +36,76 @@ class KernelCall:
 
 
 class TorchMath:
+    """Each op's arithmetic in PyTorch, in the model's dtype."""
+
     name = "torch"
 
-    def svd_matmul(self, node: str, x, u, v, bias=None):
-        y = torch.matmul(torch.matmul(x, u), v)
+    def run(self, node: str, op: str, x, *inputs, activation: str = "silu"):
+        return _TORCH_MATH[op](x, *inputs, act=ACTIVATIONS[activation])
+
+
+def _svd_matmul(x, u, v, bias=None, act=None):
+    y = torch.matmul(torch.matmul(x, u), v)
+    return y + bias if bias is not None else y
+
+
+def _svd_gated_mlp(x, ug, vg, uu, vu, ud, vd, act):
+    gate = torch.matmul(torch.matmul(x, ug), vg)
+    up = torch.matmul(torch.matmul(x, uu), vu)
+    return torch.matmul(torch.matmul(act(gate) * up, ud), vd)
+
+
+def _svd_mlp(x, u1, v1, b1, u2, v2, b2, act):
+    hidden = act(torch.matmul(torch.matmul(x, u1), v1) + b1)
+    return torch.matmul(torch.matmul(hidden, u2), v2) + b2
+
+
+def _gated_mlp(x, wg, wu, wd, act):
+    return torch.matmul(act(torch.matmul(x, wg)) * torch.matmul(x, wu), wd)
+
+
+def _mlp(x, w1, b1, w2, b2, act):
+    return torch.matmul(act(torch.matmul(x, w1) + b1), w2) + b2
+
+
+_TORCH_MATH = {svd_ops.SVD_MATMUL: _svd_matmul, svd_ops.SVD_GATED_MLP: _svd_gated_mlp, svd_ops.SVD_MLP: _svd_mlp,
+               svd_ops.GATED_MLP: _gated_mlp, svd_ops.MLP: _mlp}
+
+
+class _KernelLaunches:
+    """An op as its kernel in onnx_nmm.kernel_table: X flattened to [tokens, features], the kernel launched on it
+    and the op's weights, the output bias added after, the leading dimensions restored."""
+
+    def run(self, node: str, op: str, x, *inputs, activation: str = "silu"):
+        spec = kernel_spec(op)
+        weights, bias = spec.split(inputs)
+        options = {"activation": activation} if spec.activation else {}
+        rows = self._launch(node, spec, x.reshape(-1, x.shape[-1]), weights, options)
+        y = rows.to(x.dtype).reshape(*x.shape[:-1], rows.shape[-1])
         return y + bias if bias is not None else y
-
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
-        gate = torch.matmul(torch.matmul(x, ug), vg)
-        up = torch.matmul(torch.matmul(x, uu), vu)
-        return torch.matmul(torch.matmul(ACTIVATIONS[activation](gate) * up, ud), vd)
-
-    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
-        hidden = ACTIVATIONS[activation](torch.matmul(torch.matmul(x, u1), v1) + b1)
-        return torch.matmul(torch.matmul(hidden, u2), v2) + b2
-
-    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
-        return torch.matmul(ACTIVATIONS[activation](torch.matmul(x, wg)) * torch.matmul(x, wu), wd)
-
-    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
-        return torch.matmul(ACTIVATIONS[activation](torch.matmul(x, w1) + b1), w2) + b2
 
 
 @dataclass
-class EmulatorKernels:
-    """The fused kernels on the emulator, in bfloat16; `calls` records every launch."""
+class EmulatorKernels(_KernelLaunches):
+    """The kernels on the emulator, in bfloat16; `calls` records every launch."""
 
     target: str = "trn2"
     name: str = "emulator"
     calls: list[KernelCall] = field(default_factory=list)
 
-    def svd_matmul(self, node: str, x, u, v, bias=None):
-        from onnx_nmm.kernels import fused_xuv
-
-        y = self._launch(node, "fused_xuv", fused_xuv, x, u, v)
-        return y + bias if bias is not None else y
-
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
-        from onnx_nmm.kernels import fused_svd_mlp
-
-        return self._launch(node, "fused_svd_mlp", fused_svd_mlp, x, ug, vg, uu, vu, ud, vd, activation=activation)
-
-    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
-        from onnx_nmm.kernels import fused_svd_ungated_mlp
-
-        return self._launch(node, "fused_svd_ungated_mlp", fused_svd_ungated_mlp, x, u1, v1, b1, u2, v2,
-                            activation=activation) + b2
-
-    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
-        from onnx_nmm.kernels import dense_gated_mlp
-
-        return self._launch(node, "dense_gated_mlp", dense_gated_mlp, x, wg, wu, wd, activation=activation)
-
-    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
-        from onnx_nmm.kernels import dense_ungated_mlp
-
-        return self._launch(node, "dense_ungated_mlp", dense_ungated_mlp, x, w1, b1, w2, activation=activation) + b2
-
-    def _launch(self, node, name, kernel, x, *factors, **options):
+    def _launch(self, node, spec, rows, weights, options):
         import ml_dtypes
 
-        from onnx_nmm.kernels import run
+        from onnx_nmm import kernels
 
-        rows = x.reshape(-1, x.shape[-1])
-        arrays = [t.detach().to(torch.float32).cpu().numpy().astype(ml_dtypes.bfloat16) for t in (rows, *factors)]
-        self.calls.append(KernelCall(node, name, tuple(a.shape for a in arrays)))
-        y = run(kernel, *arrays, target=self.target, **options)
-        return torch.from_numpy(y.astype("float32")).to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        arrays = [t.detach().to(torch.float32).cpu().numpy().astype(ml_dtypes.bfloat16) for t in (rows, *weights)]
+        self.calls.append(KernelCall(node, spec.kernel, tuple(a.shape for a in arrays)))
+        y = kernels.run(getattr(kernels, spec.kernel), *arrays, target=self.target, **options)
+        return torch.from_numpy(y.astype("float32"))
 
 
 @dataclass
-class NeuronKernels:
+class NeuronKernels(_KernelLaunches):
     """The @nki.jit kernels called on XLA tensors inside a torch_neuronx trace (bfloat16 inside).
 
     Block sizes are planned on the host from the static shapes, so the kernel body runs no planning code.
@@ -113,54 +114,12 @@ class NeuronKernels:
     target: str = "trn2"
     name: str = "neuron"
 
-    def svd_matmul(self, node: str, x, u, v, bias=None):
-        from onnx_nmm.kernels import fused_xuv
-        from onnx_nmm.kernels.blocking import plan_xuv
+    def _launch(self, node, spec, rows, weights, options):
+        from onnx_nmm import kernels
 
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        plan = plan_xuv(rows.shape[0], u.shape[0], u.shape[1], v.shape[1], "bfloat16", target=self.target)
-        y = fused_xuv(rows, u.to(torch.bfloat16), v.to(torch.bfloat16), plan=plan)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], v.shape[1])
-        return y + bias if bias is not None else y
-
-    def gated_mlp(self, node: str, x, ug, vg, uu, vu, ud, vd, activation: str = "silu"):
-        from onnx_nmm.kernels import fused_svd_mlp
-        from onnx_nmm.kernels.blocking import plan_mlp
-
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        plan = plan_mlp(rows.shape[0], ug.shape[0], vg.shape[1], ug.shape[1], uu.shape[1], ud.shape[1], "bfloat16",
-                        target=self.target)
-        factors = [t.to(torch.bfloat16) for t in (ug, vg, uu, vu, ud, vd)]
-        return fused_svd_mlp(rows, *factors, plan=plan, activation=activation).to(x.dtype).reshape(x.shape)
-
-    def mlp(self, node: str, x, u1, v1, b1, u2, v2, b2, activation: str):
-        from onnx_nmm.kernels import fused_svd_ungated_mlp
-        from onnx_nmm.kernels.blocking import plan_ungated_mlp
-
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        plan = plan_ungated_mlp(rows.shape[0], u1.shape[0], v1.shape[1], u1.shape[1], u2.shape[1], "bfloat16",
-                                target=self.target)
-        factors = [t.to(torch.bfloat16) for t in (u1, v1, b1, u2, v2)]
-        y = fused_svd_ungated_mlp(rows, *factors, plan=plan, activation=activation)
-        return y.to(x.dtype).reshape(x.shape) + b2
-
-    def dense_gated_mlp(self, node: str, x, wg, wu, wd, activation: str = "silu"):
-        from onnx_nmm.kernels import dense_gated_mlp
-        from onnx_nmm.kernels.blocking import plan_dense_mlp
-
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        plan = plan_dense_mlp(rows.shape[0], wg.shape[0], wg.shape[1], True, "bfloat16", target=self.target)
-        weights = [t.to(torch.bfloat16) for t in (wg, wu, wd)]
-        return dense_gated_mlp(rows, *weights, plan=plan, activation=activation).to(x.dtype).reshape(x.shape)
-
-    def dense_mlp(self, node: str, x, w1, b1, w2, b2, activation: str):
-        from onnx_nmm.kernels import dense_ungated_mlp
-        from onnx_nmm.kernels.blocking import plan_dense_mlp
-
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        plan = plan_dense_mlp(rows.shape[0], w1.shape[0], w1.shape[1], False, "bfloat16", target=self.target)
-        weights = [t.to(torch.bfloat16) for t in (w1, b1, w2)]
-        return dense_ungated_mlp(rows, *weights, plan=plan, activation=activation).to(x.dtype).reshape(x.shape) + b2
+        plan = spec.plan(rows.shape[0], spec.dims([tuple(w.shape) for w in weights]), self.target)
+        operands = [t.to(torch.bfloat16) for t in (rows, *weights)]
+        return getattr(kernels, spec.kernel)(*operands, plan=plan, **options)
 
 
 def backend_named(name: str, target: str = "trn2"):

@@ -48,9 +48,8 @@ class _SvdOp(_KernelOp):
 
 
 class SvdMatMulModule(_SvdOp):
-    def forward(self, x, bias=None):
-        u, v = self.factors
-        return self.backend.svd_matmul(self.node, x, u, v, bias)
+    def forward(self, x, *bias):
+        return self.backend.run(self.node, svd_ops.SVD_MATMUL, x, *self.factors, *bias)
 
 
 class SvdGatedMlpModule(_SvdOp):
@@ -59,13 +58,13 @@ class SvdGatedMlpModule(_SvdOp):
         self.activation = activation
 
     def forward(self, x):
-        return self.backend.gated_mlp(self.node, x, *self.factors, activation=self.activation)
+        return self.backend.run(self.node, svd_ops.SVD_GATED_MLP, x, *self.factors, activation=self.activation)
 
 
 class SvdMlpModule(SvdGatedMlpModule):
     def forward(self, x, b1, b2):
         u1, v1, u2, v2 = self.factors
-        return self.backend.mlp(self.node, x, u1, v1, b1, u2, v2, b2, activation=self.activation)
+        return self.backend.run(self.node, svd_ops.SVD_MLP, x, u1, v1, b1, u2, v2, b2, activation=self.activation)
 
 
 class GatedMlpModule(_KernelOp):
@@ -76,12 +75,12 @@ class GatedMlpModule(_KernelOp):
         self.activation = activation
 
     def forward(self, x, wg, wu, wd):
-        return self.backend.dense_gated_mlp(self.node, x, wg, wu, wd, activation=self.activation)
+        return self.backend.run(self.node, svd_ops.GATED_MLP, x, wg, wu, wd, activation=self.activation)
 
 
 class MlpModule(GatedMlpModule):
     def forward(self, x, w1, b1, w2, b2):
-        return self.backend.dense_mlp(self.node, x, w1, b1, w2, b2, activation=self.activation)
+        return self.backend.run(self.node, svd_ops.MLP, x, w1, b1, w2, b2, activation=self.activation)
 
 
 def _factors(node: OnnxNode, graph: OnnxGraph, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:

@@ -65,6 +65,12 @@ class Factorized:
     def parameters(self) -> int:
         return self.rank * (self.k + self.n)
 
+    op = svd_ops.SVD_MATMUL
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.k, self.rank, self.n
+
 
 @dataclass(frozen=True)
 class FusedMlp:
@@ -90,6 +96,14 @@ class FusedMlp:
     def parameters(self) -> int:
         return sum(self.ranks) * (self.hidden + self.intermediate)
 
+    @property
+    def op(self) -> str:
+        return svd_ops.SVD_GATED_MLP if self.gated else svd_ops.SVD_MLP
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.hidden, self.intermediate, *self.ranks
+
 
 @dataclass(frozen=True)
 class DenseMlp:
@@ -106,11 +120,19 @@ class DenseMlp:
 
     @property
     def role(self) -> str:
-        return "dense_gated_mlp" if self.gated else "dense_mlp"
+        return "gated_mlp" if self.gated else "mlp"
 
     @property
     def parameters(self) -> int:
         return (3 if self.gated else 2) * self.hidden * self.intermediate
+
+    @property
+    def op(self) -> str:
+        return svd_ops.GATED_MLP if self.gated else svd_ops.MLP
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.hidden, self.intermediate
 
 
 Product = Linear | Factorized | FusedMlp | DenseMlp

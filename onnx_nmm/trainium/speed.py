@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from onnx_nmm.errors import OptionError
+from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
-from onnx_nmm.trainium.decoder_shape import DecoderShape, DenseMlp, Factorized, FusedMlp, Linear, Product, decoder_shape
+from onnx_nmm.trainium.decoder_shape import DecoderShape, DenseMlp, Linear, Product, decoder_shape
 
 ELEMENT_BYTES = 2  # bfloat16
 KERNEL, ROOFLINE = "kernel cost model", "roofline"
@@ -240,32 +241,19 @@ def _activation_cost(width: int, gated: bool, tokens: int, target: str) -> tuple
 
 
 def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, float, float]:
-    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (modelled, memoized by shape); a
-    dense MLP's by the faster of its one fused launch and its projections' launches with the activation
-    between."""
-    if isinstance(product, DenseMlp):
-        h, i = product.hidden, product.intermediate
-        if product.gated:
-            fused = _estimate("dense_gated_mlp", ((tokens, h), (h, i), (h, i), (i, h)), target)
-        else:
-            fused = _estimate("dense_ungated_mlp", ((tokens, h), (h, i), (i,), (i, h)), target)
-        projections = [_estimate("dense_matmul", ((tokens, h), (h, i)), target)] * (2 if product.gated else 1)
-        projections += [_estimate("dense_matmul", ((tokens, i), (i, h)), target),
-                        _activation_cost(i, product.gated, tokens, target)]
-        separate = tuple(map(sum, zip(*projections)))
-        return min(fused, separate)
+    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (onnx_nmm.kernel_table; modelled,
+    memoized by shape); a dense MLP's by the faster of its one fused launch and its projections' launches with
+    the activation between."""
     if isinstance(product, Linear):
         return _estimate("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
-    if isinstance(product, Factorized):
-        k, r, n = product.k, product.rank, product.n
-        return _estimate("fused_xuv", ((tokens, k), (k, r), (r, n)), target)
-    assert isinstance(product, FusedMlp)
-    h, i = product.hidden, product.intermediate
-    if not product.gated:
-        r1, r2 = product.ranks
-        return _estimate("fused_svd_ungated_mlp", ((tokens, h), (h, r1), (r1, i), (i,), (i, r2), (r2, h)), target)
-    rg, ru, rd = product.ranks
-    return _estimate("fused_svd_mlp", ((tokens, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h)), target)
+    spec = kernel_spec(product.op)
+    dims = spec.named(product.sizes)
+    launch = _estimate(spec.kernel, spec.shapes(tokens, dims), target)
+    if not isinstance(product, DenseMlp):
+        return launch
+    projections = [_estimate("dense_matmul", shapes, target) for shapes in spec.dense_products(tokens, dims)]
+    projections.append(_activation_cost(product.intermediate, product.gated, tokens, target))
+    return min(launch, tuple(map(sum, zip(*projections))))
 
 
 @functools.cache

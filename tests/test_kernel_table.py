@@ -1,0 +1,70 @@
+"""onnx_nmm.kernel_table: each ai.onnx_nmm op's kernel, launched from the table, computes the op (the torch
+backend's arithmetic, to bfloat16's precision), and compile plans it on the shapes the table names."""
+
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_nmm.kernel_table import KERNEL_TABLE, kernel_spec
+from onnx_nmm.lowering import EmulatorKernels, TorchMath
+from onnx_nmm.passes import svd_ops
+from onnx_nmm.trainium import neuron
+
+TOKENS, H, I, R = 3, 128, 256, 64  # fewer tokens than a tile's 128 rows
+
+# Every op's inputs after X at H, I and rank R, in the op's order.
+INPUTS = {
+    svd_ops.SVD_MATMUL: ((H, R), (R, I), (I,)),
+    svd_ops.SVD_GATED_MLP: ((H, R), (R, I), (H, R), (R, I), (I, R), (R, H)),
+    svd_ops.SVD_MLP: ((H, R), (R, I), (I,), (I, R), (R, H), (H,)),
+    svd_ops.GATED_MLP: ((H, I), (H, I), (I, H)),
+    svd_ops.MLP: ((H, I), (I,), (I, H), (H,)),
+}
+
+
+def _inputs(op):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) / shape[0] ** 0.5 for shape in INPUTS[op]]
+
+
+@pytest.mark.parametrize("op", sorted(KERNEL_TABLE))
+def test_the_kernel_the_table_names_computes_the_op(op):
+    x = torch.randn(1, TOKENS, H, generator=torch.Generator().manual_seed(1))
+    inputs = _inputs(op)
+    emulator = EmulatorKernels(target="trn1")
+    got = emulator.run("node", op, x, *inputs, activation="silu")
+    want = TorchMath().run("node", op, x, *inputs, activation="silu")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
+    spec = kernel_spec(op)
+    (call,) = emulator.calls
+    dims = spec.dims([tuple(t.shape) for t in inputs])
+    assert call.kernel == spec.kernel and call.shapes == spec.shapes(TOKENS, dims)
+
+
+@pytest.mark.parametrize("op", sorted(KERNEL_TABLE))
+def test_compile_plans_each_op_on_the_table_s_shapes(op):
+    names = [f"w{i}" for i in range(len(INPUTS[op]))]
+    initializers = [numpy_helper.from_array(t.numpy(), name) for t, name in zip(_inputs(op), names)]
+    node = helper.make_node(op, ["X", *names], ["Y"], domain=svd_ops.DOMAIN, name="layer")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, H])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializers)
+    (entry,) = neuron.plan_kernels(helper.make_model(graph), tokens=128, target="trn1", model_costs=True).entries
+    spec = kernel_spec(op)
+    assert entry.kernel == spec.kernel and set(entry.dims) == set(spec.dim_names)
+    assert entry.dims["H" if "H" in entry.dims else "K"] == H
+    assert entry.modelled_us > 0 and entry.modelled_dense_us > 0
+    # A factorized op at rank 64 of a 128 × 256 layer moves fewer bytes than the dense products it stands for.
+    if op in (svd_ops.SVD_MATMUL, *svd_ops.MLP_OPS):
+        assert entry.hbm_mb < entry.hbm_dense_mb
+
+
+def test_an_op_the_table_does_not_know_is_named():
+    with pytest.raises(KeyError, match="no kernel runs ai.onnx_nmm::Conv; the table knows SvdMatMul"):
+        kernel_spec("Conv")
+
+
+def test_a_vector_is_not_taken_for_a_matrix():
+    spec = kernel_spec(svd_ops.MLP)
+    assert spec.matrices([(H, I), (I,), (I, H), (H,)]) == [(H, I), (I, H)]
+    assert spec.shapes(2, spec.dims([(H, I), (I,), (I, H)])) == ((2, H), (H, I), (I,), (I, H))
