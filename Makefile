@@ -31,9 +31,10 @@ demo: $(STAMP)
 smoke: $(STAMP)
 	$(PY) tools/demo.py --tiny
 
-# ruff, configured in pyproject.toml
+# ruff and mypy, configured in pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy  # the public API's modules, listed in pyproject.toml
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadgroup

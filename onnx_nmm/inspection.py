@@ -105,7 +105,7 @@ def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:
 
 def _rank(layer: LinearLayer, ranks: RankOptions) -> tuple[int | None, str]:
     """The rank the rule gives without the spectrum or calibration, or why it cannot tell."""
-    if ranks.rule == "keep" and ranks.budget == "uniform":
+    if ranks.rule == "keep" and ranks.budget == "uniform" and ranks.keep is not None:
         choice = keep_choice(layer, ranks.keep, ranks.align)
         return (None, choice.reason) if isinstance(choice, Dense) else (choice, "")
     if ranks.rule == "rank":

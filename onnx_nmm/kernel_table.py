@@ -40,11 +40,11 @@ class KernelSpec:
     gated: bool = False  # an activation gates a second projection (the dense layer launches it on its own)
     activation: bool = True  # takes the op's `activation` attribute
 
-    def dims(self, weight_shapes: Sequence[Shape]) -> dict[str, int]:
+    def dims(self, weight_shapes: Sequence[Shape | None]) -> dict[str, int]:
         """The op's sizes by name, from the shapes of its inputs after X (an output bias may follow)."""
-        shapes = list(weight_shapes)[:self.weights]
-        if len(shapes) < self.weights or any(shape is None for shape in shapes):
-            raise ValueError(f"{self.op} takes {self.weights} weights after X, got {len(shapes)}")
+        shapes = [shape for shape in list(weight_shapes)[:self.weights] if shape is not None]
+        if len(shapes) < self.weights:
+            raise ValueError(f"{self.op} takes {self.weights} weights of known shape after X, got {len(shapes)}")
         return self.named(self.dims_of(shapes))
 
     def named(self, sizes: Sequence[int]) -> dict[str, int]:

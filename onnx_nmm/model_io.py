@@ -216,7 +216,7 @@ def _check_external_data(path: Path, model: ir.Model) -> None:
         if not file.is_file():
             raise ModelError(f"{path} keeps its weights in external data file '{tensor.location}', which is missing "
                              f"(looked for {file}); copy it next to the model")
-        needed = tensor.offset + tensor.length if tensor.length is not None else tensor.offset
+        needed = (tensor.offset or 0) + (tensor.length or 0)
         if file.stat().st_size < needed:
             raise ModelError(f"external data file {file} is truncated: tensor '{tensor.name}' needs {needed} bytes, "
                              f"the file has {file.stat().st_size}; copy the complete file")

@@ -358,7 +358,9 @@ class RewriteOptions:
 
     @property
     def method(self) -> str:
-        return self.factorization.method
+        method = self.factorization.method
+        assert method is not None, "__post_init__ resolves the default method"
+        return method
 
     def streamable(self) -> RewriteOptions:
         """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality

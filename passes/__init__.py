@@ -4,7 +4,7 @@ the factors a pass swaps in come computed."""
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer, UnreadLayer, WeightSource, find_linear_layers, find_unread_layers
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass
-from onnx_nmm.passes.selection import TARGETS, LayerFilter, select_layers
+from onnx_nmm.passes.selection import TARGETS, LayerFilter, reason_to_skip, select_layers
 from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "SvdFactorizationPass",
     "WeightSource",
     "find_linear_layers",
+    "reason_to_skip",
     "select_layers",
     "svd_ops",
 ]

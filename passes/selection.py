@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from onnx_nmm.passes import roles
-from onnx_nmm.passes.linear_layers import LinearLayer
 
 TARGETS = ("mlp", "attention", "all")
+
+
+class Candidate(Protocol):
+    """What selection looks at: a linear layer of a graph (passes.LinearLayer), or one of a model's shape."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def module_path(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+
+Layer = TypeVar("Layer", bound=Candidate)
 
 
 class LayerFilter(Protocol):
@@ -21,15 +37,11 @@ class LayerFilter(Protocol):
     lm_head: bool
 
 
-def select_layers(layers: list[LinearLayer], selection: LayerFilter) -> tuple[list[LinearLayer], dict[str, str]]:
+def select_layers(layers: Sequence[Layer], selection: LayerFilter) -> tuple[list[Layer], dict[str, str]]:
     """The layers to rewrite, and for every other layer the reason it is left alone."""
-    if selection.targets not in TARGETS:
-        raise ValueError(f"targets must be one of {', '.join(TARGETS)}, got {selection.targets!r}")
-    include = re.compile(selection.include) if selection.include else None
-    exclude = re.compile(selection.exclude) if selection.exclude else None
     chosen, reasons = [], {}
     for layer in layers:
-        reason = _reason_to_skip(layer, selection, include, exclude)
+        reason = reason_to_skip(layer, selection)
         if reason is None:
             chosen.append(layer)
         else:
@@ -37,12 +49,15 @@ def select_layers(layers: list[LinearLayer], selection: LayerFilter) -> tuple[li
     return chosen, reasons
 
 
-def _reason_to_skip(layer: LinearLayer, selection: LayerFilter, include, exclude) -> str | None:
+def reason_to_skip(layer: Candidate, selection: LayerFilter) -> str | None:
+    """Why `selection` leaves the layer alone, or None when it is a target."""
+    if selection.targets not in TARGETS:
+        raise ValueError(f"targets must be one of {', '.join(TARGETS)}, got {selection.targets!r}")
     names = (layer.name, layer.module_path)
-    if exclude is not None and any(exclude.search(name) for name in names):
-        return f"excluded by {exclude.pattern!r}"
-    if include is not None and not any(include.search(name) for name in names):
-        return f"not matched by {include.pattern!r}"
+    if selection.exclude and any(re.search(selection.exclude, name) for name in names):
+        return f"excluded by {selection.exclude!r}"
+    if selection.include and not any(re.search(selection.include, name) for name in names):
+        return f"not matched by {selection.include!r}"
     if layer.group == roles.LM_HEAD:
         return None if selection.lm_head else "lm_head, targeted only on request"
     if selection.targets == "all" or layer.group == selection.targets:

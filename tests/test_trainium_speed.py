@@ -45,6 +45,24 @@ def test_a_rewritten_model_is_priced_as_compile_runs_it_with_its_gated_mlps_fuse
     assert {p.ranks for p in fused.products if isinstance(p, FusedMlp)} == {(rank, rank, rank)}
 
 
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_factorizing_a_shape_gives_the_shape_of_the_rewrite_compile_runs(export, tmp_path, exporter):
+    """Shapes only against the real thing, on an ungated (fc1/fc2) model: factorized(decoder_shape(dense)) has the
+    products of decoder_shape(rewrite(dense)). The dynamo export's MLPs fuse into one SvdMLP each; the
+    TorchScript export's reshape between fc1 and fc2 with no shapes to show they keep the rows, so compile fuses
+    neither its dense MLPs nor its factorized ones, and the shapes say so."""
+    dense = export("gpt2", exporter)
+    options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=32))
+    onnx_nmm.rewrite(dense, options).save(tmp_path / "rewritten.onnx")
+    modelled = onnx_nmm.factorized(onnx_nmm.decoder_shape(dense), keep=0.5, targets="mlp", align=32)
+    rewritten = onnx_nmm.decoder_shape(tmp_path / "rewritten.onnx")
+    assert modelled.counts() == rewritten.counts()
+    assert rewritten.counts()["fused MLP"] == (2 if exporter == "dynamo" else 0)
+    assert ({(p.block, p.hidden, p.intermediate, p.ranks) for p in modelled.products if isinstance(p, FusedMlp)}
+            == {(p.block, p.hidden, p.intermediate, p.ranks) for p in rewritten.products if isinstance(p, FusedMlp)})
+    assert modelled.activations == rewritten.activations
+
+
 def test_factorizing_a_config_by_the_keep_rule_fuses_each_layer_mlp():
     dense = onnx_nmm.decoder_shape_of_config(SMALL, "small")
     rewritten = onnx_nmm.factorized(dense, keep=0.5, align=128)

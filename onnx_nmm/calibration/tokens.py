@@ -26,8 +26,8 @@ class TokenWindows:
 
     def take(self, rows) -> TokenWindows:
         """The windows at `rows` (indices), with their ids."""
-        rows = list(rows)
-        return TokenWindows(self.tokens[rows], self.description, [self.ids[i] for i in rows])
+        rows, ids = list(rows), self.ids or []  # ids: filled in __post_init__
+        return TokenWindows(self.tokens[rows], self.description, [ids[i] for i in rows])
 
     def batches(self, batch_size: int):
         for start in range(0, len(self.tokens), batch_size):

@@ -72,15 +72,15 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
     `tokenizer`: a tokenizer folder or a .gguf file; by default the model's folder when it holds one (as an
     onnxruntime-genai folder does)."""
     source = ModelSource.of(model)
-    tokenizer = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_beside(source))
+    loaded = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_beside(source))
     decoder = Decoder(source, options.threads, options.backend, options.target)
-    prompt, ids = prompt_ids(tokenizer, prompt, options.chat)
+    prompt, ids = prompt_ids(loaded, prompt, options.chat)
     check_token_ids(ids, decoder.model.vocabulary, "the prompt", decoder.label)
-    stream = _TextStream(tokenizer, on_text)
-    new, stopped_by, first_token_s, decode_s = continuation(decoder, ids, _sampler(options), stop_tokens(tokenizer),
+    stream = _TextStream(loaded, on_text)
+    new, stopped_by, first_token_s, decode_s = continuation(decoder, ids, _sampler(options), stop_tokens(loaded),
                                                             options.max_new_tokens, stream.add)
     stream.finish(new)
-    return Generation(prompt, int(ids.size), new, tokenizer.decode(new, skip_special_tokens=True), stopped_by,
+    return Generation(prompt, int(ids.size), new, loaded.decode(new, skip_special_tokens=True), stopped_by,
                       first_token_s, decode_s)
 
 

@@ -50,8 +50,8 @@ class FuseMlps(RewritePass):
 
 def rewrite_passes(context: RewriteContext) -> list[ir.passes.PassBase]:
     narrowing = [NarrowMlps(context)] if context.options.method == "nystrom" else []
-    passes = [GatherStatistics(context), PlanRanks(context), *narrowing, FactorizeLayers(context)]
-    return passes + [FuseMlps(context)] if context.options.fuse_mlp else passes
+    fusion = [FuseMlps(context)] if context.options.fuse_mlp else []
+    return [GatherStatistics(context), PlanRanks(context), *narrowing, FactorizeLayers(context), *fusion]
 
 
 def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: RewriteOptions | None = None,

@@ -32,7 +32,7 @@ class RewriteContext:
     held_out_statistics: GramStatistics | None = None  # GatherStatistics, nystrom: h's Gram on held-out windows
     plan: RankPlan | None = None  # PlanRanks
     factorizer: Factorizer | None = None  # PlanRanks, so that FactorizeLayers reuses what it decomposed
-    report: RewriteReport | None = None  # every pass adds to it
+    report: RewriteReport = field(init=False)  # every pass adds to it
     narrowed: dict[str, LayerOutcome] = field(default_factory=dict)  # NarrowMlps: the narrowed layers' rows
     not_narrowed: dict[str, str] = field(default_factory=dict)  # mlps(): an MLP's module path → why it is not one
     _calibration: CalibrationData | None = field(default=None, repr=False)  # calibration_data()
@@ -42,9 +42,8 @@ class RewriteContext:
         o = self.options
         if o.calibration is not None:
             self.calibration_data()  # refuse a bad source before any work
-        if self.report is None:
-            self.report = RewriteReport(rule=o.ranks.describe(), selection=o.selection.describe(),
-                                        method=o.factorization.describe() + f", {o.ranks.budget} budget")
+        self.report = RewriteReport(rule=o.ranks.describe(), selection=o.selection.describe(),
+                                    method=o.factorization.describe() + f", {o.ranks.budget} budget")
 
     def make_factorizer(self) -> Factorizer:
         if self.factorizer is None:

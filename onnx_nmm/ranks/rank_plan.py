@@ -141,6 +141,8 @@ def plan_from_report(source: str | os.PathLike | Mapping[str, int | Narrowed | N
                      all_layers: list[LinearLayer]) -> RankPlan:
     """The ranks (and widths) an earlier rewrite of this model chose: from its report, or from a mapping layer →
     rank or Narrowed (None: dense). Refused when it names layers this model does not have with that shape."""
+    ranks: dict[str, int | Narrowed | None]
+    shapes: dict[str, tuple[int, int]]
     if isinstance(source, Mapping):
         ranks, shapes, label = dict(source), {}, "the given plan"
     else:
@@ -155,7 +157,7 @@ def plan_from_report(source: str | os.PathLike | Mapping[str, int | Narrowed | N
     return {layer.name: ranks.get(layer.name) or kept_dense for layer in layers}
 
 
-def _report_ranks(path: str | os.PathLike) -> tuple[dict[str, int | None], dict[str, tuple[int, int]]]:
+def _report_ranks(path: str | os.PathLike) -> tuple[dict[str, int | Narrowed | None], dict[str, tuple[int, int]]]:
     try:
         targeted = [layer for layer in json.loads(Path(path).read_text())["layers"] if layer["status"] != "skipped"]
         ranks = {layer["name"]: _reported_choice(layer) for layer in targeted}

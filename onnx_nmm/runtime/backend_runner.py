@@ -40,8 +40,8 @@ class ModelRunner:
         self.backend, self.label = backend, source.label
         self.calibrated = CALIBRATION in source.model.metadata_props  # a rewrite fitted to calibration data
         graph = source.model.graph
-        self.input_names = [value.name for value in graph.inputs if not value.is_initializer()]
-        self.output_names = [value.name for value in graph.outputs]
+        self.input_names = [value.name or "" for value in graph.inputs if not value.is_initializer()]
+        self.output_names = [value.name or "" for value in graph.outputs]
         self.causal_lm = CausalLm.of_source(source)  # the inputs by their meaning (token ids, mask, KV cache)
         self.vocabulary = self.causal_lm.vocabulary
         self.session = source.session(threads)  # the reference, and the input specs for every backend

@@ -22,6 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -36,7 +37,7 @@ class TensorSpec:
 
     name: str
     shape: tuple
-    dtype: type
+    dtype: Any  # a NumPy scalar type (object when the graph does not say)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ class CausalLm:
     def __init__(self, inputs: list[TensorSpec], outputs: list[str], label: str = "the model",
                  vocabulary: int | None = None, head_size: int | None = None):
         self.label, self.vocabulary, self.head_size = label, vocabulary, head_size
-        self.tokens = self.mask = self.positions = self.branch = None
+        self.tokens: TensorSpec | None = None
+        self.mask: TensorSpec | None = None
+        self.positions: TensorSpec | None = None
+        self.branch: TensorSpec | None = None
         self.token_types: list[TensorSpec] = []
         self.cache: list[CacheEntry] = []
         self.unknown: list[TensorSpec] = []
@@ -81,8 +85,8 @@ class CausalLm:
             shape = tuple(dim if isinstance(dim, int) else (dim.value if dim is not None else None)
                           for dim in value.shape) if value.shape is not None else ()
             dtype = value.dtype.numpy() if value.dtype is not None else object
-            inputs.append(TensorSpec(value.name, shape, dtype))
-        return cls(inputs, [value.name for value in graph.outputs], label, vocabulary_size(graph), head_size)
+            inputs.append(TensorSpec(value.name or "", shape, dtype))
+        return cls(inputs, [value.name or "" for value in graph.outputs], label, vocabulary_size(graph), head_size)
 
     @property
     def has_cache(self) -> bool:
@@ -142,7 +146,7 @@ class CausalLm:
         missing = [entry.input.name for entry in self.cache if entry.present not in outputs]
         if missing:
             raise DataError(f"{self.label} has no present output for its cache input(s) {', '.join(missing)}")
-        return {entry.input.name: outputs[entry.present] for entry in self.cache}
+        return {entry.input.name: outputs[entry.present] for entry in self.cache if entry.present is not None}
 
     def _cache_shape(self, entry: CacheEntry, batch: int, length: int) -> list[int]:
         shape = []
@@ -231,5 +235,5 @@ def vocabulary_size(graph: ir.Graph) -> int | None:
         if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[1] in inputs:
             table = node.inputs[0]
             if table is not None and table.const_value is not None and len(table.const_value.shape) == 2:
-                return table.const_value.shape[0]
+                return table.const_value.shape.numpy()[0]
     return None

@@ -121,7 +121,7 @@ class FinetuneResult:
     model: ir.Model  # the same graph, the tuned factors in it
     training: TrainingResult
     data: str  # where the training windows came from
-    loss: str = ""  # the loss trained: "distill" or "next-token"
+    loss: str | None = None  # the loss trained: "distill" or "next-token"
     teacher: str | None = None  # the dense model distilled from (a path, or "the in-memory model")
     before: PerplexityResult | None = None  # on the held-out text, in onnxruntime
     after: PerplexityResult | None = None
@@ -186,7 +186,9 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                          "rewrite it first")
     vocabulary = vocabulary_size(source.model.graph)
     options = _with_teacher(options, source)
-    teacher = ModelRunner(options.teacher) if options.training.loss == "distill" else None
+    teacher = None
+    if options.training.loss == "distill" and options.teacher is not None:
+        teacher = ModelRunner(options.teacher)
     if teacher is not None and None not in (vocabulary, teacher.vocabulary) and vocabulary != teacher.vocabulary:
         raise ModelError(f"the teacher {teacher.label} predicts {teacher.vocabulary} tokens, {source.label} "
                          f"{vocabulary}: give the dense model this one was rewritten from")
@@ -203,13 +205,10 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         import torch
 
         torch.set_num_threads(options.threads)
-    teacher_label = None if teacher is None else teacher.label
-    result = FinetuneResult(source.model, None, windows.description, options.training.loss, teacher_label,
-                            seconds=phases.seconds,
-                            source_path=source.path, source_used_external_data=source.used_external_data)
+    before = None
     if evaluation is not None:
         with phases("perplexity before"):
-            result.before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
+            before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
     with phases("lowering"):
         from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
 
@@ -219,10 +218,13 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                                             total=options.training.steps) as phase:
         from onnx_nmm.training.factor_training import train_factors
 
-        result.training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
+        training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
                                         teacher.logits if teacher is not None else None,
                                         on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"),
                                         weights=weights)
+    result = FinetuneResult(source.model, training, windows.description, options.training.loss,
+                            None if teacher is None else teacher.label, before=before, seconds=phases.seconds,
+                            source_path=source.path, source_used_external_data=source.used_external_data)
     del teacher  # its onnxruntime session
     with phases("writing the factors"):
         replace_factors(source.model, factor_parameters(module) | weights)
@@ -239,8 +241,8 @@ def narrowed_weights(model: ir.Model) -> list[str]:
     names = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         weight = node.inputs[1] if NARROWED_KEY in node.metadata_props and node.op_type == "MatMul" else None
-        if weight is not None and weight.is_initializer() and weight.const_value.dtype == ir.DataType.FLOAT \
-                and weight.name not in names:
+        if weight is not None and weight.is_initializer() and weight.name and weight.const_value is not None \
+                and weight.const_value.dtype == ir.DataType.FLOAT and weight.name not in names:
             names.append(weight.name)
     return names
 

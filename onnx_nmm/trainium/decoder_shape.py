@@ -21,11 +21,11 @@ from pathlib import Path
 import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
+from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import DEFAULT_ALIGN, RankOptions, Selection
-from onnx_nmm.passes import find_linear_layers, roles, svd_ops
-from onnx_nmm.passes.mlp_fusion import FuseMlpPass
-from onnx_nmm.passes.mlp_modules import find_mlps
+from onnx_nmm.passes import find_linear_layers, reason_to_skip, roles, svd_ops
+from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.ranks.rank_plan import Dense, block_aligned_rank, worth_factorizing
 from onnx_nmm.runtime.causal_lm import CausalLm
 
@@ -47,6 +47,10 @@ class Linear:
     @property
     def parameters(self) -> int:
         return self.k * self.n
+
+    @property
+    def module_path(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -169,23 +173,18 @@ class DecoderShape:
 
 
 def decoder_shape(model, fuse_mlp: bool = True) -> DecoderShape:
-    """The shape of an ONNX causal LM as `compile` would run it when `fuse_mlp` (as it does by default): its
-    factorized MLPs fused into one SvdGatedMLP or SvdMLP each, its dense ones (narrowed or not) one DenseMlp
-    each. Layers of a merged decoder's two branches count once. Raises ModelError when the graph has no
-    attention output projection to size the attention by."""
+    """The shape of an ONNX causal LM as `compile` would run it when `fuse_mlp` (as it does by default): every
+    MLP compile's own fusion passes fuse is one product, a FusedMlp when factorized and a DenseMlp when dense or
+    narrowed; an MLP they leave alone stays its projections. Layers of a merged decoder's two branches count once.
+    Raises ModelError when the graph has no attention output projection to size the attention by."""
     source = ModelSource.of(model)
     if fuse_mlp:
-        FuseMlpPass()(source.model)
-    products: dict[str, Product] = {}
+        fuse_every_mlp(source.model)  # compile's own fusion: what it cannot fuse stays separate here too
     layers = find_linear_layers(source.model)
-    in_mlps = {}
-    for mlp in find_mlps(layers)[0] if fuse_mlp else []:
-        dense = DenseMlp(mlp.name, _block(mlp.down.module_path), mlp.down.n, mlp.width, mlp.gated)
-        in_mlps.update(dict.fromkeys((layer.name for layer in mlp.layers), dense))
+    products: dict[str, Product] = {}
     for layer in layers:
-        product = in_mlps.get(layer.name) or Linear(layer.name, layer.group, layer.role, _block(layer.module_path),
-                                                    layer.k, layer.n)
-        products.setdefault(product.name, product)
+        products.setdefault(layer.name, Linear(layer.name, layer.group, layer.role, _block(layer.module_path),
+                                               layer.k, layer.n))
     for node in _custom_nodes(source.model.graph):
         product = _custom_product(node)
         products.setdefault(product.name, product)
@@ -198,19 +197,20 @@ def decoder_shape(model, fuse_mlp: bool = True) -> DecoderShape:
 def decoder_shape_of_config(config: str | os.PathLike | dict, label: str | None = None) -> DecoderShape:
     """The shape of a Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM: q/k/v/o, SiLU-gated MLP) from
     its Hugging Face config (a dict, a config.json, or the folder holding it), all products dense."""
+    values: dict = config if isinstance(config, dict) else {}
     if not isinstance(config, dict):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         try:
-            config, label = json.loads(path.read_text()), label or str(path)
+            values, label = json.loads(path.read_text()), label or str(path)
         except (OSError, json.JSONDecodeError) as error:
             raise ModelError(f"cannot read a Hugging Face config from {path}: {error}") from None
     try:
-        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or hidden // heads
-        kv_width = config.get("num_key_value_heads", heads) * head_dim
-        intermediate, vocab = config["intermediate_size"], config["vocab_size"]
+        hidden, layers = int(values["hidden_size"]), int(values["num_hidden_layers"])
+        heads = int(values["num_attention_heads"])
+        head_dim = int(values.get("head_dim") or hidden // heads)
+        kv_width = int(values.get("num_key_value_heads", heads)) * head_dim
+        intermediate, vocab = int(values["intermediate_size"]), int(values["vocab_size"])
     except KeyError as error:
         raise ModelError(f"the config of {label or 'the model'} has no {error.args[0]}: onnx-nmm reads Llama-family "
                          "configs (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size)"
@@ -223,38 +223,45 @@ def decoder_shape_of_config(config: str | os.PathLike | dict, label: str | None 
             products.append(Linear(f"layers.{block}.self_attn.{role}_proj", roles.ATTENTION, role, block, k, n))
         products.append(DenseMlp(f"layers.{block}.mlp", block, hidden, intermediate))
     products.append(Linear("lm_head", roles.LM_HEAD, "lm_head", None, hidden, vocab))
-    return DecoderShape(label or config.get("_name_or_path") or "the config", layers, hidden, q_width, kv_width,
+    return DecoderShape(label or values.get("_name_or_path") or "the config", layers, hidden, q_width, kv_width,
                         head_dim, vocab, tuple(products), ())
 
 
 def factorized(shape: DecoderShape, keep: float, targets: str = Selection.targets, align: int = DEFAULT_ALIGN,
                fuse_mlp: bool = True) -> DecoderShape:
-    """`shape` with its dense `targets` products ("mlp", "attention", "all"; never the lm_head) at the rank
-    keeping `keep` of their parameters, block-aligned, and each layer's gate/up/down fused when all three
-    are factorized and `fuse_mlp`. Only shapes change: this is the model a rewrite would give, not one."""
-    Selection(targets=targets), RankOptions(keep=keep, align=align)  # refused as a rewrite would refuse them
+    """`shape` with the dense products a rewrite's `Selection(targets)` picks ("mlp", "attention", "all"; never
+    the lm_head) at the rank keeping `keep` of their parameters, block-aligned; an MLP whose projections are all
+    factorized is one fused SVD MLP when `fuse_mlp`, as compile fuses it. Only shapes change: this is the model a
+    rewrite would give, not one."""
+    selection, _ = Selection(targets=targets), RankOptions(keep=keep, align=align)  # refused as a rewrite would
 
-    def at_keep(product: Product) -> Product:
-        chosen = isinstance(product, Linear) and product.group != roles.LM_HEAD and targets in ("all", product.group)
-        rank = worth_factorizing(block_aligned_rank(product.k, product.n, keep, align), product.k, product.n, align) \
-            if chosen else Dense("not targeted")
+    def at_keep(product: Linear) -> Linear | Factorized:
+        if reason_to_skip(product, selection) is not None:
+            return product
+        rank = worth_factorizing(block_aligned_rank(product.k, product.n, keep, align), product.k, product.n, align)
         return product if isinstance(rank, Dense) else \
             Factorized(product.name, product.group, product.role, product.block, product.k, rank, product.n)
 
-    products, activations = [], list(shape.activations)
+    products: list[Product] = []
+    activations = list(shape.activations)
     for product in shape.products:
-        if not isinstance(product, DenseMlp):
+        if isinstance(product, Linear):
             products.append(at_keep(product))
-            continue
-        parts = [at_keep(part) for part in _projections(product)]
-        if not any(isinstance(part, Factorized) for part in parts):
-            products.append(product)  # a dense MLP nothing factorizes stays one
-            continue
-        products += parts
-        activations.append((product.intermediate, product.gated))  # run between the projections, unless fused
-    label = f"{shape.label} at keep {keep:g} of {targets}"
-    factored = replace(shape, label=label, products=tuple(products), activations=tuple(activations))
-    return _fuse_gated_mlps(factored) if fuse_mlp else factored
+        elif not isinstance(product, DenseMlp):
+            products.append(product)
+        else:
+            parts = [at_keep(part) for part in _projections(product)]
+            ranks = [part.rank for part in parts if isinstance(part, Factorized)]
+            if not ranks:
+                products.append(product)  # a dense MLP nothing factorizes stays one
+            elif fuse_mlp and len(ranks) == len(parts):
+                products.append(FusedMlp(product.name, product.block, product.hidden, product.intermediate,
+                                         tuple(ranks)))
+            else:
+                products += parts
+                activations.append((product.intermediate, product.gated))  # run between the projections
+    return replace(shape, label=f"{shape.label} at keep {keep:g} of {targets}", products=tuple(products),
+                   activations=tuple(activations))
 
 
 def _projections(mlp: DenseMlp) -> list[Linear]:
@@ -265,26 +272,6 @@ def _projections(mlp: DenseMlp) -> list[Linear]:
             Linear(f"{mlp.name}.{output}_proj", roles.MLP, output, mlp.block, i, h)]
 
 
-def _fuse_gated_mlps(shape: DecoderShape) -> DecoderShape:
-    """Each layer whose gate, up and down are all factorized: one FusedMlp in their place."""
-    by_block: dict[int, dict[str, Factorized]] = {}
-    for product in shape.products:
-        if isinstance(product, Factorized) and product.group == roles.MLP and product.block is not None:
-            by_block.setdefault(product.block, {})[product.role] = product
-    fused = {block: parts for block, parts in by_block.items() if {"gate", "up", "down"} <= set(parts)}
-    products, activations = [], list(shape.activations)
-    for product in shape.products:
-        parts = fused.get(product.block) if isinstance(product, Factorized) and product.group == roles.MLP else None
-        if parts is None:
-            products.append(product)
-        elif product.role == "down":
-            gate, up, down = parts["gate"], parts["up"], parts["down"]
-            products.append(FusedMlp(f"layers.{product.block}.mlp", product.block, gate.k, down.k,
-                                     (gate.rank, up.rank, down.rank)))
-            activations.remove((down.k, True))
-    return replace(shape, products=tuple(products), activations=tuple(activations))
-
-
 def _custom_nodes(graph: ir.Graph):
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.domain == svd_ops.DOMAIN:
@@ -292,25 +279,23 @@ def _custom_nodes(graph: ir.Graph):
 
 
 def _custom_product(node: ir.Node) -> Product:
-    shapes = [tuple(value.shape) if value is not None and value.shape is not None else None for value in node.inputs]
-    path = roles.module_path(node)
-    if node.op_type == svd_ops.SVD_GATED_MLP:
-        (hidden, gate), (_, intermediate), (_, up), _, (_, down), _ = shapes[1:7]
-        return FusedMlp(_factor_key(node), _block(path), hidden, intermediate, (gate, up, down))
-    if node.op_type == svd_ops.SVD_MLP:
-        (hidden, first), (_, intermediate), _, (_, second), _, _ = shapes[1:7]
-        return FusedMlp(_factor_key(node), _block(path), hidden, intermediate, (first, second))
+    """A custom op as the product it computes, its sizes read as the kernel table reads them."""
+    spec = kernel_spec(node.op_type)
+    weights = [tuple(value.shape.numpy()) if value is not None and value.shape is not None and value.shape.is_static()
+               else None for value in node.inputs[1:]]
+    sizes = tuple(spec.dims(weights).values())
+    key, path = _factor_key(node), roles.module_path(node)
+    if node.op_type in svd_ops.MLP_OPS:
+        return FusedMlp(key, _block(path), sizes[0], sizes[1], sizes[2:])
     if node.op_type in svd_ops.DENSE_MLP_OPS:
-        hidden, intermediate = shapes[1]
-        return DenseMlp(_factor_key(node), _block(path), hidden, intermediate, node.op_type == svd_ops.GATED_MLP)
-    (k, rank), (_, n) = shapes[1], shapes[2]
+        return DenseMlp(key, _block(path), sizes[0], sizes[1], spec.gated)
     group, role = roles.classify(path) or (roles.OTHER, roles.OTHER)
-    return Factorized(_factor_key(node), group, role, _block(path), k, rank, n)
+    return Factorized(key, group, role, _block(path), *sizes)
 
 
 def _factor_key(node: ir.Node) -> str:
     """The node's factors, which name it once however many branches of a merged decoder compute it."""
-    return "+".join(value.name for value in node.inputs[1:] if value is not None)
+    return "+".join(value.name or "" for value in node.inputs[1:] if value is not None)
 
 
 def _block(path: str) -> int | None:
@@ -319,8 +304,10 @@ def _block(path: str) -> int | None:
 
 
 def _assemble(label: str, products: list[Product], lm: CausalLm) -> DecoderShape:
-    def first(role: str) -> Product | None:
-        return next((p for p in products if p.role == role and not isinstance(p, FusedMlp)), None)
+    linear = [p for p in products if isinstance(p, (Linear, Factorized))]
+
+    def first(role: str) -> Linear | Factorized | None:
+        return next((p for p in linear if p.role == role), None)
 
     output, key, head = first("o"), first("k"), first("lm_head")
     if output is None:
@@ -334,11 +321,10 @@ def _assemble(label: str, products: list[Product], lm: CausalLm) -> DecoderShape
     else:
         head_dim = ASSUMED_HEAD_DIM
         kv_width = key.n if key is not None else output.k
-        layers = sum(1 for p in products if p.role == "o")
+        layers = sum(1 for p in linear if p.role == "o")
         notes.append(f"no KV cache in the graph: head size assumed {ASSUMED_HEAD_DIM}, "
                      "KV width from the key projection")
-    activations = tuple((p.k, p.role == "down") for p in products
-                        if p.group == roles.MLP and p.role in ("down", "fc2") and not isinstance(p, FusedMlp))
+    activations = tuple((p.k, p.role == "down") for p in linear if p.group == roles.MLP and p.role in ("down", "fc2"))
     vocab = head.n if head is not None else (lm.vocabulary or 0)
     return DecoderShape(label, layers, output.n, output.k, kv_width, head_dim, vocab, tuple(products), activations,
                         tuple(notes))

@@ -253,12 +253,13 @@ def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, flo
         return launch
     projections = [_estimate("dense_matmul", shapes, target) for shapes in spec.dense_products(tokens, dims)]
     projections.append(_activation_cost(product.intermediate, product.gated, tokens, target))
-    return min(launch, tuple(map(sum, zip(*projections))))
+    seconds, bytes_, flops = (sum(values) for values in zip(*projections))
+    return min(launch, (seconds, bytes_, flops))
 
 
 @functools.cache
 def _estimate(kernel: str, shapes: tuple, target: str) -> tuple[float, float, float]:
-    from onnx_nmm import kernels
+    import onnx_nmm.kernels as kernels
 
     cost = kernels.estimate(getattr(kernels, kernel), *shapes, dtype="bfloat16", target=target)
     return cost.total_s, cost.hbm_bytes, cost.flops
