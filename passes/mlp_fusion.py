@@ -1,26 +1,13 @@
 """Fuse each factorized MLP into one `ai.onnx_nmm` op: NeuronMM's fused SVD MLP, for every MLP form.
 
-Gated (Llama, Qwen, Gemma):
-    g  = SvdMatMul(X, Ug, Vg)                  gate
-    u  = SvdMatMul(X, Uu, Vu)                  up (reads the same X)
-    a  = Mul(act(g), u)
-    Y  = SvdMatMul(a, Ud, Vd)                  down
-  → Y  = SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)
-
-Gated with one gate_up projection (Phi-3), its output split in two (gate columns, up columns):
-    gu = SvdMatMul(X, U, V);  g, u = split(gu);  ... as above
-  → Y  = SvdGatedMLP(X, U, V[:, gate columns], U, V[:, up columns], Ud, Vd)     exact: a column split of V
-
-Not gated (GPT-2, Phi, BERT), reshapes between allowed (they keep the rows):
-    h  = SvdMatMul(X, U1, V1, b1)              fc1
-    Y  = SvdMatMul(act(h), U2, V2, b2)         fc2
-  → Y  = SvdMLP(X, U1, V1, b1, U2, V2, b2)     zeros for a bias the layer did not have
-
-act is SiLU or GELU (erf or tanh) however the exporter spelled it (activation_match); the fused op gets an
-`activation` attribute and its `ranks`. The fused op carries the same computation as its function body, so
-onnxruntime still runs it; the Neuron lowering calls the fused kernel, which keeps the activation on chip.
-Only MLPs whose intermediate values have no other reader are fused; what the fused op replaces goes, with
-the shape computations that only served it.
+Three rules (passes.rules), each anchored at an MLP's output projection, each drawing its pattern in its
+docstring: GatedMlp (Llama, Qwen, Gemma), SplitGateUpMlp (Phi-3's one gate_up projection) and UngatedMlp
+(GPT-2, Phi, BERT). act is SiLU or GELU (erf or tanh) however the exporter spelled it (activation_match); the
+fused op gets an `activation` attribute and its `ranks`. The fused op carries the same computation as its
+function body, so onnxruntime still runs it; the Neuron lowering calls the fused kernel, which keeps the
+activation on chip. Only MLPs whose intermediate values have no other reader are fused; what the fused op
+replaces goes, with the shape computations that only served it. An MLP no rule matches is left alone with the
+reason of the rule that came closest.
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm.passes import activation_match, column_selection, roles, svd_ops
+from onnx_nmm.passes.rules import Mismatch, closest, first_match
 
 # Nodes that change the shape of a value but not its rows: the MLP computes the same on either side.
 RESHAPES = ("Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze")
@@ -58,18 +46,19 @@ class FuseMlpPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.fused, self.unfused = [], {}
-        downs = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_mlp_output_projection(node)]
-        for down in downs:  # subgraphs too: each branch of a merged decoder holds its own MLPs
-            mlp = _match(down, model) if down.op_type == svd_ops.SVD_MATMUL else None
-            reader = _outside_reader(mlp) if mlp is not None else None
-            if mlp is not None and reader is None:
-                name = _replace(model, mlp)
+        for down in output_projections(model):
+            where = roles.module_path(down) or down.name
+            found = first_match(RULES, down, model) if down.op_type == svd_ops.SVD_MATMUL else Mismatch(
+                "its output projection is not factorized")
+            reader = _outside_reader(found) if isinstance(found, _Mlp) else None
+            if isinstance(found, Mismatch):
+                self.unfused[where] = found.reason
+            elif reader is not None:
+                self.unfused[where] = f"{reader} outside the MLP reads a value inside it"
+            else:
+                name = _replace(model, found)
                 if name not in self.fused:  # the same MLP in another branch
                     self.fused.append(name)
-            elif mlp is not None:
-                self.unfused[roles.module_path(down) or down.name] = f"{reader} outside the MLP reads a value inside it"
-            else:
-                self.unfused[roles.module_path(down) or down.name] = _why_not_fused(down, model)
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
 
@@ -81,56 +70,85 @@ def _is_svd_matmul(node: ir.Node | None, bias: bool = False) -> bool:
         bias and node.overload == svd_ops.BIAS_OVERLOAD and len(node.inputs) == 4)
 
 
-def _is_mlp_output_projection(node: ir.Node) -> bool:
-    """A down (or fc2) projection by its module path, factorized or not."""
-    if node.op_type not in ("MatMul", "Gemm", svd_ops.SVD_MATMUL):
-        return False
+def output_projections(model: ir.Model) -> list[ir.Node]:
+    """Where the rules are anchored: every MLP's down (or fc2) projection by its module path, factorized or not,
+    in subgraphs too (each branch of a merged decoder holds its own MLPs)."""
+    return [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node.op_type in _PROJECTIONS and _named_output_projection(node)]
+
+
+def _named_output_projection(node: ir.Node) -> bool:
     named = roles.classify(roles.module_path(node))
     return named is not None and named[0] == roles.MLP and named[1] in ("down", "fc2")
 
 
-def _match(down: ir.Node, model: ir.Model) -> _Mlp | None:
-    mlp = _match_gated(down, model) if _is_svd_matmul(down) else None
-    return mlp if mlp is not None else _match_ungated(down)
+NOT_ACT_GATE_TIMES_UP = Mismatch("the output projection's input is not act(gate) · up")
 
 
-# -- gated ---------------------------------------------------------------------------------------------------
-def _match_gated(down: ir.Node, model: ir.Model) -> _Mlp | None:
-    product = down.inputs[0].producer()
-    if product is None or product.op_type != "Mul" or product.domain != "":
-        return None
-    for activated, up_value in (product.inputs, product.inputs[::-1]):
-        up = up_value.producer()
-        if _is_svd_matmul(up):
-            mlp = _separate_gate_and_up(down, product, activated, up)
-        else:
-            mlp = _split_gate_up(down, product, activated, up_value, model)
-        if mlp is not None:
-            return mlp
-    return None
+class GatedMlp:
+    """Gate and up separate (Llama, Qwen, Gemma, Mistral):
+
+        g = SvdMatMul(X, Ug, Vg);  u = SvdMatMul(X, Uu, Vu);  Y = SvdMatMul(act(g) * u, Ud, Vd)
+      → Y = SvdGatedMLP(X, Ug, Vg, Uu, Vu, Ud, Vd)
+    """
+
+    def match(self, down: ir.Node, model: ir.Model) -> _Mlp | Mismatch:
+        product = _gating_product(down)
+        if product is None:
+            return NOT_ACT_GATE_TIMES_UP
+        misses = []
+        for activated, up_value in (product.inputs, product.inputs[::-1]):
+            up = up_value.producer()
+            gate = _gate_of(activated, up) if up is not None and up.op_type in _PROJECTIONS else None
+            if gate is None:
+                continue
+            recognized = activation_match.recognize(gate.outputs[0], activated)
+            if recognized is None:
+                misses.append(_unknown_activation(activated))
+            elif not all(_is_svd_matmul(node) for node in (gate, up, down)):
+                misses.append(Mismatch("its gate, up or down projection is not factorized (or has a bias)", 3))
+            else:
+                region, activation = recognized
+                return _Mlp(svd_ops.SVD_GATED_MLP, activation, down,
+                            [gate.inputs[0], *gate.inputs[1:], *up.inputs[1:], *down.inputs[1:]],
+                            [_rank(gate), _rank(up), _rank(down)], [gate, *region, up, product, down])
+        return closest(misses, NOT_ACT_GATE_TIMES_UP)
 
 
-def _separate_gate_and_up(down, product, activated, up) -> _Mlp | None:
-    gate = _gate_of(activated, up)
-    if not _is_svd_matmul(gate):
-        return None
-    recognized = activation_match.recognize(gate.outputs[0], activated)
-    if recognized is None:
-        return None
-    region, activation = recognized
-    return _Mlp(svd_ops.SVD_GATED_MLP, activation, down,
-                [gate.inputs[0], *gate.inputs[1:], *up.inputs[1:], *down.inputs[1:]],
-                [_rank(gate), _rank(up), _rank(down)], [gate, *region, up, product, down])
+class SplitGateUpMlp:
+    """Gate and up as two column selections of one projection's output (Phi-3's gate_up_proj):
+
+        gu = SvdMatMul(X, U, V);  g, u = split(gu);  Y = SvdMatMul(act(g) * u, Ud, Vd)
+      → Y = SvdGatedMLP(X, U, V[:, gate columns], U, V[:, up columns], Ud, Vd)     exact: a column split of V
+    """
+
+    def match(self, down: ir.Node, model: ir.Model) -> _Mlp | Mismatch:
+        product = _gating_product(down)
+        if product is None:
+            return NOT_ACT_GATE_TIMES_UP
+        misses = []
+        for activated, up_value in (product.inputs, product.inputs[::-1]):
+            selection = up_value.producer()
+            projection = _selected_from(up_value)
+            if selection is None or selection.op_type not in column_selection.SELECTIONS or projection is None \
+                    or projection.op_type not in _PROJECTIONS:
+                continue
+            if not (_is_svd_matmul(projection) and _is_svd_matmul(down)):
+                misses.append(Mismatch("its gate_up or down projection is not factorized (or has a bias)", 3))
+                continue
+            found = _split_columns(down, product, activated, up_value, projection, model)
+            if isinstance(found, _Mlp):
+                return found
+            misses.append(found)
+        return closest(misses, NOT_ACT_GATE_TIMES_UP)
 
 
-def _split_gate_up(down, product, activated, up_value, model) -> _Mlp | None:
-    """Gate and up as two column selections of one projection's output (Phi-3's gate_up_proj)."""
-    projection = _selected_from(up_value)
-    if not _is_svd_matmul(projection):
-        return None
+def _split_columns(down, product, activated, up_value, projection, model) -> _Mlp | Mismatch:
+    """The fused MLP with V's gate and up columns as two factors, when the selections can be read as two column
+    sets of one size."""
     source, v, ud = projection.outputs[0], projection.inputs[2].const_value, down.inputs[1].const_value
     if v is None or ud is None:
-        return None
+        return Mismatch("its factors are not constants", 3)
     for g in _selections_of(source):
         recognized = activation_match.recognize(g, activated) if g is not up_value else None
         if recognized is None:
@@ -140,7 +158,8 @@ def _split_gate_up(down, product, activated, up_value, model) -> _Mlp | None:
         columns = selection and column_selection.selected_columns(source, [g, up_value], selection, v.shape[1],
                                                                    model.opset_imports[""])
         if not columns or len(columns[0]) != len(columns[1]) or len(columns[0]) != ud.shape[0]:
-            return None
+            return Mismatch("gate and up come from one projection split in a way onnx-nmm cannot read as two "
+                            "column sets", 3)
         u = projection.inputs[1]
         weights = v.numpy()
         return _Mlp(svd_ops.SVD_GATED_MLP, activation, down, [projection.inputs[0], u, None, u, None,
@@ -148,7 +167,57 @@ def _split_gate_up(down, product, activated, up_value, model) -> _Mlp | None:
                     [_rank(projection), _rank(projection), _rank(down)],
                     [projection, *selection, *region, product, down],
                     made=[weights[:, columns[0]], weights[:, columns[1]]])
-    return None
+    return _unknown_activation(activated)
+
+
+class UngatedMlp:
+    """Two layers, reshapes between allowed when the graph's shapes show they keep the rows (GPT-2, Phi, BERT):
+
+        h = SvdMatMul(X, U1, V1, b1);  Y = SvdMatMul(act(h), U2, V2, b2)
+      → Y = SvdMLP(X, U1, V1, b1, U2, V2, b2)     zeros for a bias the layer did not have
+    """
+
+    def match(self, down: ir.Node, model: ir.Model) -> _Mlp | Mismatch:
+        activated, reshapes_after = _through_reshapes(down.inputs[0])
+        if activated.producer() is None:
+            return Mismatch("a graph input feeds the output projection")
+        upstream = _projections_upstream(activated.producer())
+        if len(upstream) != 1:
+            return Mismatch("no single projection feeds its activation")
+        fc1 = upstream[0]
+        if not (_is_svd_matmul(fc1, bias=True) and _is_svd_matmul(down, bias=True)):
+            return Mismatch("its input projection is not factorized", 1)
+        forms = [(recognized, before) for g, before in _reshaped_forms(fc1.outputs[0])
+                 if (recognized := activation_match.recognize(g, activated)) is not None]
+        if not forms:
+            return Mismatch(f"its activation ({activated.producer().op_type} ...) is not one onnx-nmm fuses (SiLU, "
+                            "GELU erf or tanh)", 2)
+        for (region, activation), reshapes_before in forms:
+            if _same_rows(fc1, down, reshapes_before + reshapes_after):
+                biases = [fc1.inputs[3] if len(fc1.inputs) > 3 else None,
+                          down.inputs[3] if len(down.inputs) > 3 else None]
+                zeros = [np.zeros(node.inputs[2].shape[1], _dtype(node)) for node, bias in zip((fc1, down), biases)
+                         if bias is None]
+                return _Mlp(svd_ops.SVD_MLP, activation, down,
+                            [fc1.inputs[0], fc1.inputs[1], fc1.inputs[2], biases[0], down.inputs[1], down.inputs[2],
+                             biases[1]], [_rank(fc1), _rank(down)],
+                            [fc1, *reshapes_before, *region, *reshapes_after, down], made=zeros)
+        return Mismatch("reshapes between its projections, and no shapes in the graph to show they keep the rows", 3)
+
+
+RULES = (GatedMlp(), SplitGateUpMlp(), UngatedMlp())  # tried in this order: the first that matches is used
+
+
+def _gating_product(down: ir.Node) -> ir.Node | None:
+    """The Mul whose output the down projection reads, where act(gate) · up would be computed."""
+    product = down.inputs[0].producer()
+    return product if product is not None and product.op_type == "Mul" and product.domain == "" else None
+
+
+def _unknown_activation(activated: ir.Value) -> Mismatch:
+    producer = activated.producer()
+    return Mismatch(f"gated by {producer.op_type if producer is not None else 'a graph input'}, an activation "
+                    "onnx-nmm does not fuse (it fuses SiLU and GELU, erf or tanh)", 2)
 
 
 def _selected_from(value: ir.Value) -> ir.Node | None:
@@ -176,29 +245,6 @@ def _gate_of(activated: ir.Value, up: ir.Node) -> ir.Node | None:
         return None
     return next((node for node in _projections_upstream(activated.producer(), hops=12)
                  if node.inputs[0] is up.inputs[0] and node is not up), None)
-
-
-# -- not gated -----------------------------------------------------------------------------------------------
-def _match_ungated(down: ir.Node) -> _Mlp | None:
-    if not _is_svd_matmul(down, bias=True):
-        return None
-    activated, reshapes_after = _through_reshapes(down.inputs[0])
-    upstream = _projections_upstream(activated.producer()) if activated.producer() is not None else []
-    if len(upstream) != 1 or not _is_svd_matmul(upstream[0], bias=True):
-        return None
-    fc1 = upstream[0]
-    for g, reshapes_before in _reshaped_forms(fc1.outputs[0]):
-        recognized = activation_match.recognize(g, activated)
-        if recognized is not None and _same_rows(fc1, down, reshapes_before + reshapes_after):
-            region, activation = recognized
-            biases = [fc1.inputs[3] if len(fc1.inputs) > 3 else None, down.inputs[3] if len(down.inputs) > 3 else None]
-            zeros = [np.zeros(node.inputs[2].shape[1], _dtype(node)) for node, bias in zip((fc1, down), biases)
-                     if bias is None]
-            return _Mlp(svd_ops.SVD_MLP, activation, down,
-                        [fc1.inputs[0], fc1.inputs[1], fc1.inputs[2], biases[0], down.inputs[1], down.inputs[2],
-                         biases[1]], [_rank(fc1), _rank(down)],
-                        [fc1, *reshapes_before, *region, *reshapes_after, down], made=zeros)
-    return None
 
 
 def _same_rows(fc1: ir.Node, fc2: ir.Node, reshapes: list[ir.Node]) -> bool:
@@ -305,40 +351,6 @@ def _mlp_name(mlp: _Mlp) -> str:
     path = roles.module_path(mlp.down)
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     return parent or f"{mlp.down.name}.mlp"
-
-
-# -- why not -------------------------------------------------------------------------------------------------
-def _why_not_fused(down: ir.Node, model: ir.Model) -> str:
-    """Why an MLP's output projection was not fused, in the terms of what the graph shows."""
-    if down.op_type != svd_ops.SVD_MATMUL:
-        return "its output projection is not factorized"
-    activated, _ = _through_reshapes(down.inputs[0])
-    product = activated.producer()
-    if product is None:
-        return "a graph input feeds the output projection"
-    upstream = _projections_upstream(product)
-    if product.op_type == "Mul" and len(upstream) != 1:
-        for activated, up_value in (product.inputs, product.inputs[::-1]):
-            gate = _gate_of(activated, up_value.producer()) if up_value.producer() is not None else None
-            if gate is None:
-                continue
-            if activation_match.recognize(gate.outputs[0], activated) is None:
-                return (f"gated by {activated.producer().op_type}, an activation onnx-nmm does not fuse (it fuses "
-                        "SiLU and GELU, erf or tanh)")
-            if not all(_is_svd_matmul(node) for node in (gate, up_value.producer(), down)):
-                return "its gate, up or down projection is not factorized (or has a bias)"
-            return "an intermediate value has another reader"
-        return "the output projection's input is not act(gate) · up"
-    if len(upstream) != 1:
-        return "no single projection feeds its activation"
-    if any(use.node.op_type in ("Slice", "Split") for use in upstream[0].outputs[0].uses()):
-        return "gate and up come from one projection split in a way onnx-nmm cannot read as two column sets"
-    if not _is_svd_matmul(upstream[0], bias=True):
-        return "its input projection is not factorized"
-    if not _same_rows(upstream[0], down, _through_reshapes(down.inputs[0])[1]):
-        return "reshapes between its projections, and no shapes in the graph to show they keep the rows"
-    return (f"its activation ({product.op_type} ...) is not one onnx-nmm fuses (SiLU, GELU erf or tanh), or an "
-            "intermediate value has another reader")
 
 
 def _projections_upstream(node: ir.Node, hops: int = 8) -> list[ir.Node]:
