@@ -12,7 +12,7 @@ import onnx_ir as ir
 from onnx_nmm.errors import ModelError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RankOptions, Selection
-from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
+from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers, unmatched_products
 from onnx_nmm.ranks.rank_plan import Dense, keep_choice
 
 
@@ -45,6 +45,7 @@ class Inspection:
     selection: str
     layers: list[LayerInfo]
     unread: list[dict] = field(default_factory=list)  # quantized layers in forms onnx-nmm does not read
+    not_layers: dict[str, int] = field(default_factory=dict)  # MatMul/Gemm nodes read as no layer, by the reason
 
     def totals(self) -> dict:
         targeted = [layer for layer in self.layers if layer.targeted]
@@ -59,7 +60,8 @@ class Inspection:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "rule": self.rule, "selection": self.selection,
-                "layers": [asdict(layer) for layer in self.layers], "unread": self.unread, "totals": self.totals()}
+                "layers": [asdict(layer) for layer in self.layers], "unread": self.unread,
+                "not_layers": self.not_layers, "totals": self.totals()}
 
 
 def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOptions | None = None,
@@ -72,11 +74,13 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
     layers = find_linear_layers(source.model)
     unread = [{"node": layer.node.name, "op": layer.op, "module_path": layer.module_path, "group": layer.group}
               for layer in find_unread_layers(source.model)]
+    not_layers = dict(Counter(reason for _, reason in unmatched_products(source.model)).most_common())
     if not layers and not unread:
         ops = Counter(node.op_type for node in source.model.graph)
         seen = ", ".join(f"{count} {op}" for op, count in ops.most_common(8)) or "no nodes"
+        why = "".join(f"; {count} where {reason}" for reason, count in list(not_layers.items())[:2])
         raise ModelError(f"no linear layer found in {source.label}: looked for MatMul/Gemm nodes whose second input "
-                         f"is a constant weight, and saw {seen}")
+                         f"is a constant weight, and saw {seen}{why}")
     targeted = {layer.name for layer in select_layers(layers, selection)[0]}
     infos: dict[str, LayerInfo] = {}
     for layer in layers:
@@ -84,7 +88,8 @@ def inspect(model: str | os.PathLike | ir.Model | onnx.ModelProto, ranks: RankOp
             infos[layer.name].sites += 1
         else:
             infos[layer.name] = _info(layer, ranks, layer.name in targeted)
-    return Inspection(source.label, ranks.describe(), selection.describe(), list(infos.values()), unread)
+    return Inspection(source.label, ranks.describe(), selection.describe(), list(infos.values()), unread,
+                      not_layers)
 
 
 def _info(layer: LinearLayer, ranks: RankOptions, targeted: bool) -> LayerInfo:

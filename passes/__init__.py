@@ -2,7 +2,14 @@
 the factors a pass swaps in come computed."""
 
 from onnx_nmm.passes import svd_ops
-from onnx_nmm.passes.linear_layers import LinearLayer, UnreadLayer, WeightSource, find_linear_layers, find_unread_layers
+from onnx_nmm.passes.linear_layers import (
+    LinearLayer,
+    UnreadLayer,
+    WeightSource,
+    find_linear_layers,
+    find_unread_layers,
+    unmatched_products,
+)
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.passes.selection import TARGETS, LayerFilter, reason_to_skip, select_layers
 from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
@@ -21,4 +28,5 @@ __all__ = [
     "reason_to_skip",
     "select_layers",
     "svd_ops",
+    "unmatched_products",
 ]

@@ -12,9 +12,10 @@ Matched forms (all seen in real exports: docs/formats.md, docs/architectures.md)
     MatMul(X, DequantizeLinear(Wq))   QDQ: a quantized weight dequantized on the way (quantized_weights.py)
     MatMulInteger(DQL(X), Wq) · s     onnxruntime's dynamic int8 quantization
 
-A layer is `Y = X·W_eff + b` with W_eff = alpha·op(W) of shape K×N. Products of two activations (the
-attention scores) never match: the weight must be a constant. Subgraphs (If, Loop, Scan bodies) are
-scanned too.
+A layer is `Y = X·W_eff + b` with W_eff = alpha·op(W) of shape K×N. Each form is a rule (passes/rules.py)
+anchored at its product node: NBitsLayer, IntegerLayer, MatMulLayer (the QDQ form included) and GemmLayer; a
+node none matches says why (`unmatched_products`). Products of two activations (the attention scores) never
+match: the weight must be a constant. Subgraphs (If, Loop, Scan bodies) are scanned too.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import onnx_ir as ir
 from onnx_nmm.passes import roles
 from onnx_nmm.passes.quantized_weights import (
     DEQUANTIZE,
-    IntegerProduct,
     QuantizedWeight,
     dequantize_linear_parts,
     integer_layer_parts,
     nbits_layer_parts,
     unsupported_quantized,
 )
+from onnx_nmm.passes.rules import Mismatch, first_match
 
 # Ops allowed between a weight's storage and the MatMul that reads it.
 _WEIGHT_PATH_OPS = ("Identity", "Transpose", "Cast", DEQUANTIZE)
@@ -146,8 +147,8 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
     """
     layers = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        layer = _match(node, node.graph)
-        if layer is not None:
+        layer = first_match(LINEAR_LAYER_RULES, node, model)
+        if isinstance(layer, LinearLayer):
             _assign_role(layer, node.graph)
             layers.append(layer)
     _tell_apart(layers)
@@ -159,6 +160,18 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
         others = layer.weight.other_consumers(sites[layer.name])
         layer.shared_with = [_consumer(other, by_node.get(id(other))) for other in others]
     return layers
+
+
+def unmatched_products(model: ir.Model) -> list[tuple[ir.Node, str]]:
+    """Every MatMul and Gemm no linear-layer rule reads, with the reason of the rule that came closest (the
+    attention's products of two activations, a weight computed at run time, ...)."""
+    unmatched = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == "" and node.op_type in ("MatMul", "Gemm"):
+            found = first_match(LINEAR_LAYER_RULES, node, model)
+            if isinstance(found, Mismatch):
+                unmatched.append((node, found.reason))
+    return unmatched
 
 
 def _consumer(node: ir.Node, layer: LinearLayer | None) -> str:
@@ -205,95 +218,126 @@ def _tell_apart(layers: list[LinearLayer]) -> None:
                 layer.scope = f"{graph.name}/" if graph is not None and graph.name else ""
 
 
-def _match(node: ir.Node, graph: ir.Graph) -> LinearLayer | None:
-    nbits = nbits_layer_parts(node)
-    if nbits is not None:
-        return _match_nbits(node, graph, *nbits)
-    product = integer_layer_parts(node)
-    if product is not None:
-        return _match_integer(node, graph, product)
-    if node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
-        return None
+class NBitsLayer:
+    """Y = MatMulNBits(X, codes, scales, zero points, ..., bias)    Wᵀ's rows quantized in blocks along K
+    (onnxruntime-genai's int4 and int8 models; quantized_weights.py); a following Add of a constant [N] is its bias
+    when the op has none."""
+
+    def match(self, node: ir.Node, model: ir.Model) -> LinearLayer | Mismatch:
+        parts = nbits_layer_parts(node)
+        if parts is None:
+            return Mismatch("not a MatMulNBits with constant codes and scales")
+        weight, k, n, bias = parts
+        layer = LinearLayer(node=node, weight=WeightSource(storage=weight.codes, quantized=weight), k=k, n=n,
+                            output=node.outputs[0], bias=bias)
+        if bias is None:
+            _fold_bias_add(layer, node.graph)
+        return layer
+
+
+class IntegerLayer:
+    """Y = Cast(MatMulInteger(DynamicQuantizeLinear(X), Wq)) · (x scale · w scale)    onnxruntime's dynamic int8
+    quantization (quantized_weights.py), then an optional bias Add."""
+
+    def match(self, node: ir.Node, model: ir.Model) -> LinearLayer | Mismatch:
+        product = integer_layer_parts(node)
+        if product is None:
+            return Mismatch("not a MatMulInteger of a dynamically quantized X and constant codes")
+        shape = ir.convenience.get_const_tensor(product.weight.codes).shape
+        if len(shape) != 2:
+            return Mismatch("its codes are not a matrix", 1)
+        k, n = shape.dims
+        layer = LinearLayer(node=node, weight=WeightSource(storage=product.weight.codes, quantized=product.weight),
+                            k=k, n=n, output=product.output, quantizer=product.quantizer, chain=product.chain)
+        _fold_bias_add(layer, node.graph)
+        return layer
+
+
+class MatMulLayer:
+    """Y = MatMul(X, W) (+ Add(·, b))    W a constant [K, N], seen through Identity, Transpose ([N, K] stored),
+    Cast or DequantizeLinear (QDQ); b a constant [N]."""
+
+    def match(self, node: ir.Node, model: ir.Model) -> LinearLayer | Mismatch:
+        found = _product_with_weight(node, "MatMul")
+        if isinstance(found, Mismatch):
+            return found
+        source, rows, cols = found
+        k, n = (cols, rows) if source.transposed else (rows, cols)
+        layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0])
+        _fold_bias_add(layer, node.graph)
+        return layer
+
+
+class GemmLayer:
+    """Y = Gemm(X, W, C, alpha, beta, transA=0, transB)    GPT-2's Conv1D: alpha scales W, beta scales C, a
+    per-output bias."""
+
+    def match(self, node: ir.Node, model: ir.Model) -> LinearLayer | Mismatch:
+        found = _product_with_weight(node, "Gemm")
+        if isinstance(found, Mismatch):
+            return found
+        source, rows, cols = found
+        if _int_attribute(node, "transA", 0) != 0:
+            return Mismatch("transA=1: it multiplies a transposed X", 3)
+        if _int_attribute(node, "transB", 0):
+            source.transposed = not source.transposed
+        k, n = (cols, rows) if source.transposed else (rows, cols)
+        layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0],
+                            alpha=_float_attribute(node, "alpha", 1.0), beta=_float_attribute(node, "beta", 1.0))
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            if not _is_bias(node.inputs[2], n):
+                return Mismatch("its C is not a per-output bias", 3)
+            layer.bias = node.inputs[2]
+        return layer
+
+
+LINEAR_LAYER_RULES = (NBitsLayer(), IntegerLayer(), MatMulLayer(), GemmLayer())
+
+
+def _product_with_weight(node: ir.Node, op_type: str) -> tuple[WeightSource, int, int] | Mismatch:
+    """A MatMul or Gemm of an activation and a stored matrix: where the matrix comes from, and its stored shape."""
+    if node.domain != "" or node.op_type != op_type or len(node.inputs) < 2:
+        return Mismatch(f"not a {op_type}")
     x, w = node.inputs[0], node.inputs[1]
     if x is None or w is None or x.shape is not None and len(x.shape) < 2:
-        return None
+        return Mismatch("its input is missing or a vector", 1)
     source = _resolve_weight(w)
-    if source is None:
-        return None
+    if isinstance(source, Mismatch):
+        return source
     shape = source.tensor.shape
     if len(shape) != 2 or not all(isinstance(d, int) for d in shape.dims):
-        return None
+        return Mismatch("its weight is not a matrix of fixed size", 2)
     rows, cols = shape.dims
-    if node.op_type == "Gemm":
-        return _match_gemm(node, source, rows, cols)
-    k, n = (cols, rows) if source.transposed else (rows, cols)
-    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0])
-    _fold_bias_add(layer, graph)
-    return layer
+    return source, rows, cols
 
 
-def _match_nbits(node: ir.Node, graph: ir.Graph, weight: QuantizedWeight, k: int, n: int,
-                 bias: ir.Value | None) -> LinearLayer:
-    """MatMulNBits: Wᵀ's rows quantized in blocks along K (quantized_weights.py)."""
-    source = WeightSource(storage=weight.codes, quantized=weight)
-    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0], bias=bias)
-    if bias is None:
-        _fold_bias_add(layer, graph)
-    return layer
-
-
-def _match_integer(node: ir.Node, graph: ir.Graph, product: IntegerProduct) -> LinearLayer | None:
-    """MatMulInteger with its DynamicQuantizeLinear, Cast and rescaling (quantized_weights.py)."""
-    shape = ir.convenience.get_const_tensor(product.weight.codes).shape
-    if len(shape) != 2:
-        return None
-    k, n = shape.dims
-    layer = LinearLayer(node=node, weight=WeightSource(storage=product.weight.codes, quantized=product.weight), k=k,
-                        n=n, output=product.output, quantizer=product.quantizer, chain=product.chain)
-    _fold_bias_add(layer, graph)
-    return layer
-
-
-def _match_gemm(node: ir.Node, source: WeightSource, rows: int, cols: int) -> LinearLayer | None:
-    if _int_attribute(node, "transA", 0) != 0:
-        return None
-    if _int_attribute(node, "transB", 0):
-        source.transposed = not source.transposed
-    k, n = (cols, rows) if source.transposed else (rows, cols)
-    layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0],
-                        alpha=_float_attribute(node, "alpha", 1.0), beta=_float_attribute(node, "beta", 1.0))
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        if not _is_bias(node.inputs[2], n):
-            return None  # a C that is not a per-output bias: not a plain linear layer
-        layer.bias = node.inputs[2]
-    return layer
-
-
-def _resolve_weight(value: ir.Value) -> WeightSource | None:
-    """Follow Identity/Transpose/Cast back to a stored constant; None if W is computed."""
+def _resolve_weight(value: ir.Value) -> WeightSource | Mismatch:
+    """Follow Identity/Transpose/Cast/DequantizeLinear back to a stored constant, or say why W is not one."""
     path: list[ir.Node] = []
-    transposed = False
+    transposed = permuted = False
     cast_to = quantized = None
     while True:
         if value.is_graph_input() and not value.is_initializer():
-            return None  # computed from the inputs, not a constant (an initializer that older exporters also
-            # list as an input is one: the exporter's default, which no caller overrides)
+            # an initializer that older exporters also list as an input is a constant: the exporter's default,
+            # which no caller overrides
+            return Mismatch("its second operand is a graph input, not a stored weight", 1)
         if ir.convenience.get_const_tensor(value) is not None:
+            if permuted:
+                return Mismatch("its weight's Transpose is not a matrix transpose", 2)
             return WeightSource(storage=value, path=path[::-1], transposed=transposed, cast_to=cast_to,
                                 quantized=quantized)
         producer = value.producer()
         if producer is None or producer.domain != "" or producer.op_type not in _WEIGHT_PATH_OPS:
-            return None
+            return Mismatch("its second operand is computed (a product of two activations), not a stored weight", 1)
         if quantized is not None and producer.op_type != "Identity":
-            return None  # codes that are themselves transposed or cast: their scales' axis would not apply
+            return Mismatch("its quantized codes are transposed or cast, so their scales' axis would not apply", 2)
         if producer.op_type == DEQUANTIZE:
             quantized = dequantize_linear_parts(producer)
             if quantized is None:
-                return None  # scales or zero points that are computed, not constants
+                return Mismatch("its weight's scales or zero points are computed, not constants", 2)
         elif producer.op_type == "Transpose":
             perm = producer.attributes.get("perm")
-            if perm is not None and list(perm.as_ints()) != [1, 0]:
-                return None
+            permuted |= perm is not None and list(perm.as_ints()) != [1, 0]  # said if W turns out stored
             transposed = not transposed
         elif producer.op_type == "Cast" and cast_to is None:
             cast_to = ir.DataType(producer.attributes["to"].as_int())

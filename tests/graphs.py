@@ -50,8 +50,8 @@ def matmul_bias(k=16, n=24, bias_first=False) -> onnx.ModelProto:
     return model(nodes, {"W": weight(k, n), "b": bias}, k=k)
 
 
-def gemm(k=16, n=24, trans_b=1, alpha=0.5, beta=2.0, bias=True) -> onnx.ModelProto:
-    """Gemm on a 2-D input, W stored [N, K] when trans_b."""
+def gemm(k=16, n=24, trans_b=1, alpha=0.5, beta=2.0, bias=True, trans_a=0) -> onnx.ModelProto:
+    """Gemm on a 2-D input, W stored [N, K] when trans_b (X stored [K, rows] when trans_a)."""
     w = weight(k, n)
     stored = w.T.copy() if trans_b else w
     initializers = {"W": stored}
@@ -59,8 +59,9 @@ def gemm(k=16, n=24, trans_b=1, alpha=0.5, beta=2.0, bias=True) -> onnx.ModelPro
     if bias:
         initializers["C"] = np.random.default_rng(4).standard_normal(n).astype(np.float32)
         inputs.append("C")
-    node = helper.make_node("Gemm", inputs, ["Y"], transB=trans_b, alpha=alpha, beta=beta, name="gemm")
-    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["rows", k])
+    node = helper.make_node("Gemm", inputs, ["Y"], transA=trans_a, transB=trans_b, alpha=alpha, beta=beta,
+                            name="gemm")
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, [k, "rows"] if trans_a else ["rows", k])
     return model([node], initializers, inputs=[x], k=k)
 
 

@@ -1,9 +1,18 @@
+from pathlib import Path
+
 import graphs
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
+from onnx import TensorProto, helper
 
-from onnx_nmm.passes import find_linear_layers
+import onnx_nmm
+from onnx_nmm.passes import LinearLayer, find_linear_layers, unmatched_products
+from onnx_nmm.passes.linear_layers import LINEAR_LAYER_RULES, GemmLayer, MatMulLayer, NBitsLayer
+from onnx_nmm.passes.rules import Mismatch
+
+FORMATS = Path(__file__).parent / "data" / "formats"
 
 
 def _layers(proto):
@@ -83,3 +92,49 @@ def test_tied_lm_head_is_shared_with_the_embedding(export, exporter):
     lm_head = find_linear_layers(ir.load(export("llama-tied", exporter)))[-1]
     assert lm_head.weight.transposed
     assert lm_head.shared_with  # the embedding Gather reads the same initializer
+
+
+@pytest.mark.parametrize(("builder", "rule"), [
+    (graphs.matmul, MatMulLayer), (graphs.matmul_transposed, MatMulLayer), (graphs.constant_weight, MatMulLayer),
+    (graphs.gemm, GemmLayer), (lambda: onnx.load(FORMATS / "genai-int4" / "model.onnx", load_external_data=False),
+                               NBitsLayer)])
+def test_each_linear_layer_rule_reads_its_own_form_and_no_other(builder, rule):
+    model = ir.serde.deserialize_model(builder())
+    products = [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits")]
+    matched = [node for node in products if isinstance(rule().match(node, model), LinearLayer)]
+    assert matched and len(matched) == len(find_linear_layers(model))
+    for node in matched:
+        assert all(isinstance(other.match(node, model), Mismatch) for other in LINEAR_LAYER_RULES
+                   if not isinstance(other, rule))
+
+
+def _weight_given_at_run_time(k=16, n=24):
+    w = helper.make_tensor_value_info("W", TensorProto.FLOAT, [k, n])
+    return graphs.model([helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm")], {}, k=k, extra_inputs=[w])
+
+
+def _computed_operand(k=16):
+    nodes = [helper.make_node("Relu", ["X"], ["R"], name="relu"),
+             helper.make_node("Transpose", ["R"], ["Rt"], perm=[0, 2, 1], name="t"),
+             helper.make_node("MatMul", ["X", "Rt"], ["Y"], name="scores")]
+    return graphs.model(nodes, {}, k=k)
+
+
+@pytest.mark.parametrize(("builder", "reason"), [
+    (_computed_operand, "its second operand is computed (a product of two activations), not a stored weight"),
+    (_weight_given_at_run_time, "its second operand is a graph input, not a stored weight"),
+    (graphs.vector_input, "its input is missing or a vector"),
+    (lambda: graphs.gemm(trans_b=0, trans_a=1), "transA=1: it multiplies a transposed X"),
+])
+def test_a_product_that_is_no_linear_layer_says_why(builder, reason):
+    model = ir.serde.deserialize_model(builder())
+    assert [why for _, why in unmatched_products(model)] == [reason]
+    assert find_linear_layers(model) == []
+
+
+def test_inspect_counts_the_products_that_are_not_layers(export):
+    inspection = onnx_nmm.inspect(export("llama", "dynamo", cache=True))
+    assert inspection.not_layers == {
+        "its second operand is computed (a product of two activations), not a stored weight": 2 * 2}  # QKᵀ, PV
+    with pytest.raises(onnx_nmm.ModelError, match="1 where its second operand is a graph input, not a stored weight"):
+        onnx_nmm.inspect(ir.serde.deserialize_model(_weight_given_at_run_time()))

@@ -57,6 +57,9 @@ def _print_table(inspection: onnx_nmm.Inspection) -> None:
         ops = Counter(layer["op"] for layer in inspection.unread)
         _common.stdout.print(f"{_common.count(len(inspection.unread), 'linear layer')} quantized in a form onnx-nmm "
                              f"does not read: {', '.join(f'{count} {op}' for op, count in ops.items())}")
+    if inspection.not_layers:
+        said = "; ".join(f"{count} {reason}" for reason, count in inspection.not_layers.items())
+        _common.stdout.print(f"MatMul/Gemm nodes read as no linear layer: {said}", style="dim", soft_wrap=True)
     totals = inspection.totals()
     groups = ", ".join(f"{count} {group}" for group, count in totals["by_group"].items())
     before, after = totals["targeted_parameters"], totals["targeted_parameters_after"]
