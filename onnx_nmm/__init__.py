@@ -14,10 +14,9 @@ changed. Every error is an OnnxNmmError subclass saying what is wrong and what t
 
 __version__ = "0.1.0"
 
-from onnx_nmm.benchmark import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.calibration.sources import GeneratedText
 from onnx_nmm.calibration.tokens import load_tokenizer
-from onnx_nmm.comparison import Diff, DiffOptions, TextDiff, diff, diff_on_text
+from onnx_nmm.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.errors import (
     DataError,
     ExecutionError,
@@ -35,6 +34,7 @@ from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_che
 from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
+from onnx_nmm.model_diff import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.model_io import check_output_path, external_data_path
 from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite

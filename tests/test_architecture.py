@@ -213,3 +213,18 @@ def test_one_table_says_which_kernel_runs_each_custom_op():
     for path in _python_files(LIBRARY):
         if path.name != "kernel_table.py" and "cli" not in path.parts:
             assert not _code_names(path) & table_only, path.relative_to(ROOT)
+
+
+def test_the_type_checker_covers_every_module_of_the_public_api():
+    """mypy (make lint) checks the files pyproject.toml lists: every module onnx_nmm/__init__.py takes a name from."""
+    import tomllib
+
+    checked = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"])
+    init = LIBRARY / "__init__.py"
+    modules = {node.module for node in ast.walk(ast.parse(init.read_text()))
+               if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("onnx_nmm.")}
+    for module in modules:
+        path = LIBRARY.joinpath(*module.split(".")[1:])
+        file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        assert str(file.relative_to(ROOT)) in checked, f"{module} gives the API a name but mypy does not check it"
+    assert "onnx_nmm/__init__.py" in checked

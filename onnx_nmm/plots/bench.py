@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from onnx_nmm.benchmark import Benchmark
+from onnx_nmm.decode_speed import Benchmark
 from onnx_nmm.errors import MissingDependencyError
 from onnx_nmm.trainium.speed import TrainiumEstimate
 
