@@ -93,11 +93,8 @@ class GatedMlp:
     """
 
     def match(self, down: ir.Node, model: ir.Model) -> _Mlp | Mismatch:
-        product = _gating_product(down)
-        if product is None:
-            return NOT_ACT_GATE_TIMES_UP
         misses = []
-        for activated, up_value in (product.inputs, product.inputs[::-1]):
+        for product, activated, up_value in _act_times_up(down):
             up = up_value.producer()
             gate = _gate_of(activated, up) if up is not None and up.op_type in _PROJECTIONS else None
             if gate is None:
@@ -123,11 +120,8 @@ class SplitGateUpMlp:
     """
 
     def match(self, down: ir.Node, model: ir.Model) -> _Mlp | Mismatch:
-        product = _gating_product(down)
-        if product is None:
-            return NOT_ACT_GATE_TIMES_UP
         misses = []
-        for activated, up_value in (product.inputs, product.inputs[::-1]):
+        for product, activated, up_value in _act_times_up(down):
             selection = up_value.producer()
             projection = _selected_from(up_value)
             if selection is None or selection.op_type not in column_selection.SELECTIONS or projection is None \
@@ -208,10 +202,13 @@ class UngatedMlp:
 RULES = (GatedMlp(), SplitGateUpMlp(), UngatedMlp())  # tried in this order: the first that matches is used
 
 
-def _gating_product(down: ir.Node) -> ir.Node | None:
-    """The Mul whose output the down projection reads, where act(gate) · up would be computed."""
+def _act_times_up(down: ir.Node) -> list[tuple[ir.Node, ir.Value, ir.Value]]:
+    """The Mul the down projection reads, where act(gate) · up would be computed, with its two inputs taken as
+    (activated gate, up) both ways round; nothing when the down projection reads no Mul."""
     product = down.inputs[0].producer()
-    return product if product is not None and product.op_type == "Mul" and product.domain == "" else None
+    if product is None or product.op_type != "Mul" or product.domain != "":
+        return []
+    return [(product, *pair) for pair in (product.inputs, product.inputs[::-1])]
 
 
 def _unknown_activation(activated: ir.Value) -> Mismatch:
