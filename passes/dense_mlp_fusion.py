@@ -18,16 +18,18 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_nmm.passes import activation_match, svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer, find_linear_layers
+from onnx_nmm.passes.mlp_fusion import FuseMlpPass, FusionChoice
 from onnx_nmm.passes.mlp_modules import RESHAPES, Mlp, find_mlps
 from onnx_nmm.passes.stored_weights import NameAllocator, initializer
 
 
 class FuseDenseMlpPass(ir.passes.InPlacePass):
-    """Replace each dense MLP by one GatedMLP or MLP op. `fused` lists their names; `unfused` says, for every
-    dense MLP left alone, why."""
+    """Replace each dense MLP by one GatedMLP or MLP op (those `choose` accepts). `fused` lists their names;
+    `unfused` says, for every dense MLP left alone, why."""
 
-    def __init__(self):
+    def __init__(self, choose: FusionChoice | None = None):
         super().__init__()
+        self.choose = choose
         self.fused: list[str] = []
         self.unfused: dict[str, str] = {}
 
@@ -38,6 +40,8 @@ class FuseDenseMlpPass(ir.passes.InPlacePass):
         for mlp in find_mlps(find_linear_layers(model))[0]:
             reason = _why_not(mlp)
             activation = _activation(mlp) if not reason else None
+            if not reason and activation is not None and self.choose is not None:
+                reason = self.choose(mlp.name, svd_ops.GATED_MLP if mlp.gated else svd_ops.MLP, _input_shapes(mlp))
             if reason or activation is None:
                 self.unfused[mlp.name] = reason or "its activation is not SiLU or GELU (erf or tanh)"
                 continue
@@ -47,6 +51,12 @@ class FuseDenseMlpPass(ir.passes.InPlacePass):
         if self.fused:
             RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=bool(self.fused))
+
+
+def _input_shapes(mlp: Mlp) -> list[tuple[int, ...]]:
+    """The fused op's inputs after X: Wg, Wu, Wd; or W1, b1, W2, b2."""
+    h, i = mlp.down.n, mlp.width
+    return [(h, i), (h, i), (i, h)] if mlp.gated else [(h, i), (i,), (i, h), (h,)]
 
 
 def _why_not(mlp: Mlp) -> str:
@@ -142,12 +152,11 @@ def _reshaped(value: ir.Value) -> list[ir.Value]:
     return found
 
 
-def fuse_every_mlp(model: ir.Model) -> tuple[list[str], dict[str, str]]:
+def fuse_every_mlp(model: ir.Model, choose: FusionChoice | None = None) -> tuple[list[str], dict[str, str]]:
     """Each factorized MLP into one SvdGatedMLP or SvdMLP (mlp_fusion), then each dense one into a GatedMLP or
-    MLP: the names of the fused MLPs, and for the others why not (by module path)."""
-    from onnx_nmm.passes.mlp_fusion import FuseMlpPass
-
-    factorized, dense = FuseMlpPass(), FuseDenseMlpPass()
+    MLP, where `choose` (if given) accepts it: the names of the fused MLPs, and for the others why not (by module
+    path)."""
+    factorized, dense = FuseMlpPass(choose), FuseDenseMlpPass(choose)
     factorized(model)
     dense(model)
     unfused = {path: reason for path, reason in factorized.unfused.items() if path.rsplit(".", 1)[0] not in dense.fused}

@@ -12,6 +12,7 @@ reason of the rule that came closest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,11 @@ from onnx_nmm.passes.rules import Mismatch, closest, first_match
 
 # Nodes that change the shape of a value but not its rows: the MLP computes the same on either side.
 RESHAPES = ("Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze")
+
+
+# Asked before an MLP is fused, with its name, the fused op and the shapes of its inputs after X: None to fuse
+# it, or why it stays as it is (compile: where its projections run faster one by one).
+FusionChoice = Callable[[str, str, list[tuple[int, ...]]], str | None]
 
 
 @dataclass
@@ -39,8 +45,9 @@ class FuseMlpPass(ir.passes.InPlacePass):
     """Replace each factorized MLP by one SvdGatedMLP or SvdMLP. `fused` lists their names; `unfused` says,
     for every MLP output projection left alone, why."""
 
-    def __init__(self):
+    def __init__(self, choose: FusionChoice | None = None):
         super().__init__()
+        self.choose = choose
         self.fused: list[str] = []
         self.unfused: dict[str, str] = {}
 
@@ -51,10 +58,14 @@ class FuseMlpPass(ir.passes.InPlacePass):
             found = first_match(RULES, down, model) if down.op_type == svd_ops.SVD_MATMUL else Mismatch(
                 "its output projection is not factorized")
             reader = _outside_reader(found) if isinstance(found, _Mlp) else None
+            refused = self.choose(_mlp_name(found), found.op_type, _input_shapes(found)) \
+                if isinstance(found, _Mlp) and reader is None and self.choose is not None else None
             if isinstance(found, Mismatch):
                 self.unfused[where] = found.reason
             elif reader is not None:
                 self.unfused[where] = f"{reader} outside the MLP reads a value inside it"
+            elif refused is not None:
+                self.unfused[where] = refused
             else:
                 name = _replace(model, found)
                 if name not in self.fused:  # the same MLP in another branch
@@ -324,6 +335,13 @@ def _replace(model: ir.Model, mlp: _Mlp) -> str:
         if not value.uses() and value.name in model.graph.initializers:
             del model.graph.initializers[value.name]
     return name
+
+
+def _input_shapes(mlp: _Mlp) -> list[tuple[int, ...]]:
+    """The fused op's inputs after X, the factors _replace will make included."""
+    made = iter(mlp.made)
+    return [tuple(value.shape) if value is not None and value.shape is not None else next(made).shape
+            for value in mlp.inputs[1:]]
 
 
 def _initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:

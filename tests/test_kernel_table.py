@@ -1,14 +1,18 @@
 """onnx_nmm.kernel_table: each ai.onnx_nmm op's kernel, launched from the table, computes the op (the torch
-backend's arithmetic, to bfloat16's precision), and compile plans it on the shapes the table names."""
+backend's arithmetic, to bfloat16's precision), and compile plans it on the shapes the table names; an MLP runs
+fused only where its fused kernel is modelled faster than its projections one by one."""
 
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_nmm import CompileOptions, RankOptions, RewriteOptions, compile, rewrite
 from onnx_nmm.kernel_table import KERNEL_TABLE, kernel_spec
 from onnx_nmm.lowering import EmulatorKernels, TorchMath
 from onnx_nmm.passes import svd_ops
+from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.trainium import neuron
+from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
 
 TOKENS, H, I, R = 3, 128, 256, 64  # fewer tokens than a tile's 128 rows
 
@@ -68,3 +72,33 @@ def test_a_vector_is_not_taken_for_a_matrix():
     spec = kernel_spec(svd_ops.MLP)
     assert spec.matrices([(H, I), (I,), (I, H), (H,)]) == [(H, I), (I, H)]
     assert spec.shapes(2, spec.dims([(H, I), (I,), (I, H)])) == ((2, H), (H, I), (I,), (I, H))
+
+
+def test_an_mlp_runs_fused_only_where_the_fused_kernel_is_modelled_faster():
+    """Llama-3-8B's MLP at keep 0.9 (ranks 2816): one fused_svd_mlp wins at one token, three fused_xuv launches
+    win on a prompt of 512 (the fused kernel recomputes its strips there); both times are kept."""
+    dims = {"H": 4096, "I": 14336, "rank_gate": 2816, "rank_up": 2816, "rank_down": 2816}
+    decode = choose_mlp_kernel(svd_ops.SVD_GATED_MLP, dims, 1, "trn1")
+    prefill = choose_mlp_kernel(svd_ops.SVD_GATED_MLP, dims, 512, "trn1")
+    assert decode.fuse and decode.cost == decode.fused
+    assert not prefill.fuse and prefill.cost == prefill.separate and prefill.separate[0] < prefill.fused[0]
+    assert prefill.to_dict()["chose"] == "3 fused_xuv" and "(modelled)" in prefill.reason()
+
+
+def test_compile_keeps_an_mlp_unfused_where_its_projections_are_faster(export, tmp_path):
+    model = rewrite(export("llama", "dynamo"), RewriteOptions(ranks=RankOptions(keep=0.5, align=32))).model
+    asked = []
+
+    def refuse_the_first(name, op, shapes):
+        asked.append((name, op, kernel_spec(op).dims(shapes)))
+        return "faster as its projections" if len(asked) == 1 else None
+
+    fused, unfused = fuse_every_mlp(model, refuse_the_first)
+    assert [name for name, _, _ in asked] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert asked[0][2] == {"H": 256, "I": 512, "rank_gate": 96, "rank_up": 96, "rank_down": 96}  # 85 → 96
+    assert fused == ["model.layers.1.mlp"] and unfused == {"model.layers.0.mlp.down_proj": "faster as its projections"}
+    compiled = compile(export("llama", "dynamo"), tmp_path / "out", CompileOptions(target="trn1", seq_len=8,
+                                                                                   dry_run=True))
+    choices = compiled.manifest["mlp_kernels"]
+    assert [c["op"] for c in choices] == [svd_ops.GATED_MLP] * 2 and all(c["separate_us"] > 0 for c in choices)
+    assert compiled.manifest["fused_mlps"] == [c["mlp"] for c in choices if c["fused"]]

@@ -65,7 +65,11 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
     if manifest["first_step_only"]:
         _common.stdout.print("a merged decoder: its first-step branch (the prefill over an empty cache) is what was "
                              "lowered")
+    chosen = manifest["mlp_kernels"] if isinstance(manifest["mlp_kernels"], list) else []
+    separate = sum(1 for choice in chosen if not choice["fused"])
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {manifest['lowering_check']['max_abs']:.2e}; "
-                         f"{len(manifest['fused_mlps'])} MLPs fused. "
+                         f"{len(manifest['fused_mlps'])} MLPs fused"
+                         + (f", {separate} left as their projections, faster at this shape (modelled)" if separate
+                            else "") + ". "
                          + ("Dry run: no trace. " if manifest["dry_run"] else f"NEFF: {', '.join(manifest['neff'])}. ")
                          + f"Wrote {compilation.folder}/")

@@ -1,9 +1,11 @@
 """Lower a rewritten model for Trainium (`compile`).
 
-    fuse MLPs ─ lower to PyTorch ─ check against onnxruntime ─ plan a kernel per custom op
+    fuse MLPs where faster ─ lower to PyTorch ─ check against onnxruntime ─ plan a kernel per custom op
                     ─ torch_neuronx.trace (custom ops as @nki.jit kernels) ─ folder: NEFF, TorchScript, manifest
 
-Shapes are static on Neuron, so the batch and sequence length are fixed here. Without the Neuron SDK every
+Shapes are static on Neuron, so the batch and sequence length are fixed here. Each MLP becomes one fused kernel
+where that kernel is modelled faster at this shape than its projections launched one by one
+(launch_costs.choose_mlp_kernel); the manifest keeps both times. Without the Neuron SDK every
 step up to the trace runs, then NeuronSdkMissing says what to install; `dry_run` stops there on purpose and
 writes the manifest. The folder is written under a temporary name and renamed when complete.
 """
@@ -22,6 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import LoweringMismatch, NeuronSdkMissing, OptionError, OutputError
+from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public, write_text_atomically
 from onnx_nmm.model_source import ModelSource
@@ -32,6 +35,7 @@ from onnx_nmm.runtime.backend_runner import Model
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import first_step
 from onnx_nmm.trainium import neuron
+from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
 
 # A lowering error shows as a logits difference far above fp32 rounding (a 30-layer graph: ~1e-4).
 LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
@@ -39,8 +43,9 @@ LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """target: the Trainium generation; batch, seq_len: the static shape; fuse_mlp: each MLP as
-    one fused kernel (SvdGatedMLP or SvdMLP); dry_run: stop before the trace, writing the manifest only."""
+    """target: the Trainium generation; batch, seq_len: the static shape; fuse_mlp: each MLP as one fused kernel
+    (SvdGatedMLP, SvdMLP, GatedMLP or MLP) where it is modelled faster than its projections one by one;
+    dry_run: stop before the trace, writing the manifest only."""
 
     target: str = "trn2"
     batch: int = 1
@@ -74,15 +79,18 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
                           "replace it", output="output", overwrite="overwrite")
+    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+
     source = ModelSource.of(model)
-    fused, unfused = fuse_every_mlp(source.model) if options.fuse_mlp else ([], {})
+    choices: dict[str, dict] = {}  # the MLP kernel chosen for each MLP, and the times compared
+    chooser = _mlp_chooser(options.batch * options.seq_len, options.target, choices) if USING_EMULATOR else None
+    fused, unfused = fuse_every_mlp(source.model, chooser) if options.fuse_mlp else ([], {})
     proto = ir.to_proto(source.model)
     onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
     branches = len(proto.graph.node)
     proto = first_step(proto)  # a merged decoder compiles as the prefill its first step is
     first_step_only = len(proto.graph.node) != branches
 
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
     from onnx_nmm.lowering import TorchMath, lower
 
     module = lower(proto, TorchMath())
@@ -100,6 +108,8 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
                    for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
         "fused_mlps": fused, "unfused_mlps": unfused,
+        "mlp_kernels": list(choices.values()) if chooser is not None else "not modelled: the Neuron SDK's nki is "
+                       "installed, so every MLP that can be fused is",
         "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }
@@ -108,6 +118,18 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
             manifest.update(_trace(module, inputs, folder, options.target))
         write_text_atomically(folder / "manifest.json", json.dumps(manifest, indent=2))
     return Compilation(output, manifest, kernels)
+
+
+def _mlp_chooser(tokens: int, target: str, choices: dict[str, dict]):
+    """The fusion passes' question, answered by the modelled times of the fused kernel and of the projections
+    one by one at `tokens` rows; every answer is kept in `choices`, by MLP."""
+
+    def choose(name: str, op: str, shapes: list[tuple[int, ...]]) -> str | None:
+        choice = choose_mlp_kernel(op, kernel_spec(op).dims(shapes), tokens, target)
+        choices[name] = {"mlp": name, **choice.to_dict()}
+        return None if choice.fuse else choice.reason()
+
+    return choose
 
 
 def _check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:

@@ -26,9 +26,10 @@ from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
-from onnx_nmm.trainium.decoder_shape import DecoderShape, DenseMlp, Linear, Product, decoder_shape
+from onnx_nmm.trainium import launch_costs
+from onnx_nmm.trainium.decoder_shape import DecoderShape, Factorized, Linear, Product, decoder_shape
+from onnx_nmm.trainium.launch_costs import ELEMENT_BYTES, Cost, activation_cost, choose_mlp_kernel, kernel_cost
 
-ELEMENT_BYTES = 2  # bfloat16
 KERNEL, ROOFLINE = "kernel cost model", "roofline"
 # What the parts of a step are called, in the order tables show them.
 PARTS = ("attention projections", "MLP", "lm_head", "other linear", "attention core", "MLP activation",
@@ -195,14 +196,14 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseC
         part = parts[_LINEAR_PART.get(product.group, "other linear")]
         part.how = KERNEL
         part.add(*_kernel_cost(product, tokens, target))
-    roofline = functools.partial(_roofline, target=target)
+    roofline = functools.partial(launch_costs.roofline, target=target)
     h, q, kv, layers = shape.hidden, shape.q_width, shape.kv_width, shape.layers
     keys = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs under the causal mask
     attention = roofline(bytes_=ELEMENT_BYTES * (2 * kv * (context + tokens) + 2 * kv * tokens + 2 * q * tokens),
                          tensor_flops=4 * q * keys, elementwise=3 * shape.heads * keys)
     parts["attention core"].add(*attention, times=layers)
     for width, gated in shape.activations:
-        parts["MLP activation"].add(*_activation_cost(width, gated, tokens, target))
+        parts["MLP activation"].add(*activation_cost(width, gated, tokens, target))
     norm = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h, elementwise=4 * tokens * h)
     residual = roofline(bytes_=ELEMENT_BYTES * 3 * tokens * h, elementwise=tokens * h)
     rotary = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * (q + kv), elementwise=3 * tokens * (q + kv))
@@ -223,43 +224,14 @@ def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
     return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode)
 
 
-def _roofline(bytes_: float, target: str, tensor_flops: float = 0.0, elementwise: float = 0.0
-              ) -> tuple[float, float, float]:
-    """(seconds, bytes, flops) of one op at its physical limit on one NeuronCore."""
-    from onnx_nmm.kernels.hardware import neuron_core
-
-    core = neuron_core(target)
-    seconds = max(bytes_ / core.dma_bytes_per_s, tensor_flops / core.pe_bf16_flops,
-                  elementwise / (core.partitions * core.dve_hz))
-    return seconds, bytes_, tensor_flops
-
-
-def _activation_cost(width: int, gated: bool, tokens: int, target: str) -> tuple[float, float, float]:
-    """An MLP activation run between its projections (act(g)·u read from and written to HBM), at its roofline."""
-    return _roofline(bytes_=ELEMENT_BYTES * (3 if gated else 2) * tokens * width, target=target,
-                     elementwise=3 * tokens * width)
-
-
-def _kernel_cost(product: Product, tokens: int, target: str) -> tuple[float, float, float]:
-    """(seconds, HBM bytes, FLOPs) of the kernel launch computing `product` (onnx_nmm.kernel_table; modelled,
-    memoized by shape); a dense MLP's by the faster of its one fused launch and its projections' launches with
-    the activation between."""
+def _kernel_cost(product: Product, tokens: int, target: str) -> Cost:
+    """(seconds, HBM bytes, FLOPs) of the launches computing `product` (onnx_nmm.kernel_table; modelled): an MLP
+    by the faster of its fused kernel and its projections' launches with the activation between, as compile
+    chooses."""
     if isinstance(product, Linear):
-        return _estimate("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
+        return kernel_cost("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
     spec = kernel_spec(product.op)
     dims = spec.named(product.sizes)
-    launch = _estimate(spec.kernel, spec.shapes(tokens, dims), target)
-    if not isinstance(product, DenseMlp):
-        return launch
-    projections = [_estimate("dense_matmul", shapes, target) for shapes in spec.dense_products(tokens, dims)]
-    projections.append(_activation_cost(product.intermediate, product.gated, tokens, target))
-    seconds, bytes_, flops = (sum(values) for values in zip(*projections))
-    return min(launch, (seconds, bytes_, flops))
-
-
-@functools.cache
-def _estimate(kernel: str, shapes: tuple, target: str) -> tuple[float, float, float]:
-    import onnx_nmm.kernels as kernels
-
-    cost = kernels.estimate(getattr(kernels, kernel), *shapes, dtype="bfloat16", target=target)
-    return cost.total_s, cost.hbm_bytes, cost.flops
+    if isinstance(product, Factorized):
+        return kernel_cost(spec.kernel, spec.shapes(tokens, dims), target)
+    return choose_mlp_kernel(product.op, dims, tokens, target).cost
