@@ -17,15 +17,14 @@ tutorial's own calling convention (x delivered transposed) and is what the calib
 """
 
 from onnx_nmm.kernels.blocking import plan_dense
-from onnx_nmm.kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.nki_api import nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
     TILE_M,
-    TILE_N,
     cdiv,
-    evict_partial_sum,
     k_blocks,
     load_interleaved_rows,
+    multiply_rows_into,
     transpose_tokens,
 )
 
@@ -104,23 +103,8 @@ def output_block(x, w, y, row0, rows, col0, cols, plan, x_is_transposed):
         for m0 in range(0, rows, plan.m_block):
             m_rows = min(plan.m_block, rows - m0)
             lhsT = lhsT_block(x, x_is_transposed, row0 + m0, m_rows, k0, P, t)
-
-            for mt0 in range(0, m_rows, TILE_M):
-                mt = min(TILE_M, m_rows - mt0)
-                result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf) if last else None
-                for nt0 in range(0, cols, TILE_N):
-                    nt = min(TILE_N, cols - nt0)
-                    # TensorE sums this contraction block in one PSUM bank.
-                    acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
-                    for j in range(t):
-                        nisa.nc_matmul(acc[0:mt, 0:nt], stationary=lhsT[0:P, j, mt0 : mt0 + mt],
-                                       moving=w_block[0:P, j, nt0 : nt0 + nt], accumulate=j > 0)
-                    partial = None if partials is None else partials[(m0 + mt0) // TILE_M][0:mt, nt0 : nt0 + nt]
-                    done = result[0:mt, nt0 : nt0 + nt] if last else None
-                    evict_partial_sum(done, partial, acc[0:mt, 0:nt], first, last)
-                if last:
-                    out_rows = row0 + m0 + mt0
-                    nisa.dma_copy(dst=y[out_rows : out_rows + mt, col0 : col0 + cols], src=result[0:mt, 0:cols])
+            multiply_rows_into(y, row0 + m0, col0, lhsT, w_block, partials, m0 // TILE_M, m_rows, cols, P, t,
+                               first, last)
 
 
 def lhsT_block(x, x_is_transposed, row0, rows, k0, P, t):

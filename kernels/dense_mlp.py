@@ -26,9 +26,9 @@ from onnx_nmm.kernels.tiles import (
     TILE_M,
     TILE_N,
     cdiv,
-    evict_partial_sum,
     k_blocks,
     load_interleaved_rows,
+    multiply_rows_into,
     transpose_rows,
 )
 
@@ -168,18 +168,4 @@ def _project(xT, h_blocks, w_blocks, j, t, P, c0, cw):
 
 def _down(actT, wd_block, y, partials, row0, tokens, P, t, first, last):
     """y (+)= act_blk · Wd_blk for every 128 tokens and TILE_N columns of H: actᵀ stationary, Wd's rows moving."""
-    H = wd_block.shape[2]
-    for tok0 in range(0, tokens, TILE_M):
-        T = min(TILE_M, tokens - tok0)
-        result = nl.ndarray((PMAX, H), dtype=y.dtype, buffer=nl.sbuf) if last else None
-        for n0 in range(0, H, TILE_N):
-            nt = min(TILE_N, H - n0)
-            acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
-            for j in range(t):
-                nisa.nc_matmul(acc[0:T, 0:nt], stationary=actT[0:P, j, tok0 : tok0 + T],
-                               moving=wd_block[0:P, j, n0 : n0 + nt], accumulate=j > 0)
-            partial = None if partials is None else partials[tok0 // TILE_M][0:T, n0 : n0 + nt]
-            done = result[0:T, n0 : n0 + nt] if last else None
-            evict_partial_sum(done, partial, acc[0:T, 0:nt], first, last)
-        if last:
-            nisa.dma_copy(dst=y[row0 + tok0 : row0 + tok0 + T, 0:H], src=result[0:T, 0:H])
+    multiply_rows_into(y, row0, 0, actT, wd_block, partials, 0, tokens, wd_block.shape[2], P, t, first, last)

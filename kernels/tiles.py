@@ -97,6 +97,28 @@ def transpose_rows(xT, rows, tokens, k0, partitions, tiles, col):
                         data=bank[0:partitions, 0:group, 0:tokens])
 
 
+def multiply_rows_into(y, y_row0, y_col0, lhsT, w_block, partials, partial0, rows, cols, P, t, first, last):
+    """y[y_row0 : y_row0 + rows, y_col0 : y_col0 + cols] (+)= lhsTᵀ · w_block, for one contraction block of t
+    tiles of P partitions, 128 rows and TILE_N columns at a time: lhsT [P, t, rows] stationary, w_block
+    [P, t, cols] moving, the t tiles summed in one PSUM bank. `partials` holds the fp32 sums of the earlier
+    contraction blocks, one [128, cols] tile per 128 rows from tile `partial0` (None for a single block); the
+    rows go out to HBM once the last block is in."""
+    for r0 in range(0, rows, TILE_M):
+        R = min(TILE_M, rows - r0)
+        result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf) if last else None
+        for n0 in range(0, cols, TILE_N):
+            nt = min(TILE_N, cols - n0)
+            acc = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+            for j in range(t):
+                nisa.nc_matmul(acc[0:R, 0:nt], stationary=lhsT[0:P, j, r0 : r0 + R],
+                               moving=w_block[0:P, j, n0 : n0 + nt], accumulate=j > 0)
+            partial = None if partials is None else partials[partial0 + r0 // TILE_M][0:R, n0 : n0 + nt]
+            done = result[0:R, n0 : n0 + nt] if last else None
+            evict_partial_sum(done, partial, acc[0:R, 0:nt], first, last)
+        if last:
+            nisa.dma_copy(dst=y[y_row0 + r0 : y_row0 + r0 + R, y_col0 : y_col0 + cols], src=result[0:R, 0:cols])
+
+
 def evict_partial_sum(result, partial, psum, first, last):
     """Move one PSUM accumulation group out, combining contraction blocks in fp32.
 
