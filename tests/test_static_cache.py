@@ -1,0 +1,77 @@
+"""The static-cache graphs (passes/static_cache.py, trainium/static_cache.py): a prefill per bucket and one decode
+step over a cache of fixed length give the greedy tokens of the exported model's own dynamic cache."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onnx_nmm import DataError, ModelError, OptionError, RankOptions, RewriteOptions, rewrite
+from onnx_nmm.generation.decoding import Decoder
+from onnx_nmm.trainium.static_cache import default_buckets, static_cache
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+PROMPT = np.random.default_rng(0).integers(0, 300, (1, 11))
+
+
+def _greedy(model, ids: np.ndarray, new_tokens: int) -> list[int]:
+    """The exported model's own greedy continuation, its dynamic cache on onnxruntime."""
+    decoder = Decoder(model)
+    logits, tokens = decoder.prefill(ids), []
+    for _ in range(new_tokens):
+        token = logits.argmax(-1)
+        tokens.append(int(token[0]))
+        logits = decoder.step(token)
+    return tokens
+
+
+def _kv_model(name: str, export, tmp_path) -> Path:
+    if name.startswith("llama"):
+        return export("llama", name.removeprefix("llama-"), cache=True)
+    if name == "rewritten":  # the custom ops run as their function bodies
+        path = tmp_path / "rewritten.onnx"
+        rewrite(export("llama", "dynamo", cache=True), RewriteOptions(ranks=RankOptions(keep=0.9, align=32))).save(path)
+        return path
+    return FORMATS / name / "model.onnx"
+
+
+@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "rewritten"])
+def test_static_graphs_generate_the_tokens_of_the_dynamic_cache(export, tmp_path, name):
+    model = _kv_model(name, export, tmp_path)
+    graphs = static_cache(model, max_context=64, buckets=(16, 64))
+    assert graphs.generate_greedy(PROMPT, 12) == _greedy(model, PROMPT, 12)
+
+
+def test_the_cache_is_one_buffer_in_and_out(export):
+    graphs = static_cache(export("llama", "dynamo", cache=True), max_context=32)
+    for graph in (*graphs.prefill.values(), graphs.decode):
+        aliases = dict(pair.split("=") for pair in graph.metadata_props["onnx_nmm.cache_aliases"].split(","))
+        inputs = {value.name: value for value in graph.graph.inputs}
+        outputs = {value.name: value for value in graph.graph.outputs}
+        assert len(aliases) == 4  # two layers, keys and values
+        for present, past in aliases.items():
+            assert list(outputs[present].shape)[1:] == list(inputs[past].shape)[1:] == [2, 32, 64]
+    assert [value.name for value in graphs.decode.graph.inputs][-1] == "cache_position"
+
+
+def test_a_prompt_takes_the_smallest_bucket_that_holds_it_and_too_long_is_an_error(export):
+    graphs = static_cache(export("llama", "dynamo", cache=True), max_context=64, buckets=(16, 32))
+    assert default_buckets(256) == (128, 256) and default_buckets(4096) == (128, 512, 2048, 4096)
+    assert [graphs.bucket_for(n) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    with pytest.raises(DataError, match="a prompt of 33 tokens is longer than the largest prefill bucket, 32"):
+        graphs.bucket_for(33)
+    with pytest.raises(DataError, match="11 prompt tokens and 54 new ones do not fit the cache of 64 positions"):
+        graphs.generate_greedy(PROMPT, 54)
+    with pytest.raises(OptionError, match="buckets"):
+        static_cache(export("llama", "dynamo", cache=True), max_context=64, buckets=(128,))
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("genai-fp32", "not appended to with a Concat on its length axis"),
+    ("optimum-merged", "appended to inside a subgraph"),
+    ("dynamo-no-cache", "has no KV cache"),
+])
+def test_a_model_a_static_cache_cannot_be_made_from_says_why(export, name, message):
+    model = export("llama", "dynamo") if name == "dynamo-no-cache" else FORMATS / name / "model.onnx"
+    with pytest.raises(ModelError, match=message):
+        static_cache(model, max_context=32)
