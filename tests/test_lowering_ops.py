@@ -115,6 +115,13 @@ def test_trilu_swish_and_swiglu():
     _assert_lowered_matches("SwiGLU", {"a": _random(2, 5, 8), "b": _random(2, 5, 8)}, opset=28)
 
 
+@pytest.mark.parametrize("opset", [13, 18, 20])
+def test_scatter_elements_as_a_static_cache_writes(opset):
+    indices = np.broadcast_to(np.array([5, -1], np.int64).reshape(1, 1, 2, 1), (2, 3, 2, 4)).copy()
+    _assert_lowered_matches("ScatterElements", {"data": _random(2, 3, 8, 4), "indices": indices,
+                                                "updates": _random(2, 3, 2, 4)}, opset=opset, axis=2)
+
+
 def test_onnxruntime_optimizer_ops():
     _assert_lowered_matches("FusedMatMul", {"a": _random(2, 8, 5), "b": _random(2, 6, 8)}, domain=MS,
                             transA=1, transB=1, alpha=0.5)

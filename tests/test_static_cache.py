@@ -42,6 +42,13 @@ def test_static_graphs_generate_the_tokens_of_the_dynamic_cache(export, tmp_path
     assert graphs.generate_greedy(PROMPT, 12) == _greedy(model, PROMPT, 12)
 
 
+def test_the_static_graphs_lowered_to_pytorch_generate_the_same_tokens(export, tmp_path):
+    """What the Neuron trace takes: each graph lowered to PyTorch, the custom ops as torch math."""
+    model = _kv_model("rewritten", export, tmp_path)
+    graphs = static_cache(model, max_context=32, buckets=(16,))
+    assert graphs.generate_greedy(PROMPT, 6, backend="torch") == _greedy(model, PROMPT, 6)
+
+
 def test_the_cache_is_one_buffer_in_and_out(export):
     graphs = static_cache(export("llama", "dynamo", cache=True), max_context=32)
     for graph in (*graphs.prefill.values(), graphs.decode):

@@ -1,7 +1,8 @@
 """Converters for the ONNX-domain ops of transformer exports that onnx2torch 1.5.15 does not know: the
 fused ops of opset 20+ (Gelu-20, RMSNormalization-23, RotaryEmbedding-23, Attention-23/24, Swish-24,
 SwiGLU), Trilu, and the two normalizations onnxruntime registers in the ONNX domain for its optimizer
-(LayerNormalization below opset 17, SimplifiedLayerNormalization). Semantics follow ONNX's Operators.md
+(LayerNormalization below opset 17, SimplifiedLayerNormalization), and ScatterElements (what a static KV cache
+writes its new keys and values with). Semantics follow ONNX's Operators.md
 and its reference implementation; tests/test_lowering_ops.py checks each against onnxruntime.
 """
 
@@ -153,6 +154,24 @@ def _swish(node: OnnxNode, graph: OnnxGraph):
     return converted(node, Swish(node.attributes.get("alpha", 1.0)))
 
 
+class ScatterElements(nn.Module, _Onnx):
+    """data with `updates` written at `indices` along `axis` (no reduction): a new tensor, as in ONNX."""
+
+    def __init__(self, axis: int):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        indices = torch.where(indices < 0, indices + data.shape[self.axis], indices)
+        return torch.scatter(data, self.axis, indices.long(), updates)
+
+
+def _scatter_elements(node: OnnxNode, graph: OnnxGraph):
+    if node.attributes.get("reduction", "none") != "none":
+        raise NotImplementedError(f"ScatterElements with reduction {node.attributes['reduction']!r}")
+    return converted(node, ScatterElements(node.attributes.get("axis", 0)))
+
+
 def _trilu(node: OnnxNode, graph: OnnxGraph):
     return converted(node, Trilu(bool(node.attributes.get("upper", 1))))
 
@@ -164,6 +183,7 @@ register("", "Attention", (23, 24, 25), _attention)
 register("", "Swish", (24,), _swish)
 register("", "SwiGLU", (28,), _swish)
 register("", "Trilu", (14,), _trilu)
+register("", "ScatterElements", (11, 13, 16, 18), _scatter_elements)
 # onnxruntime's own ops in the ONNX domain, which no ONNX schema versions: onnx2torch looks them up under
 # the model's opset, so they are registered under every one.
 register("", "SimplifiedLayerNormalization", range(1, NEWEST_OPSET + 1), _normalization(center=False))

@@ -4,8 +4,9 @@ over a KV cache of `max_context` positions that stays where it is (passes/static
     prompt ─ padded to the smallest bucket that holds it ─ prefill[bucket] ─ cache, logits of its last token
     token  ─ decode(cache, cache_position) ─ cache, logits ─ token ─ ...           up to max_context positions
 
-`StaticCache.generate_greedy` runs them with onnxruntime on the CPU, the reference for what the compiled
-graphs must compute: the same tokens as the exported model's own dynamic cache.
+`StaticCache.generate_greedy` runs them on the CPU — with onnxruntime, or lowered to PyTorch (`backend`
+"torch", the custom ops as torch math, or "emulator", on the NKI kernels) as the Neuron trace takes them —:
+the same tokens as the exported model's own dynamic cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import onnx_ir as ir
 from onnx_nmm.errors import DataError, ModelError, OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.static_cache import CACHE_POSITION, CacheLayout, static_decode_graph, static_prefill_graph
-from onnx_nmm.runtime import ort_runner
+from onnx_nmm.runtime.backend_runner import ModelRunner
 from onnx_nmm.runtime.causal_lm import CausalLm
 
 USUAL_BUCKETS = (128, 512, 2048)  # prompt lengths a prefill is compiled for, capped at max_context
@@ -40,7 +41,7 @@ class StaticCache:
     max_context: int
     prefill: dict[int, ir.Model]
     decode: ir.Model
-    _sessions: dict = field(default_factory=dict, repr=False)
+    _runners: dict = field(default_factory=dict, repr=False)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -55,8 +56,9 @@ class StaticCache:
                             max_context="max_context", buckets="buckets")
         return fitting[0]
 
-    def generate_greedy(self, ids: np.ndarray, new_tokens: int) -> list[int]:
-        """The greedy continuation of one prompt (token ids [1, n]), run with onnxruntime on these graphs."""
+    def generate_greedy(self, ids: np.ndarray, new_tokens: int, backend: str = "ort") -> list[int]:
+        """The greedy continuation of one prompt (token ids [1, n]) on these graphs, run by `backend` ("ort",
+        "torch" or "emulator": onnx_nmm.runtime.backend_runner)."""
         prompt = ids.shape[1]
         if prompt + new_tokens > self.max_context:
             raise DataError(f"{prompt} prompt tokens and {new_tokens} new ones do not fit the cache of "
@@ -68,7 +70,7 @@ class StaticCache:
         feeds = {layout.tokens: _padded(ids, bucket), layout.mask: _padded(np.ones_like(ids), bucket), **cache}
         if layout.positions is not None:
             feeds[layout.positions] = np.arange(bucket, dtype=np.int64)[None]
-        logits, cache = self._run(self.prefill[bucket], f"prefill {bucket}", feeds)
+        logits, cache = self._run(self.prefill[bucket], f"prefill {bucket}", backend, feeds)
         tokens, last = [], logits[:, prompt - 1]
         for step in range(new_tokens):
             token = int(last.argmax(-1)[0])
@@ -82,17 +84,16 @@ class StaticCache:
                      CACHE_POSITION: np.array([position], np.int64), **cache}
             if layout.positions is not None:
                 feeds[layout.positions] = np.array([[position]], np.int64)
-            logits, cache = self._run(self.decode, "decode", feeds)
+            logits, cache = self._run(self.decode, "decode", backend, feeds)
             last = logits[:, -1]
         return tokens
 
-    def _run(self, model: ir.Model, key: str, feeds: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        if key not in self._sessions:
-            self._sessions[key] = ort_runner.create_session(ir.to_proto(model).SerializeToString())
-        session = self._sessions[key]
-        outputs = ort_runner.run(session, feeds)
-        logits = outputs[session.get_outputs()[0].name]
-        return logits, {past: outputs[present] for past, present in self.layout.cache}
+    def _run(self, model: ir.Model, graph: str, backend: str, feeds: dict) -> tuple[np.ndarray, dict]:
+        if (graph, backend) not in self._runners:
+            self._runners[graph, backend] = ModelRunner(model, backend)
+        runner = self._runners[graph, backend]
+        outputs = runner(feeds)
+        return outputs[runner.output_names[0]], {past: outputs[present] for past, present in self.layout.cache}
 
 
 def static_cache(model: str | os.PathLike | ir.Model, max_context: int,
