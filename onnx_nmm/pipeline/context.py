@@ -66,8 +66,10 @@ class RewriteContext:
         if mlp.down.name not in self._narrowings:
             gram = self.statistics.gram(mlp.down.x.name)
             narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), self.options.factorization.neuron_score)
-            if self.held_out_statistics is not None:
-                narrowing.choose_ridge(self.held_out_statistics.gram(mlp.down.x.name), reference_width(mlp.width))
+            if self.held_out_statistics is not None:  # its Gram serves this choice alone: freed after (GBs on 0.5B)
+                held_out = self.held_out_statistics.gram(mlp.down.x.name)
+                del self.held_out_statistics.grams[mlp.down.x.name]
+                narrowing.choose_ridge(held_out, reference_width(mlp.width))
             self._narrowings[mlp.down.name] = narrowing
         return self._narrowings[mlp.down.name]
 
