@@ -14,8 +14,9 @@ Both graphs take the cache as their `past` inputs, [B, H, max, D], and give it b
 exported graph still sizes its attention from the past's shape (the key count, the causal mask): it reads the
 cache's first max-1 positions in a decode step, so that with the new token it counts max keys, and none in a
 prefill, which then attends to its own tokens causally. Which of the max keys a decode step reads is the
-attention_mask's part: 1 on the positions written so far and on the new one. Exports whose cache is not
-appended with a Concat (onnxruntime-genai's GroupQueryAttention) are refused with the reason.
+attention_mask's part: 1 on the positions written so far and on the new one. A merged decoder appends inside
+the with-past branch of its If, which the caller takes out first; exports whose cache is not appended with a
+Concat (onnxruntime-genai's GroupQueryAttention) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ def _cache_concat(past: ir.Value) -> ir.Node:
                     and node.attributes["axis"].as_int() in (LENGTH_AXIS, LENGTH_AXIS - 4):
                 if node.graph is not past.graph:
                     raise ValueError(f"the cache input '{past.name}' is appended to inside a subgraph (a merged "
-                                     "decoder's branch), which the static cache does not read yet: export the "
-                                     "decoder with past alone (optimum's decoder_with_past_model.onnx)")
+                                     "decoder's branch): take the with-past branch out of its If first")
                 return node
             if node.op_type in _ALIASES and len(node.inputs) == 1:
                 pending.extend(node.outputs)

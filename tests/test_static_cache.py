@@ -4,10 +4,12 @@ step over a cache of fixed length give the greedy tokens of the exported model's
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 
 from onnx_nmm import DataError, ModelError, OptionError, RankOptions, RewriteOptions, rewrite
 from onnx_nmm.generation.decoding import Decoder
+from onnx_nmm.passes.static_cache import CacheLayout, static_decode_graph
 from onnx_nmm.trainium.static_cache import default_buckets, static_cache
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
@@ -35,7 +37,7 @@ def _kv_model(name: str, export, tmp_path) -> Path:
     return FORMATS / name / "model.onnx"
 
 
-@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "rewritten"])
+@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "optimum-merged", "rewritten"])
 def test_static_graphs_generate_the_tokens_of_the_dynamic_cache(export, tmp_path, name):
     model = _kv_model(name, export, tmp_path)
     graphs = static_cache(model, max_context=64, buckets=(16, 64))
@@ -75,10 +77,20 @@ def test_a_prompt_takes_the_smallest_bucket_that_holds_it_and_too_long_is_an_err
 
 @pytest.mark.parametrize(("name", "message"), [
     ("genai-fp32", "not appended to with a Concat on its length axis"),
-    ("optimum-merged", "appended to inside a subgraph"),
     ("dynamo-no-cache", "has no KV cache"),
 ])
 def test_a_model_a_static_cache_cannot_be_made_from_says_why(export, name, message):
     model = export("llama", "dynamo") if name == "dynamo-no-cache" else FORMATS / name / "model.onnx"
     with pytest.raises(ModelError, match=message):
         static_cache(model, max_context=32)
+
+
+def test_the_pass_takes_the_branch_a_merged_decoder_appends_in_from_its_caller():
+    """passes/static_cache.py works on one graph; trainium/static_cache.py inlines a merged decoder's with-past
+    branch first, and the pass alone says so when given the If."""
+    model = ir.load(FORMATS / "optimum-merged" / "model.onnx")
+    layout = CacheLayout("input_ids", "attention_mask", "position_ids",
+                         tuple((f"past_key_values.{i}.{kind}", f"present.{i}.{kind}") for i in range(2)
+                               for kind in ("key", "value")))
+    with pytest.raises(ValueError, match="appended to inside a subgraph"):
+        static_decode_graph(model, layout, max_context=32)

@@ -57,6 +57,22 @@ def prune(graph: onnx.GraphProto) -> None:
 def first_step(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` (changed in place) with every If on a boolean graph input — a merged decoder's use_cache_branch
     — replaced by its else branch, the one an empty cache takes. A graph without one is returned as it is."""
+    return _taken_branch(proto, "else_branch")
+
+
+def with_past_step(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` (changed in place) with a merged decoder's If replaced by its then branch, the step after the first
+    (it reads the past), and the flag input, now read by nothing, gone. Any other graph is returned as it is."""
+    taken = _taken_branch(proto, "then_branch")
+    read = {name for node in taken.graph.node for name in node.input}
+    flags = [value for value in taken.graph.input if value.type.tensor_type.elem_type == onnx.TensorProto.BOOL
+             and value.name not in read]
+    for value in flags:
+        taken.graph.input.remove(value)
+    return taken
+
+
+def _taken_branch(proto: onnx.ModelProto, branch_name: str) -> onnx.ModelProto:
     graph = proto.graph
     flags = {value.name for value in graph.input if value.type.tensor_type.elem_type == onnx.TensorProto.BOOL}
     if not any(node.op_type == "If" and node.input[0] in flags for node in graph.node):
@@ -66,7 +82,7 @@ def first_step(proto: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type != "If" or node.input[0] not in flags:
             nodes.append(node)
             continue
-        branch = next(attribute.g for attribute in node.attribute if attribute.name == "else_branch")
+        branch = next(attribute.g for attribute in node.attribute if attribute.name == branch_name)
         nodes.extend(branch.node)
         graph.initializer.extend(branch.initializer)
         nodes.extend(onnx.helper.make_node("Identity", [inner.name], [outer])

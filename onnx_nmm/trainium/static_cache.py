@@ -4,9 +4,9 @@ over a KV cache of `max_context` positions that stays where it is (passes/static
     prompt ─ padded to the smallest bucket that holds it ─ prefill[bucket] ─ cache, logits of its last token
     token  ─ decode(cache, cache_position) ─ cache, logits ─ token ─ ...           up to max_context positions
 
-`StaticCache.generate_greedy` runs them on the CPU — with onnxruntime, or lowered to PyTorch (`backend`
-"torch", the custom ops as torch math, or "emulator", on the NKI kernels) as the Neuron trace takes them —:
-the same tokens as the exported model's own dynamic cache.
+A merged decoder (optimum's) is made from its with-past branch. `StaticCache.generate_greedy` runs the graphs
+on the CPU, with onnxruntime or lowered to PyTorch as the Neuron trace takes them (`backend` "torch": the
+custom ops as torch math; "emulator": on the NKI kernels), and must give the exported model's own tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.static_cache import CACHE_POSITION, CacheLayout, static_decode_graph, static_prefill_graph
 from onnx_nmm.runtime.backend_runner import ModelRunner
 from onnx_nmm.runtime.causal_lm import CausalLm
+from onnx_nmm.runtime.graph_probe import with_past_step
 
 USUAL_BUCKETS = (128, 512, 2048)  # prompt lengths a prefill is compiled for, capped at max_context
 
@@ -115,10 +116,12 @@ def static_cache(model: str | os.PathLike | ir.Model, max_context: int,
     cache_shapes = {entry.input.name: (1, _fixed(entry.input.shape[1], source.label), max_context,
                                        _fixed(entry.input.shape[3], source.label, lm.head_size))
                     for entry in lm.cache}
+    def with_past() -> ir.Model:  # a merged decoder: its later-step branch, which reads the cache
+        return ir.from_proto(with_past_step(source.full_proto()))
+
     try:
-        prefill = {bucket: static_prefill_graph(ir.from_proto(source.full_proto()), layout, bucket, max_context)
-                   for bucket in buckets}
-        decode = static_decode_graph(ir.from_proto(source.full_proto()), layout, max_context)
+        prefill = {bucket: static_prefill_graph(with_past(), layout, bucket, max_context) for bucket in buckets}
+        decode = static_decode_graph(with_past(), layout, max_context)
     except ValueError as error:
         raise ModelError(f"{source.label}: {error}") from None
     return StaticCache(source.label, layout, cache_shapes, max_context, prefill, decode)
