@@ -13,8 +13,9 @@ the kernel, in the model's dtype. The kernels take X as [tokens, features].
     MLP           dense_ungated_mlp       W1, B1, W2 (+ B2)        H, I
 
 Each op's `projections` are the dense products of the same layer with its original weights: what `compile`
-and the estimate price it against. An MLP op's `separate` launches are its projections one launch each, the
-alternative to its fused kernel (trainium/launch_costs.choose_mlp_kernel picks the faster).
+and the estimate price it against. An MLP op's separate launches are its projections one launch each, the
+alternative to its fused kernel (trainium/launch_costs.choose_mlp_kernel picks the faster): fused_xuv on each
+of a factorized MLP's `factors`, dense_matmul on each of a dense MLP's projections.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class KernelSpec:
     dims_of: Callable[[Sequence[Shape]], tuple[int, ...]]  # those sizes, from the shapes of the kernel's weights
     operands: Callable[..., tuple[Shape, ...]]  # (tokens, *dims) → the shapes of X and the kernel's weights
     projections: Callable[..., tuple[tuple[int, int], ...]]  # (*dims) → (K, N) of each dense product it replaces
-    # an MLP op's projections launched one by one instead: (*dims) → (kernel, its sizes) of each launch
-    separate: Callable[..., tuple[tuple[str, tuple[int, ...]], ...]] = lambda *dims: ()
+    # a factorized MLP's projections as (K, rank, N) each, which run as fused_xuv launches when not fused
+    factors: Callable[..., tuple[tuple[int, int, int], ...]] = lambda *dims: ()
     gated: bool = False  # an activation gates a second projection (the dense layer launches it on its own)
     activation: bool = True  # takes the op's `activation` attribute
 
@@ -65,8 +66,11 @@ class KernelSpec:
     def separate_launches(self, tokens: int, dims: dict[str, int]) -> list[tuple[str, tuple[Shape, ...]]]:
         """An MLP op's projections as one launch each (fused_xuv for factors, dense_matmul for weights): the kernel
         and the shapes it is launched on at `tokens` rows. The activation between them is not a launch here."""
-        return [(kernel, KERNEL_TABLE[svd_ops.SVD_MATMUL].operands(tokens, *sizes) if kernel == "fused_xuv"
-                 else ((tokens, sizes[0]), sizes)) for kernel, sizes in self.separate(*dims.values())]
+        factors = self.factors(*dims.values())
+        if not factors:
+            return [("dense_matmul", shapes) for shapes in self.dense_products(tokens, dims)]
+        xuv = KERNEL_TABLE[svd_ops.SVD_MATMUL]
+        return [(xuv.kernel, xuv.operands(tokens, k, rank, n)) for k, rank, n in factors]
 
     def plan(self, tokens: int, dims: dict[str, int], target: str, dtype: str = "bfloat16"):
         """The kernel's blocking at `tokens` rows (ValueError when none fits the target's SBUF)."""
@@ -94,23 +98,20 @@ KERNEL_TABLE: dict[str, KernelSpec] = {spec.op: spec for spec in (
                dims_of=lambda w: (w[0][0], w[1][1], w[0][1], w[2][1], w[4][1]),
                operands=lambda m, h, i, rg, ru, rd: ((m, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h)),
                projections=lambda h, i, *ranks: ((h, i), (h, i), (i, h)), gated=True,
-               separate=lambda h, i, rg, ru, rd: (("fused_xuv", (h, rg, i)), ("fused_xuv", (h, ru, i)),
-                                                  ("fused_xuv", (i, rd, h)))),
+               factors=lambda h, i, rg, ru, rd: ((h, rg, i), (h, ru, i), (i, rd, h))),
     KernelSpec(svd_ops.SVD_MLP, "fused_svd_ungated_mlp", 5, ("H", "I", "rank_1", "rank_2"),
                dims_of=lambda w: (w[0][0], w[1][1], w[0][1], w[3][1]),
                operands=lambda m, h, i, r1, r2: ((m, h), (h, r1), (r1, i), (i,), (i, r2), (r2, h)),
                projections=lambda h, i, *ranks: ((h, i), (i, h)),
-               separate=lambda h, i, r1, r2: (("fused_xuv", (h, r1, i)), ("fused_xuv", (i, r2, h)))),
+               factors=lambda h, i, r1, r2: ((h, r1, i), (i, r2, h))),
     KernelSpec(svd_ops.GATED_MLP, "dense_gated_mlp", 3, ("H", "I"),
                dims_of=lambda w: (w[0][0], w[0][1]),
                operands=lambda m, h, i: ((m, h), (h, i), (h, i), (i, h)),
-               projections=lambda h, i: ((h, i), (h, i), (i, h)), gated=True,
-               separate=lambda h, i: (("dense_matmul", (h, i)), ("dense_matmul", (h, i)), ("dense_matmul", (i, h)))),
+               projections=lambda h, i: ((h, i), (h, i), (i, h)), gated=True),
     KernelSpec(svd_ops.MLP, "dense_ungated_mlp", 3, ("H", "I"),
                dims_of=lambda w: (w[0][0], w[0][1]),
                operands=lambda m, h, i: ((m, h), (h, i), (i,), (i, h)),
-               projections=lambda h, i: ((h, i), (i, h)),
-               separate=lambda h, i: (("dense_matmul", (h, i)), ("dense_matmul", (i, h)))),
+               projections=lambda h, i: ((h, i), (i, h))),
 )}
 
 

@@ -17,6 +17,7 @@ import onnx
 from onnx_nmm.errors import ModelError
 from onnx_nmm.kernel_table import KernelSpec, kernel_spec
 from onnx_nmm.passes import svd_ops
+from onnx_nmm.trainium.launch_costs import kernel_cost
 
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
@@ -78,7 +79,6 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
     """
     shapes = {tensor.name: tuple(tensor.dims) for tensor in proto.graph.initializer}
     summary = KernelSummary(target=target, modelled=model_costs)
-    costs: dict[tuple, tuple] = {}
     for node in proto.graph.node:
         if node.domain != svd_ops.DOMAIN:
             continue
@@ -94,10 +94,8 @@ def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: 
             raise ModelError(f"node '{node.name}' cannot run on {target} at {tokens} tokens: {error}") from None
         entry = KernelEntry(node.name, node.op_type, spec.kernel, tokens, dims, _plan_dict(plan))
         if model_costs:
-            key = (spec.op, tuple(dims.values()))
-            if key not in costs:
-                costs[key] = _modelled(spec, tokens, dims, target)
-            entry.modelled_us, entry.modelled_dense_us, entry.hbm_mb, entry.hbm_dense_mb = costs[key]
+            entry.modelled_us, entry.modelled_dense_us, entry.hbm_mb, entry.hbm_dense_mb = _modelled(
+                spec, tokens, dims, target)
         summary.entries.append(entry)
     return summary
 
@@ -109,19 +107,14 @@ def _plan_dict(plan) -> dict[str, int]:
 def _modelled(spec: KernelSpec, tokens: int, dims: dict[str, int], target: str) -> tuple[float, float, float, float]:
     """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model. "Dense" is
     the layer's dense products launched one by one, with a gated MLP's activation between them (an ungated
-    MLP's activation is left out: the dense time is a floor)."""
-    from onnx_nmm import kernels
-
-    fused = kernels.estimate(getattr(kernels, spec.kernel), *spec.shapes(tokens, dims), target=target)
-    dense = [kernels.estimate(kernels.dense_matmul, *shapes, target=target)
-             for shapes in spec.dense_products(tokens, dims)]
+    MLP's activation is left out: the dense time is a floor). Launch costs are memoized by shape."""
+    fused = kernel_cost(spec.kernel, spec.shapes(tokens, dims), target)
+    dense = [kernel_cost("dense_matmul", shapes, target) for shapes in spec.dense_products(tokens, dims)]
     if spec.gated:
         activation = (tokens, dims["I"])
-        dense.append(kernels.estimate(kernels.silu_mul, activation, activation, target=target))
-    dense_s = sum(cost.total_s for cost in dense)
-    dense_bytes = sum(cost.hbm_read_bytes + cost.hbm_write_bytes for cost in dense)
-    return (fused.total_s * 1e6, dense_s * 1e6, (fused.hbm_read_bytes + fused.hbm_write_bytes) / 1e6,
-            dense_bytes / 1e6)
+        dense.append(kernel_cost("silu_mul", (activation, activation), target))
+    dense_s, dense_bytes = sum(cost[0] for cost in dense), sum(cost[1] for cost in dense)
+    return fused[0] * 1e6, dense_s * 1e6, fused[1] / 1e6, dense_bytes / 1e6
 
 
 def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str):
