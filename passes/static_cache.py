@@ -48,15 +48,15 @@ def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) 
     position = ir.Value(name=CACHE_POSITION, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(position)
     batch = _set_batch_shapes(inputs, layout, new_tokens=1, mask_length=max_context)
-    where = _constant(graph, "cache.where_shape", np.array([1, 1, 1, 1], np.int64))
+    where_shape = _constant(graph, "cache.where_shape", np.array([1, 1, 1, 1], np.int64))
+    where = _node(graph, "Reshape", [position, where_shape], "cache.where")  # one position, every cache tensor's
     for past_name, present_name in layout.cache:
         past = inputs[past_name]
         concat = _cache_concat(past)
         _static(past, batch, max_context)
         _seen_as(graph, past, max_context - 1)  # so that the keys the step reads number max_context
-        reshaped = _node(graph, "Reshape", [position, where], f"{past_name}.position")
         shape = _node(graph, "Shape", [concat.inputs[1]], f"{past_name}.new_shape")
-        indices = _node(graph, "Expand", [reshaped, shape], f"{past_name}.indices")
+        indices = _node(graph, "Expand", [where, shape], f"{past_name}.indices")
         _write_in_place(graph, concat, past, indices, concat.inputs[1], present_name)
     graph.sort()
     model.metadata_props["onnx_nmm.cache_aliases"] = _aliases(layout)

@@ -116,12 +116,13 @@ def static_cache(model: str | os.PathLike | ir.Model, max_context: int,
     cache_shapes = {entry.input.name: (1, _fixed(entry.input.shape[1], source.label), max_context,
                                        _fixed(entry.input.shape[3], source.label, lm.head_size))
                     for entry in lm.cache}
-    def with_past() -> ir.Model:  # a merged decoder: its later-step branch, which reads the cache
-        return ir.from_proto(with_past_step(source.full_proto()))
-
+    # Read once (a merged decoder: its later-step branch, which reads the cache); each graph is a fresh onnx-ir
+    # model over the same weight tensors, which the passes do not change.
+    proto = with_past_step(source.full_proto())
     try:
-        prefill = {bucket: static_prefill_graph(with_past(), layout, bucket, max_context) for bucket in buckets}
-        decode = static_decode_graph(with_past(), layout, max_context)
+        prefill = {bucket: static_prefill_graph(ir.from_proto(proto), layout, bucket, max_context)
+                   for bucket in buckets}
+        decode = static_decode_graph(ir.from_proto(proto), layout, max_context)
     except ValueError as error:
         raise ModelError(f"{source.label}: {error}") from None
     return StaticCache(source.label, layout, cache_shapes, max_context, prefill, decode)
