@@ -108,8 +108,8 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
                    for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
         "fused_mlps": fused, "unfused_mlps": unfused,
-        "mlp_kernels": list(choices.values()) if chooser is not None else "not modelled: the Neuron SDK's nki is "
-                       "installed, so every MLP that can be fused is",
+        "mlp_kernels": list(choices.values()) if chooser is not None or not options.fuse_mlp else
+                       "not modelled: the Neuron SDK's nki is installed, so every MLP that can be fused is",
         "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }
