@@ -42,10 +42,12 @@ from onnx_nmm.progress import Phase, Progress
 from onnx_nmm.ranks.rank_plan import Dense, RankPlan
 from onnx_nmm.runtime.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
 from onnx_nmm.runtime.causal_lm import CausalLm
+from onnx_nmm.runtime.compiled_folder import is_compiled_folder
 from onnx_nmm.runtime.host import describe_machine
 from onnx_nmm.scale import RewritePlan, StreamOptions, plan_rewrite, rewrite_streamed, work_dir_of
 from onnx_nmm.training.finetuning import FinetuneOptions, FinetuneResult, TrainingData, TrainingOptions, finetune
-from onnx_nmm.trainium.compilation import Compilation, CompileOptions, compile
+from onnx_nmm.trainium.compilation import compile
+from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.decoder_shape import DecoderShape, decoder_shape, decoder_shape_of_config, factorized
 from onnx_nmm.trainium.speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
 
@@ -55,7 +57,8 @@ __all__ = [
     "DecoderShape", "DecoderState", "Dense", "describe_machine", "Diff", "diff", "diff_on_text", "DiffOptions",
     "estimate_trainium", "evaluate", "Evaluation", "ExecutionError", "export_causal_lm", "export_checkpoint",
     "external_data_path", "FactorizationOptions", "factorized", "finetune", "FinetuneOptions", "FinetuneResult",
-    "generate", "GeneratedText", "GenerateOptions", "Generation", "inspect", "Inspection", "LayerInfo",
+    "generate", "GeneratedText", "GenerateOptions", "Generation", "inspect", "Inspection", "is_compiled_folder",
+    "LayerInfo",
     "LayerOutcome", "load_gguf_causal_lm", "load_tokenizer", "LoweringMismatch", "MissingDependencyError",
     "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing", "OnnxNmmError", "OptionError", "OutputError",
     "Phase", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite", "rewrite_streamed", "RewriteOptions",

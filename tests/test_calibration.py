@@ -168,9 +168,9 @@ def _record_windows(monkeypatch):
         return gather(source, inputs, batches, *args, **kwargs)
 
     class RecordingProbe(sensitivity.DamageProbe):
-        def __init__(self, model, factor_names, decompositions, tokens, metric, source, narrowings=None):
+        def __init__(self, module, factor_names, decompositions, tokens, metric, source, narrowings=None):
             seen["budget"].extend(" ".join(map(str, window)) for window in tokens)
-            super().__init__(model, factor_names, decompositions, tokens, metric, source, narrowings)
+            super().__init__(module, factor_names, decompositions, tokens, metric, source, narrowings)
 
     monkeypatch.setattr(calibration_data, "collect_gram_matrices", recording_gather)
     monkeypatch.setattr(sensitivity, "DamageProbe", RecordingProbe)

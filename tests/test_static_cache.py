@@ -1,4 +1,4 @@
-"""The static-cache graphs (passes/static_cache.py, trainium/static_cache.py): a prefill per bucket and one decode
+"""The static-cache graphs (passes/static_cache.py, runtime/static_cache.py): a prefill per bucket and one decode
 step over a cache of fixed length give the greedy tokens of the exported model's own dynamic cache."""
 
 from pathlib import Path
@@ -10,7 +10,7 @@ import pytest
 from onnx_nmm import DataError, ModelError, OptionError, RankOptions, RewriteOptions, rewrite
 from onnx_nmm.generation.decoding import Decoder
 from onnx_nmm.passes.static_cache import CacheLayout, static_decode_graph
-from onnx_nmm.trainium.static_cache import default_buckets, static_cache
+from onnx_nmm.runtime.static_cache import default_buckets, static_cache
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 PROMPT = np.random.default_rng(0).integers(0, 300, (1, 11))
@@ -86,7 +86,7 @@ def test_a_model_a_static_cache_cannot_be_made_from_says_why(export, name, messa
 
 
 def test_the_pass_takes_the_branch_a_merged_decoder_appends_in_from_its_caller():
-    """passes/static_cache.py works on one graph; trainium/static_cache.py inlines a merged decoder's with-past
+    """passes/static_cache.py works on one graph; runtime/static_cache.py inlines a merged decoder's with-past
     branch first, and the pass alone says so when given the If."""
     model = ir.load(FORMATS / "optimum-merged" / "model.onnx")
     layout = CacheLayout("input_ids", "attention_mask", "position_ids",

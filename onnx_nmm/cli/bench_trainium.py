@@ -39,8 +39,11 @@ def refuse_modelled_options(args) -> None:
 def run(args) -> int:
     options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation))
     with _common.progress(quiet=args.json or args.quiet) as progress:
-        shapes = []
+        shapes: list = []
         for model in args.models:
+            if onnx_nmm.is_compiled_folder(model):  # priced as compiled: its graphs, buckets and cache
+                shapes.append(model)
+                continue
             fuse = not args.no_fuse_mlp
             shape = (onnx_nmm.decoder_shape_of_config(model) if _is_config(model)
                      else onnx_nmm.decoder_shape(model, fuse))

@@ -1,5 +1,6 @@
 """`onnx-nmm compile MODEL --target trn2 --batch B --seq-len S -o DIR`: lower a rewritten model for Trainium
-(onnx_nmm.compile)."""
+(onnx_nmm.compile); with `--max-context N [--buckets 128,512]`, a model that generates: prefill graphs per bucket
+and a decode step over a KV cache of N positions."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def register(subparsers) -> None:
     parser.add_argument("--seq-len", type=int, help="the static sequence length the graph is traced at (default "
                                                     f"{_common.default(C, 'seq_len')}, "
                                                     "a prompt bucket Neuron often uses)")
+    parser.add_argument("--max-context", type=int, metavar="N",
+                        help="compile a model that generates: prefill graphs per prompt bucket and one decode step "
+                             "over a KV cache of N positions (the model needs a KV cache); `onnx-nmm generate DIR` "
+                             "runs the folder")
+    parser.add_argument("--buckets", type=_common.token_counts, metavar="N,N",
+                        help="prompt lengths a prefill is compiled for (default: 128, 512, 2048 below "
+                             "--max-context, and --max-context)")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
@@ -30,7 +38,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     options = onnx_nmm.CompileOptions(**_common.given(target=args.target, batch=args.batch, seq_len=args.seq_len,
                                                       fuse_mlp=False if args.no_fuse_mlp else None,
-                                                      dry_run=args.dry_run or None))
+                                                      dry_run=args.dry_run or None, max_context=args.max_context,
+                                                      buckets=args.buckets))
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".neuron")
     compilation = onnx_nmm.compile(source, output, options, overwrite=args.force)
@@ -39,6 +48,9 @@ def run(args) -> int:
 
 
 def _print_summary(compilation: onnx_nmm.Compilation) -> None:
+    if compilation.graphs:
+        _print_graphs(compilation)
+        return
     manifest, kernels = compilation.manifest, compilation.kernels
     table = _common.Table(title=f"Kernels for {manifest['target']} at {manifest['batch']}×{manifest['seq_len']} tokens"
                   + (" (times modelled)" if kernels.modelled else ""), title_justify="left")
@@ -73,3 +85,26 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
                             else "") + ". "
                          + ("Dry run: no trace. " if manifest["dry_run"] else f"NEFF: {', '.join(manifest['neff'])}. ")
                          + f"Wrote {compilation.folder}/")
+
+
+def _print_graphs(compilation: onnx_nmm.Compilation) -> None:
+    """A model that generates: one row per graph, its MLP kernels and modelled times."""
+    manifest = compilation.manifest
+    table = _common.Table(title=f"Graphs for {manifest['target']}, batch {manifest['batch']}, a cache of "
+                                f"{manifest['max_context']} positions", title_justify="left")
+    for column in ("graph", "tokens", "custom ops", "MLPs fused", "MLPs as projections", "modelled µs",
+                   "dense µs (modelled)"):
+        table.add_column(column)
+    for graph in manifest["graphs"]:
+        chosen = graph["mlp_kernels"] if isinstance(graph["mlp_kernels"], list) else []
+        times = graph.get("modelled_us"), graph.get("modelled_dense_us")
+        table.add_row(graph["name"], str(graph["tokens"]), str(len(graph["kernels"])), str(len(graph["fused_mlps"])),
+                      str(sum(1 for choice in chosen if not choice["fused"])),
+                      *(f"{time:,.1f}" if time is not None else "—" for time in times))
+    _common.stdout.print(table)
+    worst = max(graph["lowering_check"]["max_abs"] for graph in manifest["graphs"])
+    _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {worst:.2e} over every graph. "
+                         + ("Traced: " + ", ".join(graph["torchscript"] for graph in manifest["graphs"]) + ". "
+                            if manifest["traced"] else "No trace. ")
+                         + f"Wrote {compilation.folder}/; run it with: onnx-nmm generate {compilation.folder} "
+                           "--prompt …")

@@ -1,4 +1,5 @@
-"""`onnx-nmm generate MODEL --prompt TEXT`: continue a prompt, streaming the tokens (onnx_nmm.generate)."""
+"""`onnx-nmm generate MODEL|DIR --prompt TEXT`: continue a prompt, streaming the tokens (onnx_nmm.generate); DIR
+is a compiled folder, whose static-shape graphs then run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from onnx_nmm.cli import _common
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a causal LM, token by token with its KV cache")
-    parser.add_argument("model", help="an .onnx causal LM (with a KV cache, or without: then each step reads it all)")
+    parser.add_argument("model", help="an .onnx causal LM (with a KV cache, or without: then each step reads it "
+                                      "all), or a folder `onnx-nmm compile --max-context` wrote")
     parser.add_argument("--prompt", required=True, help="the text to continue (a user turn, when the tokenizer has a "
                                                          "chat template)")
     parser.add_argument("--tokenizer", metavar="PATH",
@@ -26,9 +28,9 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--no-chat", action="store_true",
                         help="feed the prompt as plain text, not through the tokenizer's chat template")
-    parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS, default="ort",
+    parser.add_argument("--backend", choices=(*onnx_nmm.RUN_BACKENDS, "neuron"), default="ort",
                         help="ort (default), or the PyTorch lowering with the custom ops as torch math or on the "
-                             "NKI kernels on the emulator")
+                             "NKI kernels on the emulator; neuron: a compiled folder's traces, on a NeuronCore")
     parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: onnxruntime's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")

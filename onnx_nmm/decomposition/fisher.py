@@ -63,7 +63,7 @@ def collect_fisher_statistics(source: ModelSource, layers: list[LinearLayer], ba
     from onnx_nmm.lowering import CausalLmInputs, lower, modules_by_output
     from onnx_nmm.runtime.graph_probe import first_step
 
-    module = lower(first_step(source.full_proto()))
+    module = lower(first_step(source.full_proto()), consume=True)
     producers = modules_by_output(module)
     inputs = CausalLmInputs(source)
     input_grams = {layer.x.name: _Sum(torch.float64) for layer in layers}

@@ -32,6 +32,7 @@ class Decoder:
         self.label = source.label
         self.runner = ModelRunner(source, backend, target, threads)
         self.model = self.runner.causal_lm
+        self.vocabulary = self.model.vocabulary
         self.uses_cache = self.model.has_cache and not self.runner.first_step_only
         self.logits = self.runner.output_names[0]
         self.tokens = np.zeros((1, 0), np.int64)

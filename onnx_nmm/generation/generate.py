@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -19,7 +20,9 @@ from onnx_nmm.calibration.tokens import load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.generation.decoding import Decoder
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.backend_runner import Model, check_backend
+from onnx_nmm.runtime.static_cache import StaticDecoder
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class GenerateOptions:
             raise OptionError("{temperature} must be 0 (greedy) or positive", temperature="temperature")
         if not 0 < self.top_p <= 1:
             raise OptionError("{top_p} must be in (0, 1]", top_p="top_p")
-        check_backend(self.backend, self.target)
+        if self.backend != "neuron":  # a compiled folder's traces (generate checks it is one)
+            check_backend(self.backend, self.target)
 
 
 @dataclass
@@ -69,13 +73,27 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
              on_text: Callable[[str], None] | None = None) -> Generation:
     """Continue `prompt` with `model`; `on_text` receives the new text piece by piece as it is decoded.
 
+    `model` may be a folder `compile --max-context` wrote: its static-shape graphs then run, the prompt padded to
+    the smallest bucket that holds it, each new token one decode step over the fixed-size cache.
     `tokenizer`: a tokenizer folder or a .gguf file; by default the model's folder when it holds one (as an
-    onnxruntime-genai folder does)."""
-    source = ModelSource.of(model)
-    loaded = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_beside(source))
-    decoder = Decoder(source, options.threads, options.backend, options.target)
+    onnxruntime-genai folder and a compiled folder do)."""
+    if isinstance(model, (str, os.PathLike)) and compiled_folder.is_compiled_folder(model):
+        loaded = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_in(Path(model)))
+        graphs = compiled_folder.read(model)[1]
+        decoder: Decoder | StaticDecoder = StaticDecoder(graphs, options.backend, options.target, options.threads)
+    elif options.backend == "neuron":
+        raise OptionError("the neuron {backend} runs the traces of a compiled folder (compile with {max_context} on "
+                          "a machine with the Neuron SDK); give that folder", backend="backend",
+                          max_context="max_context")
+    else:
+        source = ModelSource.of(model)
+        loaded = load_tokenizer(tokenizer if tokenizer is not None else
+                                _tokenizer_in(source.path.parent if source.path is not None else None))
+        decoder = Decoder(source, options.threads, options.backend, options.target)
     prompt, ids = prompt_ids(loaded, prompt, options.chat)
-    check_token_ids(ids, decoder.model.vocabulary, "the prompt", decoder.label)
+    check_token_ids(ids, decoder.vocabulary, "the prompt", decoder.label)
+    if isinstance(decoder, StaticDecoder):
+        graphs.check_fits(ids.size, options.max_new_tokens)
     stream = _TextStream(loaded, on_text)
     new, stopped_by, first_token_s, decode_s = continuation(decoder, ids, _sampler(options), stop_tokens(loaded),
                                                             options.max_new_tokens, stream.add)
@@ -97,7 +115,7 @@ def prompt_ids(tokenizer, prompt: str, chat: bool = True) -> tuple[str, np.ndarr
     return prompt, ids
 
 
-def continuation(decoder: Decoder, ids: np.ndarray, pick: Callable[[np.ndarray], int], stops: set[int],
+def continuation(decoder: Decoder | StaticDecoder, ids: np.ndarray, pick: Callable[[np.ndarray], int], stops: set[int],
                  max_new_tokens: int, on_tokens: Callable[[list[int]], None] | None = None
                  ) -> tuple[list[int], str, float, float]:
     """The new tokens after `ids` (a prefill, then one step a token), how it stopped ("eos" or
@@ -121,8 +139,7 @@ def continuation(decoder: Decoder, ids: np.ndarray, pick: Callable[[np.ndarray],
     return new, stopped_by, first_token_s, time.perf_counter() - start
 
 
-def _tokenizer_beside(source: ModelSource):
-    folder = source.path.parent if source.path is not None else None
+def _tokenizer_in(folder: Path | None) -> Path:
     if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise DataError("generating needs a {tokenizer}: a tokenizer folder or a .gguf file", tokenizer="tokenizer")
     return folder

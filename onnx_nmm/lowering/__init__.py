@@ -43,12 +43,15 @@ from onnx_nmm.lowering.svd_converters import (
 extend_to_newer_versions()
 
 
-def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
+def lower(model: onnx.ModelProto | str | os.PathLike, backend=None, *, consume: bool = False):
     """The model as a torch.fx module (inputs and outputs as in the ONNX graph), its custom ops on `backend`.
 
+    `consume=True` lets the lowering rewrite a proto made for the call in place instead of converting a copy
+    (one copy of every weight less at the peak; the proto is of no use afterwards).
     Raises ModelError naming every node whose op the lowering does not cover.
     """
     proto = _load_with_shapes(model)
+    owned = consume or not isinstance(model, onnx.ModelProto)
     unsupported = unsupported_nodes(proto)
     if unsupported:
         shown = "; ".join(unsupported[:3]) + (f"; and {len(unsupported) - 3} more" if len(unsupported) > 3 else "")
@@ -56,7 +59,7 @@ def lower(model: onnx.ModelProto | str | os.PathLike, backend=None):
                          f"torch/emulator backends run the model through, does not cover: {shown}")
     reset_shared_parameters()
     try:
-        module = convert(_with_lowering_domains(proto))
+        module = convert(_with_lowering_domains(proto if owned else _copy(proto)))
     except NotImplementedError as error:
         raise ModelError(f"the lowering to PyTorch failed: {error}") from None
     set_backend(module, backend or TorchMath())
@@ -100,31 +103,37 @@ def _load_with_shapes(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelP
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """`proto` (changed in place) with the value shapes that shape inference finds, inferred on the graph
-    with its large weights detached for the duration."""
-    detached = {}
+    """`proto` (its value_info changed in place) with the value shapes that shape inference finds, inferred on a
+    copy without its large weights' data: a protobuf's memory is freed only with the whole message, so clearing
+    and restoring the weights in place would hold them twice."""
+    light = onnx.ModelProto(ir_version=proto.ir_version)
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    for name in ("node", "input", "output", "value_info"):
+        getattr(light.graph, name).extend(getattr(proto.graph, name))
     for tensor in proto.graph.initializer:
-        if len(tensor.raw_data) > _DETACH_BYTES:
-            detached[tensor.name] = tensor.raw_data
-            tensor.ClearField("raw_data")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    finally:
-        for tensor in proto.graph.initializer:
-            if tensor.name in detached:
-                tensor.raw_data = detached.pop(tensor.name)
+        if tensor.ByteSize() > _DETACH_BYTES:
+            light.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        else:
+            light.graph.initializer.append(tensor)
+    inferred = onnx.shape_inference.infer_shapes(light)
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(inferred.graph.value_info)
     return proto
 
 
-def _with_lowering_domains(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy in the form onnx2torch converts: custom domains without dots (it puts them in module names),
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    copied = onnx.ModelProto()
+    copied.CopyFrom(proto)
+    return copied
+
+
+def _with_lowering_domains(renamed: onnx.ModelProto) -> onnx.ModelProto:
+    """`renamed` (changed in place) in the form onnx2torch converts: custom domains without dots (it puts them
+    in module names),
     nodes in topological order, every output named (it reads an empty input name as the value of the last
     node that left an output out), each graph output written by a one-output node (it returns a
     multi-output node's whole tuple for any of its outputs)."""
-    renamed = onnx.ModelProto()
-    renamed.CopyFrom(proto)
     sorted_nodes = _topologically_sorted(renamed.graph)
     del renamed.graph.node[:]
     renamed.graph.node.extend(sorted_nodes)

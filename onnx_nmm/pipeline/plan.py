@@ -42,6 +42,7 @@ from onnx_nmm.ranks.rank_plan import (
     parameters,
     plan_from_report,
 )
+from onnx_nmm.runtime.graph_probe import first_step
 
 
 class PlanRanks(RewritePass):
@@ -132,26 +133,9 @@ class PlanRanks(RewritePass):
         statistics, predicted."""
         context, ranks = self.context, self.context.options.ranks
         metric = "kl" if ranks.rule == "max_kl" else "ppl"
-        probe_model = model.clone()
-        factored = {layer.name for layer in chosen}
-        probe_layers, probe_targets, _ = targets(probe_model, context.options)
-        probe_layers = sites(probe_layers, [layer for layer in probe_targets if layer.name in factored])
-        if probe_layers:
-            with context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
-                for layer in probe_layers:
-                    factorizer.decompositions[layer.name] = factorizer.decompose(layer)
-                    phase.advance(detail=layer.module_path or layer.name)
-        decompositions = factorizer.decompositions  # kept: the factorization reuses them
-        factors = {name: decomposition.factors(decomposition.max_rank, np.float64)
-                   for name, decomposition in decompositions.items()}  # one pair per target, for all its sites
-        full_rank = [FactorizedLayer(layer, *factors[layer.name], align=ranks.align,
-                                     method=f"{factorizer.method}/exact") for layer in probe_layers]
-        surgery = SvdFactorizationPass(full_rank)
-        surgery(probe_model)
-        narrowings = self._full_width(probe_model, mlps)
         held_out = context.budget_windows()  # never a window the statistics came from
-        probe = sensitivity.DamageProbe(probe_model, surgery.factor_names, decompositions, held_out.tokens, metric,
-                                         context.source, narrowings)
+        probe = self._probe(model, chosen, factorizer, mlps, held_out.tokens, metric)
+        decompositions = factorizer.decompositions  # kept: the factorization reuses them
         fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)
@@ -183,6 +167,37 @@ class PlanRanks(RewritePass):
         plan = {name: choice.plan.get(name, unaligned) for name in [layer.name for layer in chosen]
                 + [mlp.name for mlp in mlps]}
         return _by_layer(mlps, plan) | {layer.name: plan[layer.name] for layer in chosen}
+
+    def _probe(self, model: ir.Model, chosen: list[LinearLayer], factorizer: Factorizer, mlps: list[Mlp],
+               tokens: np.ndarray, metric: str) -> sensitivity.DamageProbe:
+        """The damage probe: this model with every target at full rank and every narrowed MLP at full width,
+        lowered to PyTorch. Each stage is let go once the next holds the weights (the ONNX model once it is a
+        proto, the proto once it is lowered): at most two copies of the model are ever alive."""
+        from onnx_nmm.lowering import lower
+
+        probe_model = model.clone()
+        factored = {layer.name for layer in chosen}
+        probe_layers, probe_targets, _ = targets(probe_model, self.context.options)
+        probe_layers = sites(probe_layers, [layer for layer in probe_targets if layer.name in factored])
+        if probe_layers:
+            with self.context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
+                for layer in probe_layers:
+                    factorizer.decompositions[layer.name] = factorizer.decompose(layer)
+                    phase.advance(detail=layer.module_path or layer.name)
+        decompositions = factorizer.decompositions
+        surgery = SvdFactorizationPass([FactorizedLayer(layer, *decompositions[layer.name].factors(
+            decompositions[layer.name].max_rank), align=self.context.options.ranks.align,
+            method=f"{factorizer.method}/exact") for layer in probe_layers])
+        surgery(probe_model)
+        factor_names = surgery.factor_names
+        narrowings = self._full_width(probe_model, mlps)
+        ir.external_data.load_to_model(probe_model)  # the lowering reads weights from the proto
+        proto = ir.to_proto(probe_model)
+        del probe_model, surgery
+        module = lower(first_step(proto), consume=True)
+        del proto
+        return sensitivity.DamageProbe(module, factor_names, decompositions, tokens, metric, self.context.source,
+                                       narrowings)
 
     def _full_width(self, probe_model: ir.Model, mlps: list[Mlp]) -> dict:
         """Every targeted MLP of the probe model narrowed to its full width with float weights (the same

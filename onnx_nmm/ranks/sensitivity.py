@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_nmm.decomposition import fisher, lowrank
 from onnx_nmm.decomposition.nystrom import MlpNarrowing
@@ -41,7 +40,6 @@ from onnx_nmm.errors import OptionError
 from onnx_nmm.quality.metrics import log_softmax
 from onnx_nmm.ranks import rank_allocation
 from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankPlan, aligned_ranks, aligned_widths, parameters
-from onnx_nmm.runtime.graph_probe import first_step
 
 METRICS = ("ppl", "kl")
 
@@ -229,23 +227,23 @@ def spread_over_windows(metric: str, per_window: np.ndarray, ids: list[str]) -> 
 class DamageProbe:
     """The damage of any ranks of the candidates, measured on calibration windows.
 
-    `model` holds every candidate factorized at full rank (so it computes what the dense model does), its
-    factor initializers named by `factor_names`; `decompositions` give each candidate's factors at any rank.
+    `module` is the model lowered to PyTorch with every candidate factorized at full rank (so it computes what
+    the dense model does), its factor initializers named by `factor_names`; `decompositions` give each
+    candidate's factors at any rank.
     The damage is the increase of the mean log-loss ("ppl") or the mean KL to the dense model ("kl"). The
     windows should be held out of those the statistics came from (CalibrationData.held_out_windows): a
     budget measured on the windows the factors were fitted to promises more than it keeps.
-    `source` (a model_source.ModelSource) is the model `model` was made from: it has the same inputs.
+    `source` (a model_source.ModelSource) is the model `module` was made from: it has the same inputs.
     """
 
-    def __init__(self, model: ir.Model, factor_names: dict[str, tuple[str, str]], decompositions: dict,
+    def __init__(self, module, factor_names: dict[str, tuple[str, str]], decompositions: dict,
                  tokens: np.ndarray, metric: str, source,
                  narrowings: dict[str, tuple[MlpNarrowing, str]] | None = None):
-        from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower, weights_as_parameters
+        from onnx_nmm.lowering import CausalLmInputs, factor_parameters, weights_as_parameters
 
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-        ir.external_data.load_to_model(model)  # the lowering reads weights from the proto
-        self.module = lower(first_step(ir.to_proto(model)))
+        self.module = module
         self.narrowings = narrowings or {}
         self.parameters = factor_parameters(self.module) | weights_as_parameters(
             self.module, [weight for _, weight in self.narrowings.values()])

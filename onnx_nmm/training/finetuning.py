@@ -212,7 +212,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     with phases("lowering"):
         from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
 
-        module = lower(first_step(source.full_proto()))
+        module = lower(first_step(source.full_proto()), consume=True)
         weights = weights_as_parameters(module, narrowed)
     with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
                                             total=options.training.steps) as phase:

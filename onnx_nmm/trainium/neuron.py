@@ -117,10 +117,11 @@ def _modelled(spec: KernelSpec, tokens: int, dims: dict[str, int], target: str) 
     return fused[0] * 1e6, dense_s * 1e6, fused[1] / 1e6, dense_bytes / 1e6
 
 
-def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str):
-    """torch_neuronx.trace of the lowered module (custom ops already on NeuronKernels): graph + NKI → NEFF."""
+def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str, separate_weights: bool = False):
+    """torch_neuronx.trace of the lowered module (custom ops already on NeuronKernels): graph + NKI → NEFF; with
+    `separate_weights`, the weights stay out of the NEFF (inline_weights_to_neff=False)."""
     import torch_neuronx
 
     os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     return torch_neuronx.trace(module, example_inputs, compiler_workdir=str(workdir),
-                               compiler_args=["--target", target])
+                               compiler_args=["--target", target], inline_weights_to_neff=not separate_weights)

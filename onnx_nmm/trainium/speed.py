@@ -17,8 +17,10 @@ batch 1, as in NeuronMM's end-to-end runs. Nothing here is measured.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import ClassVar
 
 from onnx_nmm.errors import OptionError
@@ -26,6 +28,7 @@ from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
+from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.trainium import launch_costs
 from onnx_nmm.trainium.decoder_shape import DecoderShape, Factorized, Linear, Product, decoder_shape
 from onnx_nmm.trainium.launch_costs import ELEMENT_BYTES, Cost, activation_cost, choose_mlp_kernel, kernel_cost
@@ -183,9 +186,12 @@ def estimate_trainium(models: Sequence, options: TrainiumOptions = TrainiumOptio
     estimate = TrainiumEstimate(options)
     with progress.phase(f"pricing on {options.target} (modelled)", total=len(models)) as phase:
         for model in models:
-            shape = model if isinstance(model, DecoderShape) else decoder_shape(model)
-            estimate.models.append(_modelled(shape, options))
-            phase.advance(detail=shape.label)
+            if isinstance(model, (str, os.PathLike)) and compiled_folder.is_compiled_folder(model):
+                modelled = _modelled_compiled(Path(model), options)
+            else:
+                modelled = _modelled(model if isinstance(model, DecoderShape) else decoder_shape(model), options)
+            estimate.models.append(modelled)
+            phase.advance(detail=modelled.label)
     return estimate
 
 
@@ -222,6 +228,38 @@ def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
     generation_prefill = price(shape, prompt, 0, target).seconds
     generation_decode = sum(price(shape, 1, context, target).seconds for context in range(prompt, prompt + new - 1))
     return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode)
+
+
+def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:
+    """A folder `compile --max-context` wrote, priced as it runs: a prompt padded to the smallest bucket that
+    holds it, on that bucket's graph; every decode step over the whole cache of max_context positions (the static
+    step attends to all of them, masked); each graph with the MLP kernels it chose."""
+    manifest, graphs = compiled_folder.read(folder)
+    target = options.target
+    too_long = [context for context in options.contexts if context >= graphs.max_context]
+    if too_long:
+        raise OptionError(f"{folder} holds a cache of {graphs.max_context} positions; {{contexts}} "
+                          f"{', '.join(map(str, too_long))} do not fit it", contexts="contexts")
+    shapes: dict[int, DecoderShape] = {}
+
+    def prefill(tokens: int) -> PhaseCost:
+        bucket = graphs.bucket_for(tokens)
+        if bucket not in shapes:
+            shapes[bucket] = decoder_shape(graphs.prefill[bucket], fuse_mlp=False)  # fused as compiled
+        return price(shapes[bucket], bucket, 0, target)
+
+    notes = [f"compiled: prompts padded to a bucket ({', '.join(map(str, graphs.buckets))}), every decode step "
+             f"over the whole cache of {graphs.max_context} positions"]
+    if manifest["target"] != target:
+        notes.append(f"its MLP kernels were chosen for {manifest['target']}")
+    decode_shape = decoder_shape(graphs.decode, fuse_mlp=False)
+    shape = replace(decode_shape, label=str(folder), notes=(*decode_shape.notes, *notes))
+    step = price(decode_shape, 1, graphs.max_context - 1, target)
+    prompt, new = options.generation
+    graphs.check_fits(prompt, new)
+    return ModelledModel(shape, {length: prefill(length) for length in options.prompt_lengths},
+                         {context: step for context in options.contexts}, prefill(prompt).seconds,
+                         (new - 1) * step.seconds)
 
 
 def _kernel_cost(product: Product, tokens: int, target: str) -> Cost:

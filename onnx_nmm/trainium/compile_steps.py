@@ -1,0 +1,137 @@
+"""What both kinds of `compile` share: their options and result, and their steps: choose each MLP's kernel by
+its modelled time, check the lowering against onnxruntime, trace for Neuron, write the folder whole or not at
+all."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from onnx_nmm.errors import LoweringMismatch, OptionError
+from onnx_nmm.kernel_table import kernel_spec
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.model_io import make_public
+from onnx_nmm.quality import metrics
+from onnx_nmm.runtime import ort_runner
+from onnx_nmm.trainium import neuron
+from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
+
+# A lowering error shows as a logits difference far above fp32 rounding (a 30-layer graph: ~1e-4).
+LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """target: the Trainium generation; batch, seq_len: the static shape; fuse_mlp: each MLP as one fused kernel
+    (SvdGatedMLP, SvdMLP, GatedMLP or MLP) where it is modelled faster than its projections one by one;
+    dry_run: stop before the trace, writing the manifest only.
+
+    max_context: compile a model that generates instead of one shape (static_compilation): a prefill graph per
+    bucket (prompt lengths; default 128, 512, 2048 below max_context, and max_context) and a decode step over a
+    KV cache of max_context positions; seq_len is then unused."""
+
+    target: str = "trn2"
+    batch: int = 1
+    seq_len: int = 128
+    fuse_mlp: bool = True
+    dry_run: bool = False
+    max_context: int | None = None
+    buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.target not in TRAINIUM_TARGETS:
+            raise OptionError(f"{{target}} must be one of {', '.join(TRAINIUM_TARGETS)}, got {self.target!r}",
+                              target="target")
+        if self.batch < 1 or self.seq_len < 1:
+            raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")
+        if self.buckets is not None and self.max_context is None:
+            raise OptionError("{buckets} are prompt lengths of a model that generates: give {max_context} too",
+                              buckets="buckets", max_context="max_context")
+
+
+@dataclass
+class Compilation:
+    folder: Path
+    manifest: dict
+    kernels: neuron.KernelSummary  # of the one graph; with max_context, of the decode step
+    graphs: dict[str, neuron.KernelSummary] = field(default_factory=dict)  # with max_context, every graph's
+
+
+def mlp_chooser(tokens: int, target: str, choices: dict[str, dict]):
+    """The fusion passes' question, answered by the modelled times of the fused kernel and of the projections
+    one by one at `tokens` rows; every answer is kept in `choices`, by MLP."""
+
+    def choose(name: str, op: str, shapes: list[tuple[int, ...]]) -> str | None:
+        choice = choose_mlp_kernel(op, kernel_spec(op).dims(shapes), tokens, target)
+        choices[name] = {"mlp": name, **choice.to_dict()}
+        return None if choice.fuse else choice.reason()
+
+    return choose
+
+
+def check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:
+    """Run the lowered module (custom ops as torch math) and onnxruntime on the same inputs."""
+    import torch
+
+    from onnx_nmm.lowering import call_lowered
+
+    expected = ort_runner.run(session, inputs)
+    result = call_lowered(module, *(torch.from_numpy(inputs[spec.name]) for spec in session.get_inputs()))
+    actual = dict(zip(expected, result if isinstance(result, (tuple, list)) else (result,)))
+    worst = {}
+    for name, reference in expected.items():
+        candidate = actual[name].numpy()
+        comparison = metrics.compare(name, reference, candidate,
+                                     atol=LOWERING_ATOL_SCALE * float(np.abs(reference).max()),
+                                     rtol=LOWERING_RTOL)
+        if comparison.mismatched:
+            raise LoweringMismatch(f"the lowered module differs from onnxruntime on output '{name}' (max |Δ| "
+                                   f"{comparison.max_abs:.3g}): a lowering bug, please report it with the model")
+        worst[name] = comparison.max_abs
+    return {"max_abs": max(worst.values()), "against": "onnxruntime CPU",
+            "shapes": {name: list(array.shape) for name, array in expected.items()}}
+
+
+def trace(module, inputs: dict[str, np.ndarray], folder: Path, target: str, subfolder: str = "",
+          separate_weights: bool = False) -> dict:
+    """The Neuron trace on `inputs` (in the graph's input order): custom ops on the @nki.jit kernels; NEFF and
+    TorchScript into `folder`/`subfolder`; `separate_weights` keeps the weights out of the NEFF (graphs that
+    share them)."""
+    import torch
+
+    from onnx_nmm.lowering import NeuronKernels, set_backend
+
+    set_backend(module, NeuronKernels(target=target))
+    example = tuple(torch.from_numpy(array) for array in inputs.values())
+    workdir = folder / subfolder
+    workdir.mkdir(parents=True, exist_ok=True)
+    traced = neuron.trace_for_neuron(module, example, workdir / "compiler", target, separate_weights)
+    torch.jit.save(traced, str(workdir / "model.pt"))
+    neffs = sorted(str(path.relative_to(folder)) for path in (workdir / "compiler").rglob("*.neff"))
+    return {"torchscript": str((workdir / "model.pt").relative_to(folder)), "neff": neffs}
+
+
+class staged_folder:
+    """A temporary sibling folder, renamed to `target` when the block succeeds (removed otherwise)."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __enter__(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix=".onnx-nmm-", dir=self.target.parent))
+        make_public(self.folder)
+        return self.folder
+
+    def __exit__(self, kind, error, trace):
+        if kind is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return False
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        self.folder.rename(self.target)
+        return False

@@ -1,0 +1,162 @@
+"""`compile --max-context`: a folder of static-shape graphs (a prefill per bucket, a decode step over a fixed
+cache) that `generate DIR` runs with the tokens of `generate MODEL` on onnxruntime."""
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+from exported_models import exported_model
+
+import onnx_nmm
+from onnx_nmm import CompileOptions, DataError, OptionError, RankOptions, RewriteOptions, compile, rewrite
+from onnx_nmm.cli import main
+from onnx_nmm.runtime import compiled_folder
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+TOKENIZER = FORMATS / "genai-fp32"  # a 300-token BPE, below every test model's vocabulary
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory) -> Path:
+    """A KV-cache model rewritten at keep 0.9: SVD custom ops and fused MLPs to choose kernels for."""
+    path = tmp_path_factory.mktemp("rewritten") / "model.onnx"
+    rewrite(exported_model("llama", "dynamo", cache=True), RewriteOptions(ranks=RankOptions(keep=0.9, align=32))).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def compiled(rewritten, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("compiled") / "model.neuron"
+    assert main(["compile", str(rewritten), "--target", "trn1", "--max-context", "96", "--buckets", "16,64",
+                 "--dry-run", "-o", str(folder)]) == 0
+    return folder
+
+
+def _greedy(**changes):
+    return onnx_nmm.GenerateOptions(**{"max_new_tokens": 12, "chat": False, **changes})
+
+
+def test_the_manifest_lists_the_buckets_the_decode_step_and_the_cache_it_aliases(compiled):
+    manifest = json.loads((compiled / "manifest.json").read_text())
+    assert manifest["buckets"] == [16, 64] and manifest["max_context"] == 96 and manifest["target"] == "trn1"
+    assert [(graph["name"], graph["kind"], graph["tokens"]) for graph in manifest["graphs"]] == [
+        ("prefill_16", "prefill", 16), ("prefill_64", "prefill", 64), ("decode", "decode", 1)]
+    tensors = manifest["cache"]["tensors"]
+    assert len(tensors) == 4 and all(tensor["shape"] == [1, 2, 96, 64] for tensor in tensors)
+    for graph in manifest["graphs"]:
+        proto = onnx.load(compiled / graph["file"], load_external_data=False)
+        inputs, outputs = {value.name for value in proto.graph.input}, {value.name for value in proto.graph.output}
+        assert all(tensor["input"] in inputs and tensor["aliases_output"] in outputs for tensor in tensors)
+        assert graph["lowering_check"]["max_abs"] < 1e-3
+        assert graph["kernels"] and graph["modelled_us"] > 0  # the custom ops, priced at the graph's own shape
+    assert not manifest["traced"] and manifest["dry_run"]
+
+
+def test_each_graph_chooses_its_mlp_kernels_at_its_own_shape(compiled):
+    """The fused kernel where it is modelled faster at that graph's tokens, else the projections one by one:
+    the choice compares both times, and no choice is slower than the other."""
+    manifest = json.loads((compiled / "manifest.json").read_text())
+    for graph in manifest["graphs"]:
+        assert graph["mlp_kernels"], graph["name"]
+        for choice in graph["mlp_kernels"]:
+            fused, separate = choice["fused_us"], choice["separate_us"]
+            assert choice["fused"] == (fused <= separate), (graph["name"], choice)
+        assert len(graph["fused_mlps"]) == sum(choice["fused"] for choice in graph["mlp_kernels"])
+
+
+def test_the_graphs_share_one_copy_of_the_weights(compiled, rewritten):
+    weights = (compiled / compiled_folder.WEIGHTS).stat().st_size
+    model_bytes = sum(tensor.ByteSize() for tensor in onnx.load(rewritten).graph.initializer)
+    assert weights < 1.1 * model_bytes  # three graphs, each weight written once
+    for path in compiled.glob("*.onnx"):  # the graphs hold no weight of their own beyond small constants
+        inside = onnx.load(path, load_external_data=False).graph.initializer
+        assert sum(len(tensor.raw_data) for tensor in inside) < 0.01 * weights
+
+
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+def test_generate_on_the_compiled_folder_gives_the_tokens_of_the_model_on_onnxruntime(compiled, rewritten, backend):
+    expected = onnx_nmm.generate(rewritten, PROMPT, TOKENIZER, _greedy())
+    result = onnx_nmm.generate(compiled, PROMPT, TOKENIZER, _greedy(backend=backend))
+    assert result.tokens == expected.tokens and result.text == expected.text
+
+
+def test_generate_dir_from_the_command_line_prints_the_models_text(compiled, rewritten, capsys):
+    assert main(["generate", str(rewritten), "--prompt", PROMPT, "--tokenizer", str(TOKENIZER), "--no-chat",
+                 "--max-new-tokens", "12"]) == 0
+    expected = capsys.readouterr().out
+    assert main(["generate", str(compiled), "--prompt", PROMPT, "--tokenizer", str(TOKENIZER), "--no-chat",
+                 "--max-new-tokens", "12", "--backend", "torch"]) == 0
+    assert capsys.readouterr().out == expected
+
+
+def test_the_neuron_backend_runs_the_trace_the_manifest_names_for_each_graph(compiled, rewritten, tmp_path):
+    """On a device each graph's torch_neuronx trace runs; here a torch.jit trace of the same lowered program
+    (what torch_neuronx.trace makes is one, the NEFF inside), written where compile writes the traces. It also
+    checks that every static-shape graph traces."""
+    import torch
+
+    from onnx_nmm.lowering import TorchMath, call_lowered, lower
+
+    folder = tmp_path / "traced"
+    shutil.copytree(compiled, folder)
+    with pytest.raises(OptionError, match="was not traced"):
+        onnx_nmm.generate(folder, PROMPT, TOKENIZER, _greedy(backend="neuron"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    graphs = compiled_folder.read(folder)[1]
+    for graph in manifest["graphs"]:
+        feeds = graphs.example_feeds(graph["name"])
+        names = [value.name for value in onnx.load(folder / graph["file"], load_external_data=False).graph.input]
+        module = lower(folder / graph["file"], TorchMath())
+        traced = torch.jit.trace(lambda *inputs, module=module: call_lowered(module, *inputs),
+                                 tuple(torch.from_numpy(feeds[name]) for name in names), check_trace=False)
+        (folder / graph["name"]).mkdir()
+        traced.save(str(folder / graph["name"] / "model.pt"))
+        graph["torchscript"] = f"{graph['name']}/model.pt"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    expected = onnx_nmm.generate(rewritten, PROMPT, TOKENIZER, _greedy())
+    assert onnx_nmm.generate(folder, PROMPT, TOKENIZER, _greedy(backend="neuron")).tokens == expected.tokens
+
+
+def test_a_prompt_or_a_generation_that_does_not_fit_is_a_one_line_error(compiled, capsys):
+    long_prompt = " ".join([PROMPT] * 8)
+    with pytest.raises(DataError, match="longer than the largest prefill bucket, 64"):
+        onnx_nmm.generate(compiled, long_prompt, TOKENIZER, _greedy())
+    with pytest.raises(DataError, match="do not fit the cache of 96 positions"):
+        onnx_nmm.generate(compiled, PROMPT, TOKENIZER, _greedy(max_new_tokens=60))
+    assert main(["generate", str(compiled), "--prompt", long_prompt, "--tokenizer", str(TOKENIZER),
+                 "--no-chat"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "--max-context" in error and len(error.splitlines()) == 1
+
+
+def test_without_the_neuron_sdk_compile_writes_every_graph_then_exits_3(rewritten, tmp_path, capsys):
+    folder = tmp_path / "out"
+    assert main(["compile", str(rewritten), "--max-context", "32", "--buckets", "16", "-o", str(folder)]) == 3
+    assert "neuronx-cc" in capsys.readouterr().err
+    assert compiled_folder.is_compiled_folder(folder) and (folder / "decode.onnx").is_file()
+
+
+def test_buckets_without_a_max_context_are_refused():
+    with pytest.raises(OptionError, match="max_context"):
+        CompileOptions(buckets=(128,))
+
+
+def test_a_model_without_a_kv_cache_cannot_be_compiled_to_generate(export, tmp_path):
+    with pytest.raises(onnx_nmm.ModelError, match="has no KV cache"):
+        compile(export("llama", "dynamo"), tmp_path / "out", CompileOptions(max_context=32, dry_run=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_prices_a_compiled_folder_as_it_runs(compiled):
+    """A prompt costs its bucket's prefill, and every decode step reads the whole cache, whatever the context."""
+    options = onnx_nmm.TrainiumOptions("trn1", prompt_lengths=(5, 16, 17), contexts=(8, 64), generation=(10, 4))
+    model = onnx_nmm.estimate_trainium([str(compiled)], options).models[0]
+    prefill = {length: phase.seconds for length, phase in model.prefill.items()}
+    assert prefill[5] == prefill[16] < prefill[17]  # buckets 16 and 64
+    assert model.decode[8].seconds == model.decode[64].seconds
+    assert model.generation_prefill_s == prefill[16] and model.generation_decode_s == 3 * model.decode[8].seconds
+    with pytest.raises(OptionError, match="do not fit"):
+        onnx_nmm.estimate_trainium([str(compiled)], onnx_nmm.TrainiumOptions("trn1", contexts=(128,)))
