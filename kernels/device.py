@@ -39,6 +39,7 @@ import numpy as np
 from onnx_nmm.kernels.benchmark import PROGRAMS, MlpShape, mlp_shapes
 from onnx_nmm.kernels.cost_model import model_traces
 from onnx_nmm.kernels.dense_matmul import dense_matmul
+from onnx_nmm.kernels.dense_mlp import dense_gated_mlp
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator.dtypes import as_dtype
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
@@ -48,7 +49,7 @@ from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
 from onnx_nmm.kernels.nki_api import USING_EMULATOR
 from onnx_nmm.kernels.runner import estimate
 
-KERNELS = {kernel.__name__: kernel for kernel in (dense_matmul, fused_xuv, silu_mul, fused_svd_mlp)}
+KERNELS = {kernel.__name__: kernel for kernel in (dense_matmul, dense_gated_mlp, fused_xuv, silu_mul, fused_svd_mlp)}
 # Inputs that are activations (the first ones); the rest are weights [fan_in, fan_out].
 ACTIVATION_INPUTS = {"silu_mul": 2}
 # Largest |output - reference| allowed, as a fraction of max |reference|.
@@ -117,6 +118,9 @@ def reference(kernel: str, inputs: list[np.ndarray]) -> np.ndarray:
     if kernel == "fused_svd_mlp":
         x, ug, vg, uu, vu, ud, vd = a
         return (_silu(x @ ug @ vg) * (x @ uu @ vu)) @ ud @ vd
+    if kernel == "dense_gated_mlp":
+        x, wg, wu, wd = a
+        return (_silu(x @ wg) * (x @ wu)) @ wd
     raise ValueError(f"no reference for kernel {kernel!r}")
 
 

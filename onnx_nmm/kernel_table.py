@@ -43,6 +43,7 @@ class KernelSpec:
     factors: Callable[..., tuple[tuple[int, int, int], ...]] = lambda *dims: ()
     gated: bool = False  # an activation gates a second projection (the dense layer launches it on its own)
     activation: bool = True  # takes the op's `activation` attribute
+    dense_op: str | None = None  # an MLP op: the op of the same MLP with dense weights (its best dense path)
 
     def dims(self, weight_shapes: Sequence[Shape | None]) -> dict[str, int]:
         """The op's sizes by name, from the shapes of its inputs after X (an output bias may follow)."""
@@ -98,20 +99,20 @@ KERNEL_TABLE: dict[str, KernelSpec] = {spec.op: spec for spec in (
                dims_of=lambda w: (w[0][0], w[1][1], w[0][1], w[2][1], w[4][1]),
                operands=lambda m, h, i, rg, ru, rd: ((m, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h)),
                projections=lambda h, i, *ranks: ((h, i), (h, i), (i, h)), gated=True,
-               factors=lambda h, i, rg, ru, rd: ((h, rg, i), (h, ru, i), (i, rd, h))),
+               factors=lambda h, i, rg, ru, rd: ((h, rg, i), (h, ru, i), (i, rd, h)), dense_op=svd_ops.GATED_MLP),
     KernelSpec(svd_ops.SVD_MLP, "fused_svd_ungated_mlp", 5, ("H", "I", "rank_1", "rank_2"),
                dims_of=lambda w: (w[0][0], w[1][1], w[0][1], w[3][1]),
                operands=lambda m, h, i, r1, r2: ((m, h), (h, r1), (r1, i), (i,), (i, r2), (r2, h)),
                projections=lambda h, i, *ranks: ((h, i), (i, h)),
-               factors=lambda h, i, r1, r2: ((h, r1, i), (i, r2, h))),
+               factors=lambda h, i, r1, r2: ((h, r1, i), (i, r2, h)), dense_op=svd_ops.MLP),
     KernelSpec(svd_ops.GATED_MLP, "dense_gated_mlp", 3, ("H", "I"),
                dims_of=lambda w: (w[0][0], w[0][1]),
                operands=lambda m, h, i: ((m, h), (h, i), (h, i), (i, h)),
-               projections=lambda h, i: ((h, i), (h, i), (i, h)), gated=True),
+               projections=lambda h, i: ((h, i), (h, i), (i, h)), gated=True, dense_op=svd_ops.GATED_MLP),
     KernelSpec(svd_ops.MLP, "dense_ungated_mlp", 3, ("H", "I"),
                dims_of=lambda w: (w[0][0], w[0][1]),
                operands=lambda m, h, i: ((m, h), (h, i), (i,), (i, h)),
-               projections=lambda h, i: ((h, i), (i, h))),
+               projections=lambda h, i: ((h, i), (i, h)), dense_op=svd_ops.MLP),
 )}
 
 

@@ -23,7 +23,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 def rewritten(tmp_path_factory) -> Path:
     """A KV-cache model rewritten at keep 0.9: SVD custom ops and fused MLPs to choose kernels for."""
     path = tmp_path_factory.mktemp("rewritten") / "model.onnx"
-    rewrite(exported_model("llama", "dynamo", cache=True), RewriteOptions(ranks=RankOptions(keep=0.9, align=32))).save(path)
+    options = RewriteOptions(ranks=RankOptions(keep=0.9, align=32))
+    rewrite(exported_model("llama", "dynamo", cache=True), options).save(path)
     return path
 
 

@@ -206,7 +206,8 @@ def test_compile_runs_a_narrowed_mlp_on_the_dense_mlp_kernel(capsys, export, tmp
     assert manifest["fused_mlps"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     kernels = manifest["kernels"]
     assert [k["kernel"] for k in kernels] == ["dense_gated_mlp"] * 2 and kernels[0]["dims"] == {"H": 256, "I": 256}
-    assert 0 < kernels[0]["modelled_us"] < kernels[0]["modelled_dense_us"]  # one launch against three (modelled)
+    # a narrowed MLP is dense: its best dense path is its own kernel, fused where faster than three launches
+    assert 0 < kernels[0]["modelled_us"] == kernels[0]["modelled_dense_us"]
     fused = _narrowed(capsys, export("llama", "dynamo"), tmp_path / "fused", fuse=True)
     feeds = _feeds(batch=1, seq_len=12)
     emulated = ModelRunner(fused, "emulator")

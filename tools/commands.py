@@ -24,24 +24,26 @@ class CommandLog:
     def __init__(self):
         self.lines: list[str] = []
 
-    def run(self, *argv) -> str:
-        """Run `onnx-nmm ARGV` (this Python's package), echo and record it; return its stdout."""
+    def run(self, *argv, shown: list | None = None) -> str:
+        """Run `onnx-nmm ARGV` (this Python's package), echo and record it (as `shown`, if given); return its
+        stdout."""
         argv = [str(a) for a in argv]
-        self._record(argv, "$")
+        self._record([str(a) for a in shown] if shown else argv, "$")
         result = subprocess.run([sys.executable, "-m", "onnx_nmm", *argv], capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"command failed (exit {result.returncode}): {shlex.join(argv)}\n{result.stderr.strip()}")
         return result.stdout
 
-    def produce(self, outputs, *argv) -> None:
+    def produce(self, outputs, *argv, shown: list | None = None) -> None:
         """`run`, unless every file in `outputs` is already there from an earlier run of the study (the
-        command is still recorded): a long study interrupted part-way resumes where it stopped."""
+        command is still recorded): a long study interrupted part-way resumes where it stopped. `shown`: the
+        command as a run from scratch types it, when this run takes a shortcut (files an earlier run left)."""
         from pathlib import Path
 
         if all(Path(output).exists() for output in outputs):
-            self._record([str(a) for a in argv], "# kept from an earlier run:")
+            self._record([str(a) for a in shown or argv], "# kept from an earlier run:")
             return
-        self.run(*argv)
+        self.run(*argv, shown=shown)
 
     def _record(self, argv: list[str], label: str) -> None:
         line = shlex.join(["onnx-nmm", *map(as_typed, argv)])

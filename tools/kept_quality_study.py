@@ -113,14 +113,17 @@ class Study:
         # the first step on these statistics gathers and saves them, the later ones read them (as recorded: the
         # commands listed must run from scratch)
         reuse = ["--calib-stats", stats] if stats in self.gathered else ["--save-calib-stats", stats]
+        # statistics an interrupted study saved are read, not gathered again; the command is listed as it runs from
+        # scratch
+        ran = ["--calib-stats", stats] if stats not in self.gathered and stats.exists() else reuse
         self.gathered.add(stats)
         measured = first.report if first is not None else self.args.sensitivity_from.get(calibration)
-        if measured is not None and BUDGETS[method] == "sensitivity":
-            reuse += ["--sensitivity-from", measured]
-        self.log.produce([out, report], "rewrite", self.model, "-o", out, "--method", method,
-                         *self.calibration(calibration), *reuse, "--tokenizer", self.tokenizer, "--keep", keep,
-                         "--budget", BUDGETS[method], "--align", self.args.align, "--report", report,
-                         "--no-answer-check", "--quiet")
+        budget = self.args.budgets.get(method, BUDGETS[method])
+        extra = ["--sensitivity-from", measured] if measured is not None and budget == "sensitivity" else []
+        rest = ["--tokenizer", self.tokenizer, "--keep", keep, "--budget", budget, "--align", self.args.align,
+                "--report", report, "--no-answer-check", "--quiet"]
+        head = ["rewrite", self.model, "-o", out, "--method", method, *self.calibration(calibration)]
+        self.log.produce([out, report], *head, *ran, *extra, *rest, shown=[*head, *reuse, *extra, *rest])
         kept = json.loads(report.read_text())["totals"]["kept_fraction"]
         scores = self.scores(out)
         return Point(method, calibration, keep, 1 - kept, *(scores[d] / self.dense[d] - 1 for d in ("kjv", "modern")),
@@ -196,7 +199,8 @@ class Study:
                 table.append(f"| {method} | {calibration} | +{bar:.0%} | {point.removed:.1%} | {point.kjv:+.1%} | "
                              f"{point.modern:+.1%} | {speed['ort_decode']:.2f}× | {speed['ideal']:.3f}× | "
                              f"{speed['trn1_end_to_end']:.2f}× |")
-        every = ["", "Every point tried (`--keep K`; the budget: " + ", ".join(f"{m} {b}" for m, b in BUDGETS.items()
+        budgets = BUDGETS | self.args.budgets
+        every = ["", "Every point tried (`--keep K`; the budget: " + ", ".join(f"{m} {b}" for m, b in budgets.items()
                                                                              if m in self.args.methods)
                  + "; keeps that round to the same aligned ranks give the same budget, and so the same model):", "",
                  "| method | calibration | keep | MLP removed | NT | modern | after `finetune` (NT / modern) |",
@@ -241,6 +245,14 @@ def sensitivity_spec(text: str) -> tuple[str, Path]:
     return calibration, Path(report)
 
 
+def budget_spec(text: str) -> tuple[str, str]:
+    method, _, budget = text.partition(":")
+    if method not in BUDGETS or budget not in ("uniform", "global", "sensitivity"):
+        raise argparse.ArgumentTypeError(f"{text}: give METHOD:BUDGET, a method of {', '.join(BUDGETS)} and "
+                                         "uniform, global or sensitivity")
+    return method, budget
+
+
 def finetune_spec(text: str) -> tuple[str, str, float]:
     method, calibration, keep = text.split(":")
     return method, calibration, float(keep)
@@ -258,6 +270,9 @@ def main() -> int:
                         metavar="CALIBRATION:REPORT", help="the sensitivities nystrom's first point of a calibration "
                         "reuses instead of measuring them: the report of a rewrite on the same statistics with a "
                         "perplexity budget")
+    parser.add_argument("--budgets", nargs="*", type=budget_spec, default=[], metavar="METHOD:BUDGET",
+                        help="another --budget for a method than its usual one (e.g. nystrom:global, whose plan "
+                             "needs no damage probe: Qwen2.5-0.5B's does not fit 24 GB)")
     parser.add_argument("--calib-samples", type=int, default=64, help="windows of 512 tokens for the statistics")
     parser.add_argument("--align", type=int, default=32)
     parser.add_argument("--eval-windows", type=int, default=16)
@@ -265,7 +280,7 @@ def main() -> int:
     parser.add_argument("--quality", default="docs/quality.md")
     parser.add_argument("--speed", default="docs/speed.md")
     args = parser.parse_args()
-    args.keeps, args.sensitivity_from = dict(args.keeps), dict(args.sensitivity_from)
+    args.keeps, args.sensitivity_from, args.budgets = dict(args.keeps), dict(args.sensitivity_from), dict(args.budgets)
     Study(args).run()
     return 0
 

@@ -100,18 +100,111 @@ def main() -> int:
 
 
 def write_page(path: Path, exported: Path, manifest: dict, answers: list, commands: list[str]) -> None:
-    template = (Path(__file__).resolve().parent / "trainium_deploy.md").read_text()
-    rows = [f"| {graph['name']} | {graph['tokens']} | {len(graph['kernels'])} | {len(graph['fused_mlps'])} | "
-            f"{sum(1 for choice in graph['mlp_kernels'] if not choice['fused'])} | {graph['modelled_us']:,.1f} | "
-            f"{graph['modelled_dense_us']:,.1f} | {graph['lowering_check']['max_abs']:.1e} |"
-            for graph in manifest["graphs"]]
+    rows = "\n".join(
+        f"| {graph['name']} | {graph['tokens']} | {len(graph['kernels'])} | {len(graph['fused_mlps'])} | "
+        f"{sum(1 for choice in graph['mlp_kernels'] if not choice['fused'])} | "
+        + (f"{graph['modelled_us']:,.1f} | {graph['modelled_dense_us']:,.1f}" if "modelled_us" in graph else "— | —")
+        + f" | {graph['lowering_check']['max_abs']:.1e} |" for graph in manifest["graphs"])
     cache = manifest["cache"]["tensors"]
-    said = [f"| {prompt} | {reference['text']!r} | {static['text']!r} | "
-            f"{'yes' if reference['tokens'] == static['tokens'] else 'no'} |" for prompt, reference, static in answers]
-    path.write_text(template.format(
-        graphs="\n".join(rows), cache_tensors=len(cache), cache_shape="×".join(map(str, cache[0]["shape"])),
-        answers="\n".join(said), machine=machine(), invocation=invocation(),
-        commands="\n".join(commands), exported=exported.name))
+    said = "\n".join(f"| {prompt} | {reference['text']!r} | {static['text']!r} | "
+                     f"{'yes' if reference['tokens'] == static['tokens'] else 'NO'} |"
+                     for prompt, reference, static in answers)
+    listed = "\n".join(commands)
+    columns = ("graph", "tokens", "custom ops", "MLPs fused", "MLPs as projections", "modelled µs",
+               "dense µs (modelled)", "lowering vs onnxruntime, max abs")
+    header = "| " + " | ".join(columns) + " |\n|---|" + "---:|" * (len(columns) - 1)
+    shape = "×".join(map(str, cache[0]["shape"]))
+    path.write_text(PAGE.format(header=header, rows=rows, tensors=len(cache), shape=shape, answers=said,
+                                machine=machine(), invocation=invocation(), commands=listed,
+                                exported=exported.name, new=NEW_TOKENS))
+
+
+PAGE = """# Deploying on Trainium
+
+Neuron runs static shapes. A model that generates is therefore not one graph but several: a **prefill** graph
+per prompt-length bucket, which writes a prompt's keys and values into the KV cache, and one **decode** graph,
+which reads one new token, writes its keys and values at the position it is given and returns the next logits.
+The cache has a fixed number of positions (`--max-context`) and is an input/output pair of every graph: the
+buffer the runtime keeps on the device between steps. This is how every Trainium serving stack runs an LLM (NxD
+Inference, transformers-neuronx, NeuronMM's own code); `onnx-nmm compile --max-context` makes those graphs
+from any exported KV-cache model `rewrite` accepts.
+
+## The path
+
+```
+onnx-nmm export model.gguf -o model.onnx                  # or your own export with a KV cache
+onnx-nmm rewrite model.onnx -o small.onnx --calib my-text.txt --tokenizer model.gguf
+onnx-nmm compile small.onnx --target trn1 --max-context 2048 -o small.neuron
+onnx-nmm generate small.neuron --prompt "What is the capital of France?"
+onnx-nmm bench small.neuron model.onnx --target trn1       # modelled: the compiled graphs as they run
+```
+
+`compile --max-context N` writes, into the folder:
+
+- `prefill_<B>.onnx`: a prefill of B tokens, one per bucket (default 128, 512, 2048 below N, and N;
+  `--buckets` to choose);
+- `decode.onnx`: one decode step over the cache of N positions, written at its `cache_position` input;
+- `weights.data`: the weights of every graph, each written once: the graphs share them;
+- `manifest.json`: the buckets; the cache, each tensor's shape and the output that aliases its input; every
+  graph's custom ops with their kernel, block sizes and modelled time; every MLP's kernel choice with the times
+  it compared; the lowering check;
+- `<graph>/model.pt`, `<graph>/compiler/`: with the Neuron SDK, each graph's `torch_neuronx` trace and its NEFF
+  (the weights kept out of the NEFF).
+
+Each graph chooses its own MLP kernels: at a prefill of 512 tokens and at a decode step of one the faster of
+the fused MLP kernel and the projections launched one by one is not the same (modelled), so each graph fuses
+an MLP only where that is faster at its shape. Each graph is lowered to PyTorch and checked against
+onnxruntime before anything is written. Without the Neuron SDK the whole folder is still written (the trace is
+the only step missing) and `compile` exits 3 saying what to install; `--dry-run` stops there on purpose.
+
+`generate DIR` runs the folder: the prompt padded to the smallest bucket that holds it, then one decode step
+per token. `--backend ort` and `--backend torch` run the very graphs on the CPU (torch: lowered to PyTorch as
+the trace takes them), `--backend emulator` with the NKI kernels on the emulator, `--backend neuron` the
+traces. A prompt longer than the largest bucket, or more tokens than the cache holds, is a one-line error.
+`bench DIR --target trn1` prices the folder as it runs (modelled): a prompt costs its bucket's prefill, and
+every decode step attends over the whole cache, which is what a static cache costs.
+
+## Checked here, on SmolLM2-135M
+
+No machine here has a Trainium device. On SmolLM2-135M-Instruct, exported with its KV cache by a script that
+is not onnx-nmm's ({exported}: torch.onnx's TorchScript exporter, inputs named `tokens`, `attn_mask`,
+`positions`, `past.N.k`, `past.N.v`), rewritten at keep 0.9 and compiled with `--target trn1 --max-context 256
+--dry-run`:
+
+{header}
+{rows}
+
+The cache: {tensors} tensors of {shape} (batch, heads, positions, head size), each aliased by its present
+output. Greedy answers, {new} new tokens at most, the rewritten model on onnxruntime (its own dynamic cache)
+against the compiled folder on the CPU (`generate DIR --backend torch`: the static-shape programs lowered to
+PyTorch, the custom ops as torch math):
+
+| prompt | `generate MODEL` (onnxruntime) | `generate DIR --backend torch` | same tokens |
+|---|---|---|---|
+{answers}
+
+Machine: {machine}. Regenerate with `{invocation}`.
+
+## What is modelled, what a device measures
+
+Every Trainium time here and in `compile`'s and `bench --target`'s output is **modelled**: the kernels' cost
+model ([kernels.md](kernels.md)) for the linear layers, a roofline for the rest ([speed.md](speed.md)). On a
+Trainium machine, install the SDK (`pip install --extra-index-url https://pip.repos.neuron.amazonaws.com
+torch-neuronx neuronx-cc nki`) and compile without `--dry-run`: each graph is traced with the same kernel source
+the emulator runs, and `generate DIR --backend neuron` runs the traces. `bench-kernels --device` measures the
+kernels themselves on the NeuronCore ([kernels.md](kernels.md)).
+
+Not done yet, and not hidden: the traces take the cache as plain inputs and outputs, so on a device each step
+still moves the cache between host and device; keeping it on the device needs the cache held as the traced
+module's state with `torch_neuronx.trace(..., input_output_aliases=...)`, which the manifest's aliasing pairs
+are written for. None of the device path has been run on a device.
+
+## Commands
+
+```
+{commands}
+```
+"""
 
 
 if __name__ == "__main__":

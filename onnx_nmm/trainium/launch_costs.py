@@ -1,5 +1,6 @@
-"""What one launch costs on a NeuronCore (modelled), and the one choice made from it: whether an MLP runs as
-its one fused kernel or as its projections launched one by one, the activation between them.
+"""What one launch costs on a NeuronCore (modelled), and the choices made from it: whether an MLP runs as its
+one fused kernel or as its projections launched one by one, the activation between them; and the best dense
+path of a layer, what every modelled speed-up is against.
 
 A kernel's cost comes from the kernels' cost model (a trace of the kernel at that shape, memoized); an op that
 is no kernel of ours (an activation between projections) is priced by a roofline on the same NeuronCore:
@@ -82,3 +83,13 @@ def choose_mlp_kernel(op: str, dims: dict[str, int], tokens: int, target: str) -
     parts.append(activation_cost(dims["I"], spec.gated, tokens, target))
     seconds, bytes_, flops = (sum(values) for values in zip(*parts))
     return MlpChoice(op, spec.kernel, f"{len(launches)} {launches[0][0]}", tokens, fused, (seconds, bytes_, flops))
+
+
+def best_dense_cost(op: str, dims: dict[str, int], tokens: int, target: str) -> Cost:
+    """The fastest way to run the layer(s) an op stands for with their dense weights (modelled): dense_matmul for a
+    factorized layer; for an MLP the faster of the dense MLP kernel and its dense projections one by one."""
+    spec = kernel_spec(op)
+    if spec.dense_op is None:
+        (x, w), = spec.dense_products(tokens, dims)
+        return kernel_cost("dense_matmul", (x, w), target)
+    return choose_mlp_kernel(spec.dense_op, {"H": dims["H"], "I": dims["I"]}, tokens, target).cost

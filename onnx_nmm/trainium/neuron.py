@@ -17,7 +17,7 @@ import onnx
 from onnx_nmm.errors import ModelError
 from onnx_nmm.kernel_table import KernelSpec, kernel_spec
 from onnx_nmm.passes import svd_ops
-from onnx_nmm.trainium.launch_costs import kernel_cost
+from onnx_nmm.trainium.launch_costs import best_dense_cost, kernel_cost
 
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
@@ -105,16 +105,12 @@ def _plan_dict(plan) -> dict[str, int]:
 
 
 def _modelled(spec: KernelSpec, tokens: int, dims: dict[str, int], target: str) -> tuple[float, float, float, float]:
-    """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model. "Dense" is
-    the layer's dense products launched one by one, with a gated MLP's activation between them (an ungated
-    MLP's activation is left out: the dense time is a floor). Launch costs are memoized by shape."""
+    """(fused µs, dense µs, fused HBM MB, dense HBM MB), all modelled with the kernels' cost model. "Dense" is the
+    best dense path of the same layer(s) (launch_costs.best_dense_cost): for an MLP, the faster of the dense MLP
+    kernel and its dense projections launched one by one. Launch costs are memoized by shape."""
     fused = kernel_cost(spec.kernel, spec.shapes(tokens, dims), target)
-    dense = [kernel_cost("dense_matmul", shapes, target) for shapes in spec.dense_products(tokens, dims)]
-    if spec.gated:
-        activation = (tokens, dims["I"])
-        dense.append(kernel_cost("silu_mul", (activation, activation), target))
-    dense_s, dense_bytes = sum(cost[0] for cost in dense), sum(cost[1] for cost in dense)
-    return fused[0] * 1e6, dense_s * 1e6, fused[1] / 1e6, dense_bytes / 1e6
+    dense = best_dense_cost(spec.op, dims, tokens, target)
+    return fused[0] * 1e6, dense[0] * 1e6, fused[1] / 1e6, dense[1] / 1e6
 
 
 def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str, separate_weights: bool = False):

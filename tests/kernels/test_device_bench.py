@@ -20,8 +20,10 @@ def launches():
 
 
 def test_the_grid_has_each_distinct_launch_of_the_programs_once(launches):
-    assert len(launches) == len(set(launches)) == 20  # per token count: 7 dense (gate and up alike), 2 XUV, 1 MLP
-    assert {launch.kernel for launch in launches} == {"dense_matmul", "silu_mul", "fused_xuv", "fused_svd_mlp"}
+    # per token count: 7 dense (gate and up alike), 1 dense MLP, 2 XUV, 1 MLP
+    assert len(launches) == len(set(launches)) == 22
+    assert {launch.kernel for launch in launches} == {"dense_matmul", "silu_mul", "dense_gated_mlp", "fused_xuv",
+                                                      "fused_svd_mlp"}
     assert device.Launch("dense_matmul", ((64, 256), (256, 128)), "bfloat16", "trn2") in launches  # x·U unfused
 
 
@@ -56,7 +58,7 @@ def test_the_command_writes_measured_beside_modelled_for_every_launch(tmp_path, 
                  "--tokens", "1", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench-kernels-device.json").read_text())
-    assert "--device emulator" in report["command"] and len(report["launches"]) == 10
+    assert "--device emulator" in report["command"] and len(report["launches"]) == 11
     assert all(result["ok"] and result["target"] == "trn1" for result in report["launches"])
     assert "measured (p50) vs modelled" in capsys.readouterr().out
 
