@@ -90,6 +90,24 @@ def test_the_refit_beats_keeping_the_rows_and_the_scores_order_the_neurons():
     assert greedy.relative_error(greedy.kept(WIDTH - 1), greedy.refit(greedy.kept(WIDTH - 1))) < 1e-12
 
 
+@pytest.mark.parametrize("score", NEURON_SCORES)
+def test_the_errors_of_every_width_at_once_are_those_of_one_refit_per_width(score):
+    """The nested computation the budgets use (one Cholesky factor for every width) against a solve per width;
+    with no ridge on a singular C it falls back to the solves."""
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((400, WIDTH)) * rng.uniform(0.1, 3.0, WIDTH)
+    narrowing = MlpNarrowing(h.T @ h, rng.standard_normal((WIDTH, HIDDEN)), score=score)
+    widths = [1, 5, 8, 16, WIDTH - 1, WIDTH]
+    at_once = narrowing.relative_errors(widths)
+    for width in widths:
+        kept = narrowing.kept(width)
+        assert at_once[width] == pytest.approx(narrowing.relative_error(kept, narrowing.refit(kept)), rel=1e-9,
+                                               abs=1e-12)
+    singular = MlpNarrowing(h[:8].T @ h[:8], narrowing.down, score=score, ridge=0.0)
+    kept = singular.kept(8)
+    assert singular.relative_errors([8])[8] == singular.relative_error(kept, singular.refit(kept))
+
+
 def test_the_ridge_is_chosen_on_held_out_activations():
     rng = np.random.default_rng(3)
     h = rng.standard_normal((40, WIDTH))  # few tokens: the calibration correlation is noisy

@@ -89,17 +89,22 @@ def main() -> int:
     onnx_nmm.run("compile", rewritten, "--target", "trn1", "--max-context", 256, "--dry-run", "-o", compiled,
                  "--force")
     manifest = json.loads((compiled / "manifest.json").read_text())
+    dense = work / "smollm2-dense.neuron"
+    onnx_nmm.run("compile", exported, "--target", "trn1", "--max-context", 256, "--dry-run", "-o", dense, "--force")
+    priced = onnx_nmm.json("bench", dense, compiled, "--target", "trn1", "--prompt-lengths", "128,256",
+                           "--contexts", "128", "--generation", "32,32", "--json")
     answers = []
     for prompt in PROMPTS:
         common = ["--prompt", prompt, "--tokenizer", gguf, "--max-new-tokens", NEW_TOKENS, "--json"]
         reference = onnx_nmm.json("generate", rewritten, *common)
         static = onnx_nmm.json("generate", compiled, *common, "--backend", "torch")
         answers.append((prompt, reference, static))
-    write_page(Path(args.out), exported, manifest, answers, onnx_nmm.lines)
+    write_page(Path(args.out), exported, manifest, priced["models"][1]["speedup"], answers, onnx_nmm.lines)
     return 0 if all(reference["tokens"] == static["tokens"] for _, reference, static in answers) else 1
 
 
-def write_page(path: Path, exported: Path, manifest: dict, answers: list, commands: list[str]) -> None:
+def write_page(path: Path, exported: Path, manifest: dict, speedup: dict, answers: list,
+               commands: list[str]) -> None:
     rows = "\n".join(
         f"| {graph['name']} | {graph['tokens']} | {len(graph['kernels'])} | {len(graph['fused_mlps'])} | "
         f"{sum(1 for choice in graph['mlp_kernels'] if not choice['fused'])} | "
@@ -114,7 +119,10 @@ def write_page(path: Path, exported: Path, manifest: dict, answers: list, comman
                "dense µs (modelled)", "lowering vs onnxruntime, max abs")
     header = "| " + " | ".join(columns) + " |\n|---|" + "---:|" * (len(columns) - 1)
     shape = "×".join(map(str, cache[0]["shape"]))
-    path.write_text(PAGE.format(header=header, rows=rows, tensors=len(cache), shape=shape, answers=said,
+    versus = (f"prefill of 128 {speedup['prefill']['128']:.2f}×, of 256 {speedup['prefill']['256']:.2f}×, a decode "
+              f"step {speedup['decode']['128']:.2f}×, a prompt of 32 and 32 new tokens end to end "
+              f"{speedup['generation']['end to end']:.2f}×")
+    path.write_text(PAGE.format(header=header, rows=rows, tensors=len(cache), shape=shape, answers=said, versus=versus,
                                 machine=machine(), invocation=invocation(), commands=listed,
                                 exported=exported.name, new=NEW_TOKENS))
 
@@ -174,8 +182,10 @@ is not onnx-nmm's ({exported}: torch.onnx's TorchScript exporter, inputs named `
 {header}
 {rows}
 
-The cache: {tensors} tensors of {shape} (batch, heads, positions, head size), each aliased by its present
-output. Greedy answers, {new} new tokens at most, the rewritten model on onnxruntime (its own dynamic cache)
+(A narrowed MLP is a dense MLP of smaller width: its best dense path is itself, so its two times agree; against
+the dense model's own compiled folder, `bench DENSE_DIR DIR --target trn1` prices the rewrite at: {versus},
+modelled.) The cache: {tensors} tensors of {shape} (batch, heads, positions, head size), each aliased by its
+present output. Greedy answers, {new} new tokens at most, the rewritten model on onnxruntime (its own dynamic cache)
 against the compiled folder on the CPU (`generate DIR --backend torch`: the static-shape programs lowered to
 PyTorch, the custom ops as torch math):
 

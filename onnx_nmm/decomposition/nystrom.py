@@ -98,6 +98,39 @@ class MlpNarrowing:
         narrowed = np.sum(refit * (c[np.ix_(kept, kept)] @ refit))
         return float(max(full - 2 * cross + narrowed, 0.0) / full) if full > 0 else 0.0
 
+    def relative_errors(self, widths: list[int]) -> dict[int, float]:
+        """relative_error of the refit at each width, all at once: the kept sets are nested (the order keeps the
+        same neurons first), so one Cholesky factor of the ordered C + λI serves every width.
+
+        With A = C_PP + λI (P the neurons by priority), A = L·Lᵀ, B = (C·W_d + λ·W_d)_P and Y = L⁻¹B, the refit
+        on the first k is X_k = (L⁻ᵀ)_kk·Y_k (a triangular matrix's leading block inverts to the inverse's), and
+        E_k = tr(W_dᵀ C W_d) − ‖Y_k‖² + λ(2·tr(W_kᵀ X_k) − ‖X_k‖²); X grows block by block as k does.
+        Falls back to one refit per width when C + λI is not positive definite (λ = 0 on a singular C)."""
+        c, w, damping = self.gram, self.down, self.damping
+        priority = self.order()[::-1]
+        try:
+            lower = np.linalg.cholesky(c[np.ix_(priority, priority)] + damping * np.eye(self.width))
+        except np.linalg.LinAlgError:
+            return {width: self.relative_error(kept, self.refit(kept))
+                    for width in widths for kept in [self.kept(width)]}
+        ordered = w[priority]
+        lower_inverse = np.tril(np.linalg.inv(lower))  # triangular too: tril drops the solver's rounding above
+        y = lower_inverse @ (c[priority] @ w + damping * ordered)
+        upper_inverse = lower_inverse.T  # L⁻ᵀ
+        full = float(np.sum(w * (c @ w)))
+        explained = np.concatenate([[0.0], np.cumsum(np.einsum("ih,ih->i", y, y))])
+        fit = np.zeros_like(y)  # X_k in its first k rows
+        errors, done = {}, 0
+        for width in sorted(set(widths)):
+            if not 0 < width <= self.width:
+                raise ValueError(f"width must be in [1, {self.width}], got {width}")
+            fit[:width] += upper_inverse[:width, done:width] @ y[done:width]
+            done = width
+            ridge = damping * (2 * np.sum(ordered[:width] * fit[:width]) - np.sum(fit[:width] ** 2))
+            error = full - explained[width] + ridge
+            errors[width] = float(max(error, 0.0) / full) if full > 0 else 0.0
+        return errors
+
     def choose_ridge(self, held_out_gram: np.ndarray, width: int) -> float:
         """ρ among RIDGE_CANDIDATES whose refit at `width` errs least on held-out activations; kept as self.ridge."""
         kept = self.kept(width)

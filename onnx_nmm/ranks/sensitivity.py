@@ -106,9 +106,9 @@ class NarrowingCandidate(Candidate):
         return [Narrowed(width, self.k) for width in aligned_widths(self.k, align)]
 
     def truncation_loss(self, rank: Narrowed) -> float:
-        if rank.width not in self._losses:
-            kept = self.narrowing.kept(rank.width)
-            self._losses[rank.width] = self.narrowing.relative_error(kept, self.narrowing.refit(kept))
+        if rank.width not in self._losses:  # with every width on the same grid: they cost about one
+            step = math.gcd(rank.width, 32)
+            self._losses |= self.narrowing.relative_errors([*aligned_widths(self.k, step), rank.width])
         return self._losses[rank.width]
 
     def parameters(self, rank: Narrowed | Dense) -> int:
