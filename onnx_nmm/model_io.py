@@ -31,7 +31,9 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = Path(path)
     if path.is_dir():
         inside = sorted(path.glob("*.onnx"))
-        if (path / "genai_config.json").is_file() and inside:
+        if (path / "manifest.json").is_file() and inside:
+            hint = "a folder compile wrote, which generate and bench read; give the model it came from"
+        elif (path / "genai_config.json").is_file() and inside:
             hint = f"an onnxruntime-genai folder: give its model, {inside[0]}"
         elif (path / "config.json").is_file():
             hint = "a Hugging Face model folder: export it first (onnx-nmm export FOLDER -o model.onnx)"
