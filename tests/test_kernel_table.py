@@ -102,3 +102,39 @@ def test_compile_keeps_an_mlp_unfused_where_its_projections_are_faster(export, t
     choices = compiled.manifest["mlp_kernels"]
     assert [c["op"] for c in choices] == [svd_ops.GATED_MLP] * 2 and all(c["separate_us"] > 0 for c in choices)
     assert compiled.manifest["fused_mlps"] == [c["mlp"] for c in choices if c["fused"]]
+
+
+def test_a_factorized_mlp_takes_the_dense_path_where_the_dense_kernel_is_fastest():
+    """A rank that keeps more parameters than the dense weights (1920 of 2048×8192) costs more than them: the
+    choice multiplies the factors back (modelled); at rank 1280 the fused kernel reads fewer bytes and wins."""
+    from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
+
+    dims = {"H": 2048, "I": 8192, "rank_gate": 1920, "rank_up": 1920, "rank_down": 1920}
+    long_prefill = choose_mlp_kernel("SvdGatedMLP", dims, 2048, "trn1")
+    assert long_prefill.way == "dense" and long_prefill.cost == long_prefill.dense
+    assert long_prefill.dense[0] < min(long_prefill.fused[0], long_prefill.separate[0])
+    lower = dims | {"rank_gate": 1280, "rank_up": 1280, "rank_down": 1280}
+    assert choose_mlp_kernel("SvdGatedMLP", lower, 1, "trn1").way == "fused"
+    assert choose_mlp_kernel("GatedMLP", {"H": 2048, "I": 8192}, 2048, "trn1").dense is None  # dense already
+
+
+def test_densifying_a_fused_mlp_keeps_its_function(export, tmp_path):
+    """passes/mlp_densify.py: each SvdGatedMLP becomes a GatedMLP on U·V, and onnxruntime gives the same output."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from onnx_nmm import ModelRunner
+    from onnx_nmm.passes.mlp_densify import DensifyMlpPass
+
+    fused = tmp_path / "fused.onnx"
+    rewrite(export("llama", "dynamo"), RewriteOptions(ranks=RankOptions(keep=0.5, align=32), fuse_mlp=True)).save(fused)
+    model = ir.load(fused)
+    names = {node.name for node in model.graph if node.op_type == "SvdGatedMLP"}
+    densify = DensifyMlpPass(names)
+    densify(model)
+    assert sorted(densify.densified) == sorted(names) and len(names) == 2
+    assert {node.op_type for node in model.graph if node.domain == "ai.onnx_nmm"} == {"GatedMLP"}
+    ir.save(model, tmp_path / "dense.onnx")
+    feeds = {"input_ids": np.arange(12)[None] % 100, "attention_mask": np.ones((1, 12), np.int64)}
+    expected, actual = (ModelRunner(path)(feeds)["logits"] for path in (fused, tmp_path / "dense.onnx"))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))

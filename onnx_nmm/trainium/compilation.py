@@ -3,9 +3,10 @@
     fuse MLPs where faster ─ lower to PyTorch ─ check against onnxruntime ─ plan a kernel per custom op
                     ─ torch_neuronx.trace (custom ops as @nki.jit kernels) ─ folder: NEFF, TorchScript, manifest
 
-Shapes are static on Neuron, so the batch and sequence length are fixed here. Each MLP becomes one fused kernel
-where that kernel is modelled faster at this shape than its projections launched one by one
-(launch_costs.choose_mlp_kernel); the manifest keeps both times. Without the Neuron SDK every
+Shapes are static on Neuron, so the batch and sequence length are fixed here. Each MLP runs on the kernel
+modelled fastest at this shape (launch_costs.choose_mlp_kernel): its fused kernel, its projections launched one
+by one, or for a factorized MLP the dense MLP kernel on its factors multiplied back; the manifest keeps the
+times compared. Without the Neuron SDK every
 step up to the trace runs, then NeuronSdkMissing says what to install; `dry_run` stops there on purpose and
 writes the manifest. The folder is written under a temporary name and renamed when complete.
 """
@@ -22,7 +23,6 @@ import onnx_ir as ir
 from onnx_nmm.errors import NeuronSdkMissing, OutputError
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.runtime.backend_runner import Model
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import first_step
@@ -47,10 +47,8 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     from onnx_nmm.kernels.nki_api import USING_EMULATOR
 
     source = ModelSource.of(model)
-    choices: dict[str, dict] = {}  # the MLP kernel chosen for each MLP, and the times compared
     tokens = options.batch * options.seq_len
-    chooser = compile_steps.mlp_chooser(tokens, options.target, choices) if USING_EMULATOR else None
-    fused, unfused = fuse_every_mlp(source.model, chooser) if options.fuse_mlp else ([], {})
+    mlps = compile_steps.fuse_mlps(source.model, tokens, options.target, options.fuse_mlp)
     proto = ir.to_proto(source.model)
     onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
     branches = len(proto.graph.node)
@@ -73,9 +71,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)}
                    for name, array in inputs.items()],
         "outputs": [{"name": o.name, "shape": check["shapes"][o.name]} for o in reference.get_outputs()],
-        "fused_mlps": fused, "unfused_mlps": unfused,
-        "mlp_kernels": list(choices.values()) if chooser is not None or not options.fuse_mlp else
-                       "not modelled: the Neuron SDK's nki is installed, so every MLP that can be fused is",
+        "fused_mlps": mlps.fused, "unfused_mlps": mlps.unfused, "mlp_kernels": mlps.chosen,
         "lowering_check": {k: v for k, v in check.items() if k != "shapes"},
         **kernels.to_dict(), "dry_run": options.dry_run, "first_step_only": first_step_only,
     }

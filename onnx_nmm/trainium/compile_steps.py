@@ -15,6 +15,8 @@ from onnx_nmm.errors import LoweringMismatch, OptionError
 from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public
+from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
+from onnx_nmm.passes.mlp_densify import DensifyMlpPass
 from onnx_nmm.quality import metrics
 from onnx_nmm.runtime import ort_runner
 from onnx_nmm.trainium import neuron
@@ -61,16 +63,42 @@ class Compilation:
     graphs: dict[str, neuron.KernelSummary] = field(default_factory=dict)  # with max_context, every graph's
 
 
-def mlp_chooser(tokens: int, target: str, choices: dict[str, dict]):
-    """The fusion passes' question, answered by the modelled times of the fused kernel and of the projections
-    one by one at `tokens` rows; every answer is kept in `choices`, by MLP."""
+@dataclass
+class MlpKernels:
+    """What the fusion made of a graph's MLPs: the fused ones, why the others were not, and per MLP the kernel
+    chosen with the modelled times compared (a note instead when the real nki is installed: then every MLP that
+    can be fused is)."""
+
+    fused: list[str]
+    unfused: dict[str, str]
+    chosen: list[dict] | str
+
+
+def fuse_mlps(model, tokens: int, target: str, fuse: bool) -> MlpKernels:
+    """Each MLP of `model` (changed in place) on its fastest kernel at `tokens` rows: fused, its projections one
+    by one, or — a factorized MLP whose dense MLP kernel beats both — densified (passes/mlp_densify.py)."""
+    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+
+    if not fuse:
+        return MlpKernels([], {}, [])
+    if not USING_EMULATOR:
+        fused, unfused = fuse_every_mlp(model)
+        return MlpKernels(fused, unfused, "not modelled: the Neuron SDK's nki is installed, so every MLP that can "
+                                          "be fused is")
+    choices: dict[str, dict] = {}
 
     def choose(name: str, op: str, shapes: list[tuple[int, ...]]) -> str | None:
         choice = choose_mlp_kernel(op, kernel_spec(op).dims(shapes), tokens, target)
         choices[name] = {"mlp": name, **choice.to_dict()}
         return None if choice.fuse else choice.reason()
 
-    return choose
+    fused, unfused = fuse_every_mlp(model, choose)
+    densify = DensifyMlpPass({name for name, choice in choices.items() if choice["densified"]})
+    densify(model)
+    for name, choice in choices.items():
+        if choice["densified"] and name not in densify.densified:  # its factors are not plain initializers
+            choice.update(densified=False, chose=f"{choice['op']} (its factors cannot be multiplied back here)")
+    return MlpKernels(fused, unfused, list(choices.values()))
 
 
 def check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:

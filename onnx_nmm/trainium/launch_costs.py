@@ -46,7 +46,8 @@ def activation_cost(width: int, gated: bool, tokens: int, target: str) -> Cost:
 
 @dataclass(frozen=True)
 class MlpChoice:
-    """An MLP op at `tokens` rows: its fused kernel's cost against its projections' launches and activation."""
+    """An MLP op at `tokens` rows: its fused kernel's cost against its projections' launches and activation and,
+    for a factorized MLP, against the dense MLP kernel on its factors multiplied back (`dense`)."""
 
     op: str
     kernel: str  # the fused kernel
@@ -54,19 +55,36 @@ class MlpChoice:
     tokens: int
     fused: Cost
     separate: Cost
+    dense: Cost | None = None
+    dense_kernel: str | None = None
+
+    @property
+    def way(self) -> str:
+        """"fused", "separate" or "dense": the fastest (a tie goes to the fewer parameters, then launches)."""
+        ways = {"fused": self.fused, "separate": self.separate}
+        if self.dense is not None:
+            ways["dense"] = self.dense
+        return min(ways, key=lambda way: ways[way][0])
 
     @property
     def fuse(self) -> bool:
-        return self.fused[0] <= self.separate[0]
+        """One op for the MLP (its fused kernel, or the dense MLP kernel it becomes when densified)."""
+        return self.way != "separate"
+
+    @property
+    def densify(self) -> bool:
+        return self.way == "dense"
 
     @property
     def cost(self) -> Cost:
-        return self.fused if self.fuse else self.separate
+        return {"fused": self.fused, "separate": self.separate, "dense": self.dense}[self.way] or self.fused
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "tokens": self.tokens, "fused": self.fuse,
-                "chose": self.kernel if self.fuse else self.separately,
-                "fused_us": self.fused[0] * 1e6, "separate_us": self.separate[0] * 1e6}
+        chose = {"fused": self.kernel, "separate": self.separately,
+                 "dense": f"{self.dense_kernel} on the factors multiplied back"}[self.way]
+        return {"op": self.op, "tokens": self.tokens, "fused": self.fuse, "densified": self.densify, "chose": chose,
+                "fused_us": self.fused[0] * 1e6, "separate_us": self.separate[0] * 1e6,
+                **({"dense_us": self.dense[0] * 1e6} if self.dense is not None else {})}
 
     def reason(self) -> str:
         """Why the MLP stays unfused, in the words of the fusion report."""
@@ -75,14 +93,21 @@ class MlpChoice:
 
 
 def choose_mlp_kernel(op: str, dims: dict[str, int], tokens: int, target: str) -> MlpChoice:
-    """The faster way to run an MLP op (onnx_nmm.kernel_table) at `tokens` rows on `target`, modelled."""
+    """The fastest way to run an MLP op (onnx_nmm.kernel_table) at `tokens` rows on `target`, modelled: its fused
+    kernel, its projections one by one, or (a factorized MLP) the dense MLP kernel on its factors' products."""
     spec = kernel_spec(op)
     launches = spec.separate_launches(tokens, dims)
     fused = kernel_cost(spec.kernel, spec.shapes(tokens, dims), target)
     parts = [kernel_cost(kernel, shapes, target) for kernel, shapes in launches]
     parts.append(activation_cost(dims["I"], spec.gated, tokens, target))
     seconds, bytes_, flops = (sum(values) for values in zip(*parts))
-    return MlpChoice(op, spec.kernel, f"{len(launches)} {launches[0][0]}", tokens, fused, (seconds, bytes_, flops))
+    dense, dense_kernel = None, None
+    if spec.dense_op is not None and spec.dense_op != op:
+        dense_spec = kernel_spec(spec.dense_op)
+        dense_kernel = dense_spec.kernel
+        dense = kernel_cost(dense_kernel, dense_spec.shapes(tokens, {"H": dims["H"], "I": dims["I"]}), target)
+    return MlpChoice(op, spec.kernel, f"{len(launches)} {launches[0][0]}", tokens, fused, (seconds, bytes_, flops),
+                     dense, dense_kernel)
 
 
 def best_dense_cost(op: str, dims: dict[str, int], tokens: int, target: str) -> Cost:

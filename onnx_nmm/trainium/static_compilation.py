@@ -23,7 +23,6 @@ import onnx_ir as ir
 from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
@@ -42,16 +41,13 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     entries, summaries, modules = [], {}, {}
     for name, model, tokens in graphs.graphs():
         assert isinstance(model, ir.Model)
-        choices: dict[str, dict] = {}
         rows = options.batch * tokens
-        chooser = compile_steps.mlp_chooser(rows, options.target, choices) if USING_EMULATOR else None
-        fused, unfused = fuse_every_mlp(model, chooser) if options.fuse_mlp else ([], {})
+        mlps = compile_steps.fuse_mlps(model, rows, options.target, options.fuse_mlp)
         modules[name], check = _lowered_and_checked(model, graphs, name)
         summaries[name] = neuron.plan_kernels(ir.to_proto(model), rows, options.target, model_costs=USING_EMULATOR)
         entries.append({"name": name, "file": f"{name}.onnx", "kind": "decode" if name == "decode" else "prefill",
-                        "tokens": tokens, "fused_mlps": fused, "unfused_mlps": unfused,
-                        "mlp_kernels": list(choices.values()) if chooser is not None or not options.fuse_mlp else
-                        "not modelled: the Neuron SDK's nki is installed, so every MLP that can be fused is",
+                        "tokens": tokens, "fused_mlps": mlps.fused, "unfused_mlps": mlps.unfused,
+                        "mlp_kernels": mlps.chosen,
                         "lowering_check": check, **summaries[name].to_dict()})
     missing = [] if options.dry_run else neuron.missing_neuron_packages()
     manifest = {"model": source.label, "target": options.target, "batch": options.batch,
