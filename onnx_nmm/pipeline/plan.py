@@ -185,15 +185,18 @@ class PlanRanks(RewritePass):
                     factorizer.decompositions[layer.name] = factorizer.decompose(layer)
                     phase.advance(detail=layer.module_path or layer.name)
         decompositions = factorizer.decompositions
-        surgery = SvdFactorizationPass([FactorizedLayer(layer, *decompositions[layer.name].factors(
-            decompositions[layer.name].max_rank), align=self.context.options.ranks.align,
-            method=f"{factorizer.method}/exact") for layer in probe_layers])
+        factors = {name: decomposition.factors(decomposition.max_rank)
+                   for name, decomposition in decompositions.items()}  # one pair per target, which all its sites read
+        surgery = SvdFactorizationPass([FactorizedLayer(layer, *factors[layer.name],
+                                                        align=self.context.options.ranks.align,
+                                                        method=f"{factorizer.method}/exact")
+                                        for layer in probe_layers])
         surgery(probe_model)
         factor_names = surgery.factor_names
         narrowings = self._full_width(probe_model, mlps)
         ir.external_data.load_to_model(probe_model)  # the lowering reads weights from the proto
         proto = ir.to_proto(probe_model)
-        del probe_model, surgery
+        del probe_model, surgery, factors
         module = lower(first_step(proto), consume=True)
         del proto
         return sensitivity.DamageProbe(module, factor_names, decompositions, tokens, metric, self.context.source,
