@@ -159,11 +159,12 @@ onnx-nmm bench small.neuron model.onnx --target trn1       # modelled: the compi
 - `<graph>/model.pt`, `<graph>/compiler/`: with the Neuron SDK, each graph's `torch_neuronx` trace and its NEFF
   (the weights kept out of the NEFF).
 
-Each graph chooses its own MLP kernels: at a prefill of 512 tokens and at a decode step of one the faster of
-the fused MLP kernel and the projections launched one by one is not the same (modelled), so each graph fuses
-an MLP only where that is faster at its shape. Each graph is lowered to PyTorch and checked against
-onnxruntime before anything is written. Without the Neuron SDK the whole folder is still written (the trace is
-the only step missing) and `compile` exits 3 saying what to install; `--dry-run` stops there on purpose.
+Each graph chooses its own MLP kernels: at a prefill of 512 tokens and at a decode step of one the fastest of
+the fused MLP kernel, the projections launched one by one and (a factorized MLP) the dense MLP kernel on its
+factors multiplied back is not the same (modelled), so each graph takes the fastest at its shape. Each graph is
+lowered to PyTorch and checked against onnxruntime before the folder is put in place. Without the Neuron SDK
+the whole folder is still written (the trace is the only step missing) and `compile` exits 3 saying what to
+install; `--dry-run` stops there on purpose.
 
 `generate DIR` runs the folder: the prompt padded to the smallest bucket that holds it, then one decode step
 per token. `--backend ort` and `--backend torch` run the very graphs on the CPU (torch: lowered to PyTorch as
