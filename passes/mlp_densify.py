@@ -36,7 +36,7 @@ class DensifyMlpPass(ir.passes.InPlacePass):
         products: dict[tuple[str, str], ir.Value] = {}  # (U, V) initializer names → their product, made once
         for node in list(model.graph):
             if (node.domain == svd_ops.DOMAIN and node.op_type in DENSE_OF and node.name in self.names
-                    and all(value.const_value is not None for value in _factors(node))):
+                    and all(value is not None and value.const_value is not None for value in _factors(node))):
                 _replace(model, node, allocate, products)
                 self.densified.append(node.name)
         if self.densified:
@@ -45,17 +45,14 @@ class DensifyMlpPass(ir.passes.InPlacePass):
 
 
 def _replace(model: ir.Model, node: ir.Node, allocate: NameAllocator, products: dict) -> None:
-    graph, inputs = model.graph, list(node.inputs)
+    graph, named = model.graph, _named_inputs(node)
+    weights = [_product(graph, named[f"U{key}"], named[f"V{key}"], allocate, products) for key in _factor_keys(node)]
     if node.op_type == svd_ops.SVD_GATED_MLP:
-        x, *factors = inputs
-        weights = [_product(graph, u, v, allocate, products) for u, v in zip(factors[::2], factors[1::2])]
-        dense_inputs = [x, *weights]
+        dense_inputs = [named["X"], *weights]
     else:
-        x, u1, v1, b1, u2, v2, *b2 = inputs
-        second = _product(graph, u2, v2, allocate, products)
-        bias = b2[0] if b2 and b2[0] is not None else initializer(
-            graph, allocate.fresh(f"{node.name}.b2"), np.zeros(second.shape[1], np.float32), second.dtype)
-        dense_inputs = [x, _product(graph, u1, v1, allocate, products), b1, second, bias]
+        bias = named.get("b2") or initializer(graph, allocate.fresh(f"{node.name}.b2"),
+                                              np.zeros(weights[1].shape[1], np.float32), weights[1].dtype)
+        dense_inputs = [named["X"], weights[0], named["b1"], weights[1], bias]
     activation = node.attributes["activation"].as_string()
     op_type = DENSE_OF[node.op_type]
     dense = ir.Node(svd_ops.DOMAIN, op_type, dense_inputs, [ir.AttrString("activation", activation)],
@@ -65,9 +62,19 @@ def _replace(model: ir.Model, node: ir.Node, allocate: NameAllocator, products: 
                                             old_values=node.outputs, new_values=dense.outputs)
 
 
-def _factors(node: ir.Node) -> list[ir.Value]:
-    inputs = list(node.inputs)
-    return inputs[1:7] if node.op_type == svd_ops.SVD_GATED_MLP else [inputs[1], inputs[2], inputs[4], inputs[5]]
+def _named_inputs(node: ir.Node) -> dict[str, ir.Value]:
+    """The node's inputs by their names in svd_ops.MLP_OP_INPUTS (an absent optional input left out)."""
+    return {name: value for name, value in zip(svd_ops.MLP_OP_INPUTS[node.op_type], node.inputs) if value is not None}
+
+
+def _factor_keys(node: ir.Node) -> list[str]:
+    """What follows U and V in each factor pair's names: g, u, d or 1, 2."""
+    return [name[1:] for name in svd_ops.MLP_OP_INPUTS[node.op_type] if name.startswith("U")]
+
+
+def _factors(node: ir.Node) -> list[ir.Value | None]:
+    named = _named_inputs(node)
+    return [named.get(f"{side}{key}") for key in _factor_keys(node) for side in "UV"]
 
 
 def _product(graph: ir.Graph, u: ir.Value, v: ir.Value, allocate: NameAllocator, products: dict) -> ir.Value:

@@ -118,8 +118,11 @@ def test_a_factorized_mlp_takes_the_dense_path_where_the_dense_kernel_is_fastest
     assert choose_mlp_kernel("GatedMLP", {"H": 2048, "I": 8192}, 2048, "trn1").dense is None  # dense already
 
 
-def test_densifying_a_fused_mlp_keeps_its_function(export, tmp_path):
-    """passes/mlp_densify.py: each SvdGatedMLP becomes a GatedMLP on U·V, and onnxruntime gives the same output."""
+@pytest.mark.parametrize(("architecture", "fused_op", "dense_op"), [("llama", "SvdGatedMLP", "GatedMLP"),
+                                                                     ("gpt2", "SvdMLP", "MLP")])
+def test_densifying_a_fused_mlp_keeps_its_function(export, tmp_path, architecture, fused_op, dense_op):
+    """passes/mlp_densify.py: each SvdGatedMLP (SvdMLP) becomes a GatedMLP (MLP) on U·V, and onnxruntime gives the
+    same output."""
     import numpy as np
     import onnx_ir as ir
 
@@ -127,14 +130,17 @@ def test_densifying_a_fused_mlp_keeps_its_function(export, tmp_path):
     from onnx_nmm.passes.mlp_densify import DensifyMlpPass
 
     fused = tmp_path / "fused.onnx"
-    rewrite(export("llama", "dynamo"), RewriteOptions(ranks=RankOptions(keep=0.5, align=32), fuse_mlp=True)).save(fused)
+    options = RewriteOptions(ranks=RankOptions(keep=0.5, align=32), fuse_mlp=True)
+    rewrite(export(architecture, "dynamo"), options).save(fused)
     model = ir.load(fused)
-    names = {node.name for node in model.graph if node.op_type == "SvdGatedMLP"}
+    names = {node.name for node in model.graph if node.op_type == fused_op}
     densify = DensifyMlpPass(names)
     densify(model)
     assert sorted(densify.densified) == sorted(names) and len(names) == 2
-    assert {node.op_type for node in model.graph if node.domain == "ai.onnx_nmm"} == {"GatedMLP"}
+    assert {node.op_type for node in model.graph if node.domain == "ai.onnx_nmm"} == {dense_op}
     ir.save(model, tmp_path / "dense.onnx")
-    feeds = {"input_ids": np.arange(12)[None] % 100, "attention_mask": np.ones((1, 12), np.int64)}
-    expected, actual = (ModelRunner(path)(feeds)["logits"] for path in (fused, tmp_path / "dense.onnx"))
+    runner = ModelRunner(fused)
+    feeds = {name: np.arange(12)[None] % 100 if "ids" in name else np.ones((1, 12), np.int64)
+             for name in runner.input_names}
+    expected, actual = runner(feeds)["logits"], ModelRunner(tmp_path / "dense.onnx")(feeds)["logits"]
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
