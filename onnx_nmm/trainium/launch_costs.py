@@ -59,12 +59,17 @@ class MlpChoice:
     dense_kernel: str | None = None
 
     @property
-    def way(self) -> str:
-        """"fused", "separate" or "dense": the fastest (a tie goes to the fewer parameters, then launches)."""
-        ways = {"fused": self.fused, "separate": self.separate}
+    def ways(self) -> dict[str, tuple[str, Cost]]:
+        """Each way to run the MLP ("fused", "separate", "dense" for a factorized one): what runs, and its cost."""
+        ways = {"fused": (self.kernel, self.fused), "separate": (self.separately, self.separate)}
         if self.dense is not None:
-            ways["dense"] = self.dense
-        return min(ways, key=lambda way: ways[way][0])
+            ways["dense"] = (f"{self.dense_kernel} on the factors multiplied back", self.dense)
+        return ways
+
+    @property
+    def way(self) -> str:
+        """The fastest way (a tie goes to the one listed first: the fused kernel, then the launches one by one)."""
+        return min(self.ways, key=lambda way: self.ways[way][1][0])
 
     @property
     def fuse(self) -> bool:
@@ -77,13 +82,11 @@ class MlpChoice:
 
     @property
     def cost(self) -> Cost:
-        return {"fused": self.fused, "separate": self.separate, "dense": self.dense}[self.way] or self.fused
+        return self.ways[self.way][1]
 
     def to_dict(self) -> dict:
-        chose = {"fused": self.kernel, "separate": self.separately,
-                 "dense": f"{self.dense_kernel} on the factors multiplied back"}[self.way]
-        return {"op": self.op, "tokens": self.tokens, "fused": self.fuse, "densified": self.densify, "chose": chose,
-                "fused_us": self.fused[0] * 1e6, "separate_us": self.separate[0] * 1e6,
+        return {"op": self.op, "tokens": self.tokens, "fused": self.fuse, "densified": self.densify,
+                "chose": self.ways[self.way][0], "fused_us": self.fused[0] * 1e6, "separate_us": self.separate[0] * 1e6,
                 **({"dense_us": self.dense[0] * 1e6} if self.dense is not None else {})}
 
     def reason(self) -> str:
@@ -105,7 +108,7 @@ def choose_mlp_kernel(op: str, dims: dict[str, int], tokens: int, target: str) -
     if spec.dense_op is not None and spec.dense_op != op:
         dense_spec = kernel_spec(spec.dense_op)
         dense_kernel = dense_spec.kernel
-        dense = kernel_cost(dense_kernel, dense_spec.shapes(tokens, {"H": dims["H"], "I": dims["I"]}), target)
+        dense = kernel_cost(dense_kernel, dense_spec.shapes(tokens, _dense_mlp_dims(dims)), target)
     return MlpChoice(op, spec.kernel, f"{len(launches)} {launches[0][0]}", tokens, fused, (seconds, bytes_, flops),
                      dense, dense_kernel)
 
@@ -117,4 +120,9 @@ def best_dense_cost(op: str, dims: dict[str, int], tokens: int, target: str) -> 
     if spec.dense_op is None:
         (x, w), = spec.dense_products(tokens, dims)
         return kernel_cost("dense_matmul", (x, w), target)
-    return choose_mlp_kernel(spec.dense_op, {"H": dims["H"], "I": dims["I"]}, tokens, target).cost
+    return choose_mlp_kernel(spec.dense_op, _dense_mlp_dims(dims), tokens, target).cost
+
+
+def _dense_mlp_dims(dims: dict[str, int]) -> dict[str, int]:
+    """A factorized MLP's sizes as its dense op takes them (its ranks dropped)."""
+    return {"H": dims["H"], "I": dims["I"]}

@@ -264,8 +264,8 @@ def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:
 
 def _kernel_cost(product: Product, tokens: int, target: str) -> Cost:
     """(seconds, HBM bytes, FLOPs) of the launches computing `product` (onnx_nmm.kernel_table; modelled): an MLP
-    by the faster of its fused kernel and its projections' launches with the activation between, as compile
-    chooses."""
+    by the fastest of its fused kernel, its projections' launches with the activation between and (factorized)
+    the dense MLP kernel on its factors multiplied back, as compile chooses."""
     if isinstance(product, Linear):
         return kernel_cost("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
     spec = kernel_spec(product.op)
