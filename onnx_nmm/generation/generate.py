@@ -93,7 +93,7 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
     prompt, ids = prompt_ids(loaded, prompt, options.chat)
     check_token_ids(ids, decoder.vocabulary, "the prompt", decoder.label)
     if isinstance(decoder, StaticDecoder):
-        graphs.check_fits(ids.size, options.max_new_tokens)
+        decoder.graphs.check_fits(ids.size, options.max_new_tokens)
     stream = _TextStream(loaded, on_text)
     new, stopped_by, first_token_s, decode_s = continuation(decoder, ids, _sampler(options), stop_tokens(loaded),
                                                             options.max_new_tokens, stream.add)

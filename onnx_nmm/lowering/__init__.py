@@ -130,9 +130,8 @@ def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def _with_lowering_domains(renamed: onnx.ModelProto) -> onnx.ModelProto:
     """`renamed` (changed in place) in the form onnx2torch converts: custom domains without dots (it puts them
-    in module names),
-    nodes in topological order, every output named (it reads an empty input name as the value of the last
-    node that left an output out), each graph output written by a one-output node (it returns a
+    in module names), nodes in topological order, every output named (it reads an empty input name as the value
+    of the last node that left an output out), each graph output written by a one-output node (it returns a
     multi-output node's whole tuple for any of its outputs)."""
     sorted_nodes = _topologically_sorted(renamed.graph)
     del renamed.graph.node[:]

@@ -30,8 +30,14 @@ _EXTERNAL_BYTES = 1024  # smaller tensors (shapes, positions) stay in their grap
 
 def is_compiled_folder(path) -> bool:
     """A folder `compile --max-context` wrote (its manifest lists the graphs of a static cache)."""
-    manifest = Path(path) / MANIFEST
-    return manifest.is_file() and "cache" in json.loads(manifest.read_text())
+    return _manifest(Path(path)) is not None
+
+
+def _manifest(folder: Path) -> dict | None:
+    """The folder's manifest, if it is one of a static cache."""
+    path = folder / MANIFEST
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    return manifest if "cache" in manifest else None
 
 
 def write_graphs(folder: Path, graphs: dict[str, ir.Model]) -> None:
@@ -59,10 +65,10 @@ def write_graphs(folder: Path, graphs: dict[str, ir.Model]) -> None:
 def read(folder) -> tuple[dict, StaticCache]:
     """The manifest of a compiled folder, and its graphs as a StaticCache (by path: each is loaded when run)."""
     folder = Path(folder)
-    if not is_compiled_folder(folder):
+    manifest = _manifest(folder)
+    if manifest is None:
         raise ModelError(f"{folder} is not a folder compile wrote for generating (no {MANIFEST} with a cache): "
                          "compile the model with {max_context} first", max_context="max_context")
-    manifest = json.loads((folder / MANIFEST).read_text())
     cache = manifest["cache"]
     layout = CacheLayout(cache["tokens"], cache["mask"], cache["positions"],
                          tuple((entry["input"], entry["aliases_output"]) for entry in cache["tensors"]))

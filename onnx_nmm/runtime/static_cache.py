@@ -131,7 +131,7 @@ class StaticDecoder:
         self.graphs, self.backend, self.target, self.threads = graphs, backend, target, threads
         self.label = graphs.label
         self._runners: dict[str, ModelRunner | TracedRunner] = {}
-        self.vocabulary = CausalLm.of_source(ModelSource.of(graphs.decode)).vocabulary
+        self.vocabulary = self._runner("decode", graphs.decode).vocabulary
         self.position = 0
         self.cache: dict[str, np.ndarray] = {}
 
@@ -180,6 +180,7 @@ class TracedRunner:
         if importlib.util.find_spec("torch_neuronx") is not None:
             import torch_neuronx  # noqa: F401  (registers the Neuron ops a Neuron trace calls)
         self.module = torch.jit.load(str(trace))
+        self.vocabulary = CausalLm.of_source(graph).vocabulary
         self.input_names = [value.name or "" for value in graph.model.graph.inputs if not value.is_initializer()]
         self.output_names = [value.name or "" for value in graph.model.graph.outputs]
 

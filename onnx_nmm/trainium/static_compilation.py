@@ -19,13 +19,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder, ort_runner
-from onnx_nmm.runtime.static_cache import StaticCache, static_cache
+from onnx_nmm.runtime.static_cache import static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 
@@ -51,12 +52,12 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
             path, rows = folder / f"{name}.onnx", options.batch * tokens
             summaries[name] = neuron.plan_kernels(onnx.load(path, load_external_data=False), rows, options.target,
                                                   model_costs=USING_EMULATOR)
-            module, check = _lowered_and_checked(path, graphs, name)
+            feeds = graphs.example_feeds(name)
+            module, check = _lowered_and_checked(path, feeds)
             entry = {"name": name, "file": path.name, "kind": "decode" if name == "decode" else "prefill",
                      "tokens": tokens, "fused_mlps": mlps[name].fused, "unfused_mlps": mlps[name].unfused,
                      "mlp_kernels": mlps[name].chosen, "lowering_check": check, **summaries[name].to_dict()}
             if traced:
-                feeds = graphs.example_feeds(name)
                 entry |= compile_steps.trace(module, {value.name: feeds[value.name] for value in model.graph.inputs},
                                              folder, options.target, name, separate_weights=True)
             entries.append(entry)
@@ -71,13 +72,13 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     return Compilation(output, manifest, summaries["decode"], summaries)
 
 
-def _lowered_and_checked(path: Path, graphs: StaticCache, name: str):
+def _lowered_and_checked(path: Path, feeds: dict[str, np.ndarray]):
     """The graph at `path` lowered to PyTorch (custom ops as torch math), and how far it is from onnxruntime on
-    the graph's example feeds."""
+    `feeds`."""
     from onnx_nmm.lowering import TorchMath, lower
 
     module = lower(path, TorchMath())
-    check = compile_steps.check_lowering(module, ort_runner.create_session(path), graphs.example_feeds(name))
+    check = compile_steps.check_lowering(module, ort_runner.create_session(path), feeds)
     return module, {key: value for key, value in check.items() if key != "shapes"}
 
 
