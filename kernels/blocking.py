@@ -3,8 +3,8 @@
 estimate_plan counts what a kernel's loop nest does under a plan — every matmul, transpose, PSUM eviction
 and DMA transfer, with its size and contiguous run — and prices each one with instruction_costs, the
 formulas cost_model applies to a traced kernel. The helpers below follow the kernels' loop nests call for
-call (dense_matmul.output_block, strip_stages, fused_mlp.act_down_strip, dense_mlp, tiles), so for any plan the
-estimate's busy time per engine and its HBM bytes are those cost_model finds in the kernel's trace
+call (dense_matmul.output_block and stripe_block, strip_stages, fused_mlp.act_down_strip, dense_mlp, tiles),
+so for any plan the estimate's busy time per engine and its HBM bytes are those cost_model finds in the kernel's trace
 (tests/kernels/test_planner_agrees_with_trace.py). Nothing is traced here: kernels plan while NKI builds
 them, on Trainium too, where there is no emulator.
 
@@ -49,12 +49,22 @@ BLOCK_TILES = (1, 2, 4, 8, 16)  # contraction tiles per block
 COLUMN_BLOCKS = (512, 1024, 2048, 4096, 8192)  # output columns per weight block
 ROW_BLOCKS = (128, 256, 512, 1024, 2048)  # rows of x per lhsT block (dense)
 TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached strip / output stripe
+PSUM_BANKS = TRN1.psum_banks  # 16 KiB per partition in 2 KiB banks, on trn1 and trn2 alike
+# PSUM banks one output block of dense_matmul may hold: its x^T transposes take turns in the others
+OUTPUT_BANKS = 6
 
 KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
            "dense_gated_mlp", "dense_ungated_mlp")
 MLP_KERNELS = ("fused_svd_mlp", "fused_svd_ungated_mlp")
 DENSE_MLP_KERNELS = ("dense_gated_mlp", "dense_ungated_mlp")
 ENGINES = ("pe", "act", "dve", "dma")  # the engines the kernels use
+
+
+@dataclass
+class OutputBlockPlan(nl.NKIObject):
+    m_block: int  # output rows per block, whose x^T stays in SBUF for every column block
+    n_block: int  # output columns per block: the block is m_block/128 x n_block/512 PSUM banks
+    k_tiles: int  # 128-row contraction tiles per w block
 
 
 @dataclass
@@ -113,7 +123,8 @@ def kernel_core():
 
 
 def plan_dense(M, K, N, dtype, transposed_input=False, target=None):
-    """The blocking of dense_matmul (transposed_input=False) or dense_matmul_lhsT for this shape."""
+    """The blocking of dense_matmul (transposed_input=False: an OutputBlockPlan) or of the tutorial's
+    dense_matmul_lhsT (a DensePlan) for this shape."""
     return _fastest("dense_matmul_lhsT" if transposed_input else "dense_matmul", (M, K, N), dtype, target)
 
 
@@ -148,10 +159,16 @@ def candidate_plans(kernel, shape):
     """Every blocking the planner considers for `kernel` (one of KERNELS) on `shape`, the dimensions plan_*
     takes: (M, K, N) for the dense kernels, (M, K, rank, N) for fused_xuv, (M, H, I, rg, ru, rd) for
     fused_svd_mlp, (M, H, I, r1, r2) for fused_svd_ungated_mlp, (M, H, I) for the dense MLPs."""
+    if kernel == "dense_matmul":  # blocks summed in PSUM, and larger ones
+        M, K, N = shape
+        in_psum = {(min(rows * TILE_M, M), min(pieces * TILE_N, N)) for rows in range(1, OUTPUT_BANKS + 1)
+                   for pieces in range(1, OUTPUT_BANKS // rows + 1)}
+        larger = {(m, n) for m in _clipped(ROW_BLOCKS, M) for n in _clipped(COLUMN_BLOCKS, N)}
+        return [OutputBlockPlan(m, n, k) for m, n in sorted(in_psum | larger) for k in _contraction_tiles(K)]
     if kernel in DENSE_MLP_KERNELS:
         M, H, intermediate = shape
         return [DenseMlpPlan(tokens, k, i) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
-                for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX))]
+                for i in _clipped(BLOCK_TILES + (32, 64), max(1, intermediate // PMAX))]
     if kernel == "fused_xuv":
         M, K, _, N = shape
         return [XuvPlan(tokens, k, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(K)
@@ -161,7 +178,7 @@ def candidate_plans(kernel, shape):
         return [MlpPlan(tokens, k, i, d, n) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
                 for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX)) for d in _clipped(BLOCK_TILES, i)
                 for n in _clipped(COLUMN_BLOCKS, H)]
-    _check_kernel(kernel)
+    _check_kernel(kernel)  # dense_matmul_lhsT
     M, K, N = shape
     return [DensePlan(stripe, m_block, n, k) for n in _clipped(COLUMN_BLOCKS, N) for k in _contraction_tiles(K)
             for m_block in _clipped(ROW_BLOCKS, M) for stripe in _clipped(TOKEN_BLOCKS, M)
@@ -199,7 +216,9 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
         return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles,
                                                    plan.i_tiles)]) for tokens, count in _spans(M, plan.token_block)],
                          core)
-    return _estimate([(1, [_dense_work(*shape, s, core, plan, kernel == "dense_matmul_lhsT")])], core)
+    if kernel == "dense_matmul":
+        return _estimate(_accumulated_row_blocks(*shape, s, core, plan), core)
+    return _estimate([(1, [_stripe_work(*shape, s, core, plan)])], core)
 
 
 # -- the instructions each loop nest issues --------------------------------------------------------------------
@@ -324,48 +343,117 @@ def _overlapped_seconds(token_blocks, issue_interval):
     return longest
 
 
-def _dense_work(M, K, N, s, core, plan, transposed_input):
-    """dense_matmul.blocked_matmul: one output block per stripe of rows and block of columns."""
+def _accumulated_row_blocks(M, K, N, s, core, plan):
+    """dense_matmul, as (how many, loop nests) per kind of row block: the first column block, which makes x^T
+    as it goes, then the other column blocks."""
+    blocks = k_blocks(K, plan.k_tiles)
+    t_max = max(t for _, _, t in blocks)
+    m_block, n_block = min(plan.m_block, M), min(plan.n_block, N)
+    x_rows = K if m_block <= PMAX else 2 * cdiv(m_block, PMAX) * t_max * PMAX  # whole rows, or a block's columns
+    # x^T stays for the later column blocks; with one column block, three blocks of it are live at once
+    x_T = sum(t for _, _, t in blocks) * m_block if n_block < N else 3 * t_max * m_block
+    x_tiles = (x_T + x_rows) * s
+    in_sbuf = cdiv(m_block, TILE_M) * cdiv(n_block, TILE_N) > OUTPUT_BANKS and len(blocks) > 1
+    partials = cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
+    sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * n_block * s
+
+    row_blocks = []
+    for rows, count in _spans(M, plan.m_block):
+        first = _Work(core, s)
+        whole_rows = rows <= PMAX
+        if whole_rows:
+            _load_row_tiles(first, "x", 1, rows, K)
+        for (P, t), kinds in Counter((P, t) for _, P, t in blocks).items():
+            _transposed_block(first, kinds, rows, P, t, loaded=whole_rows)
+        # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
+        t = blocks[0][2]
+        first.wait(1, first.scalar((t % _transposes_per_bank(s) or _transposes_per_bank(s)) * min(rows, PMAX)))
+        _output_block(first, 1, rows, n_block, blocks, N)
+        nests = [first]
+        later_columns = _spans(N - n_block, plan.n_block)
+        if later_columns:
+            later = _Work(core, s)
+            for cols, column_blocks in later_columns:
+                _output_block(later, column_blocks, rows, cols, blocks, N)
+            later.steps = sum(column_blocks for _, column_blocks in later_columns) * len(blocks)
+            nests.append(later)
+        first.steps = len(blocks)
+        for nest in nests:
+            nest.sbuf = sbuf
+        row_blocks.append((count, nests))
+    return row_blocks
+
+
+def _output_block(work, times, rows, cols, blocks, N):
+    """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
+    in PSUM (then every bank copied out by ScalarE) or, larger, in SBUF as dense_matmul_lhsT's stripes are;
+    every 128 rows stored."""
+    s = work.s
+    if cdiv(rows, TILE_M) * cdiv(cols, TILE_N) > OUTPUT_BANKS:
+        _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
+        return
+    for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
+        _load_interleaved_rows(work, "w", times * count, P, t, cols, whole_rows=cols == N)
+    row_tiles = _spans(rows, TILE_M)
+    tiles = sum(count for _, count in row_tiles)
+    pieces = _spans(cols, TILE_N)
+    evictions = sum(count * tiles * work.scalar(nt) for nt, count in pieces)
+    k_tiles = sum(t for _, _, t in blocks)
+    work.group(times, sum(count * work.matmuls(k_tiles * tiles, nt) for nt, count in pieces), act=evictions)
+    if 2 * tiles * cdiv(cols, TILE_N) > work.core.psum_banks - 1:
+        # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
+        # matmuls wait for these banks to be emptied
+        work.wait(times, evictions)
+    for R, count in row_tiles:
+        work.store("y", times * count, R * cols * s, cols * s)
+
+
+def _transposed_block(work, times, rows, P, t, loaded):
+    """dense_matmul.transposed_block: the block's columns of every 128 rows (tiles.load_row_tiles) unless the
+    rows are `loaded` whole, then per 128 tokens TensorE transposes, several to a PSUM bank, each bank copied
+    out by ScalarE."""
+    if not loaded:
+        _load_row_tiles(work, "x", times, rows, P * t)
+    for T, chunks in _spans(rows, PMAX):
+        for group, banks in _spans(t, _transposes_per_bank(work.s)):
+            work.group(times * chunks * banks, work.transposes(group, T), act=work.scalar(group * T))
+
+
+def _stripe_work(M, K, N, s, core, plan):
+    """dense_matmul_lhsT: one stripe block per stripe of rows and block of columns."""
     work = _Work(core, s)
     blocks = k_blocks(K, plan.k_tiles)
     block_kinds = _kinds([(P, t) for _, P, t in blocks])
     for rows, stripes in _spans(M, plan.m_stripe):
         for cols, column_blocks in _spans(N, plan.n_block):
-            _output_block(work, stripes * column_blocks, rows, cols, block_kinds, M, N, plan.m_block, transposed_input)
+            _stripe_block(work, stripes * column_blocks, rows, cols, block_kinds, M, N, plan.m_block, loads_lhsT=True)
     row_blocks = cdiv(min(plan.m_stripe, M), plan.m_block)
     work.steps = cdiv(M, plan.m_stripe) * cdiv(N, plan.n_block) * len(blocks) * row_blocks
 
     t_max = max(t for _, _, t in blocks)
     m_stripe, m_block, n_block = min(plan.m_stripe, M), min(plan.m_block, M), min(plan.n_block, N)
     partials = cdiv(m_stripe, TILE_M) * n_block * 4 if len(blocks) > 1 else 0
-    x_rows = 0 if transposed_input else 2 * t_max * PMAX * s
-    work.sbuf = partials + 2 * t_max * (n_block + m_block) * s + 2 * n_block * s + x_rows
+    work.sbuf = partials + 2 * t_max * (n_block + m_block) * s + 2 * n_block * s
     return work
 
 
-def _output_block(work, times, rows, cols, block_kinds, M, N, m_block, transposed_input):
-    """dense_matmul.output_block: per contraction block the w block, then per row block its x^T block and the
-    matmuls of each 128 x 512 output tile; the last contraction block stores the rows."""
+def _stripe_block(work, times, rows, cols, block_kinds, M, N, m_block, loads_lhsT):
+    """dense_matmul.stripe_block: per contraction block the w block, then per row block its lhsT block (when
+    `loads_lhsT`; dense_matmul's larger output blocks hold x^T already) and the matmuls of each 128 x 512
+    output tile, summed in fp32 in SBUF across the blocks; the last contraction block stores the rows."""
     s = work.s
     for (P, t, first, last), count in block_kinds.items():
         blocks = times * count
         _load_interleaved_rows(work, "w", blocks, P, t, cols, whole_rows=cols == N)
         for m_rows, row_blocks in _spans(rows, m_block):
-            _lhsT_block(work, blocks * row_blocks, m_rows, P, t, M, transposed_input)
+            if loads_lhsT:
+                _load_interleaved_rows(work, "x", blocks * row_blocks, P, t, m_rows, whole_rows=m_rows == M)
             for mt, row_tiles in _spans(m_rows, TILE_M):
                 tiles = blocks * row_blocks * row_tiles
                 for nt, column_tiles in _spans(cols, TILE_N):
                     work.group(tiles * column_tiles, work.matmuls(t, nt), *work.evict(nt, first))
                 if last:
                     work.store("y", tiles, mt * cols * s, cols * s)
-
-
-def _lhsT_block(work, times, rows, P, t, M, transposed_input):
-    """dense_matmul.lhsT_block: x^T loaded as it is, or transposed from x 128 tokens at a time."""
-    if transposed_input:
-        _load_interleaved_rows(work, "x", times, P, t, rows, whole_rows=rows == M)
-    else:
-        _transposed_x(work, times, rows, P, t)
 
 
 # The fused kernels' loop nests are cached: plan_mlp prices thousands of candidates that share them.
@@ -468,6 +556,9 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
     h_tiles = sum(t for _, _, t in h_blocks)
     projections = ("wg", "wu") if gated else ("w1",)
     i_blocks = k_blocks(intermediate, i_tiles)
+    if sums_in_psum(tokens, H, i_tiles, len(projections)):
+        _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projections)
+        return work
     for (P, t, first, last), count in _kinds([(P, t) for _, P, t in i_blocks]).items():
         for tensor in projections:
             for (kp, kt), h_count in Counter((kp, kt) for _, kp, kt in h_blocks).items():
@@ -488,12 +579,59 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
 
     t_max = max(t for _, _, t in i_blocks)
     columns = t_max * PMAX
-    x_tiles = h_tiles * tokens * s + 2 * H * s  # x^T and the rows it comes from
-    weights = 2 * len(projections) * h_tiles * columns * s + 2 * t_max * H * s + (0 if gated else 2 * t_max * s)
+    x_T = h_tiles * tokens * s
+    # a block of I's gate and up columns over all of H, and the next block's first ones loading meanwhile; the
+    # Wd block, which the next block's gate and up outlive
+    kt_max = max(t for _, _, t in h_blocks)
+    projected = len(projections) * (h_tiles + kt_max) * columns * s
+    weights = projected + t_max * H * s + (0 if gated else 2 * t_max * s)
     act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 0)
     sums = cdiv(tokens, TILE_M) * H * 4 if len(i_blocks) > 1 else 0
-    work.sbuf = x_tiles + weights + act + sums + 2 * H * s
+    # the rows x^T comes from are gone before the weights arrive; two output rows in turn at the end
+    work.sbuf = x_T + max(2 * H * s, weights + act + sums + 2 * H * s)
     return work
+
+
+def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projections):
+    """dense_mlp._streamed_token_block after x^T: per block of I, per block of H each projection's columns and
+    their matmuls (the block's sums in PSUM), actᵀ as they leave it, Wd's rows of each I tile and the matmuls
+    of their weight tiles into y^T (summed over all of I in PSUM); at the end y^T copied out, transposed back,
+    copied out again and stored (_store_transposed)."""
+    s = work.s
+    h_tiles = sum(t for _, _, t in h_blocks)
+    gated = len(projections) == 2
+    out_tiles = _spans(H, PMAX)
+    for (P, t), count in Counter((P, t) for _, P, t in i_blocks).items():
+        for tensor in projections:
+            for (kp, kt), h_count in Counter((kp, kt) for _, kp, kt in h_blocks).items():
+                _load_interleaved_rows(work, tensor, count * h_count, kp, kt, P * t, whole_rows=P * t == intermediate)
+        if not gated:
+            work.load("bias", count, P * t * s, t * s)
+        work.group(count, len(projections) * work.matmuls(h_tiles * t, tokens),
+                   act=t * work.scalar(tokens), dve=t * work.vector(tokens) if gated else 0.0)
+        work.load("wd", count * t, P * H * s, H * s)  # Wd's rows of each I tile
+        work.group(count, work.matmuls(t * cdiv(H, PMAX), tokens))
+    for rows, n in out_tiles:
+        work.group(n, work.transposes(1, rows), act=work.scalar(tokens) + work.scalar(rows))
+    work.store("y", 1, tokens * H * s, H * s)
+    work.steps = len(i_blocks) * (len(projections) * len(h_blocks) + 1)
+
+    t_max = max(t for _, _, t in i_blocks)
+    kt_max = max(t for _, _, t in h_blocks)
+    x_tiles = h_tiles * tokens * s + 2 * H * s  # x^T and the rows it comes from
+    weights = 2 * len(projections) * kt_max * PMAX * t_max * s + 2 * H * s
+    act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 2 * t_max * s)
+    work.sbuf = x_tiles + weights + act + cdiv(H, PMAX) * tokens * s + H * s
+
+
+def sums_in_psum(tokens, H, i_tiles, projections):
+    """Whether dense_mlp keeps every sum of a block of `tokens` in PSUM: y^T over all of I ([128, tokens] per
+    128 rows of H), each block of I's gate and up (`projections` of them, a bank each) over all of H, and a
+    bank for the transposes back."""
+    if tokens > TILE_M or tokens * i_tiles > TILE_N:
+        return False
+    y_banks = cdiv(cdiv(H, PMAX), TILE_N // tokens)
+    return y_banks + projections + 1 <= PSUM_BANKS
 
 
 def _act_T(work, times, P, t, tokens, rank, bias):

@@ -1,31 +1,47 @@
-"""Dense matmul y = x · w with the blocking of AWS's fully optimized NKI matmul tutorial (the baseline).
+"""Dense matmul y = x · w: the dense baseline every low-rank kernel is set against, and the AWS tutorial's
+matmul (the cost model's calibration anchor).
 
-The tutorial (nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py,
-`nki_matmul_fully_optimized_`) holds a stripe of output rows for one block of columns in SBUF while it
-streams the contraction in blocks: each block of w is loaded once and reused by every row block of the
-stripe, each row block of x is reused by every column tile, and TensorE accumulates one block of the
-contraction in PSUM before the Vector engine adds it onto the stripe. Two changes here:
+`dense_matmul(x, w)` takes x in natural [M, K] layout like every other kernel here. It computes y in output
+blocks of m_block rows and n_block columns, a row block's column blocks one after another:
 
-- the stripe's partial sums are float32 (the tutorial keeps them in the output dtype, so a bf16 kernel
-  rounds after every contraction block), and the last block writes the output dtype directly;
-- block sizes come from blocking.plan_dense for the shape and target instead of fixed constants, and the
-  stripe height is bounded so that float32 partial sums fit SBUF for any M.
+  1. x^T of a row block is made once, as its first column block needs it (per contraction block one DMA
+     of the block's columns for every 128 tokens, or up to 128 tokens' whole rows in one DMA; TensorE
+     transposes, ScalarE copies), and stays in SBUF for every column block;
+  2. per contraction block of k_tiles tiles, the block's rows of w (one DMA, row-interleaved as x^T's
+     tiles are) are the moving operand and x^T the stationary one, each 128 x 512 output tile in a PSUM
+     bank;
+  3. a block of at most OUTPUT_BANKS banks accumulates over the whole contraction in PSUM, and after the
+     last contraction block ScalarE copies each bank out in x's dtype; a larger block leaves PSUM after
+     every contraction block and is summed in fp32 in SBUF; each 128 rows go to HBM in one DMA.
 
-`dense_matmul(x, w)` takes x in natural [M, K] layout like every other kernel here and makes x^T tiles
-in-kernel with TensorE transposes (tiles.transpose_tokens). `dense_matmul_lhsT(lhsT, w)` is the
-tutorial's own calling convention (x delivered transposed) and is what the calibration anchor runs.
+Summing in PSUM costs a small M no eviction per contraction block (a [1, 512] partial sum costs VectorE
+as much as a [128, 512] one); larger blocks reuse each block of w over more rows and load it in longer
+rows. w is read once per row block, x once. Block sizes come from blocking.plan_dense for the shape and
+target.
+
+`dense_matmul_lhsT(lhsT, w)` is the tutorial's kernel in its own calling convention (x delivered
+transposed; nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py,
+`nki_matmul_fully_optimized_`): a stripe of output rows for one block of columns held in SBUF while the
+contraction streams in blocks, each block of w loaded once and reused by every row block of the stripe,
+TensorE accumulating one contraction block in PSUM before VectorE adds it onto the stripe. It is what the
+cost model's calibration anchor runs (tools/tutorial_matmuls.py), with two changes: the stripe's partial
+sums are float32 (the tutorial keeps them in the output dtype), and its block sizes come from
+blocking.plan_dense(transposed_input=True) unless given.
 """
 
-from onnx_nmm.kernels.blocking import plan_dense
-from onnx_nmm.kernels.nki_api import nki, nl
+from onnx_nmm.kernels.blocking import OUTPUT_BANKS, plan_dense
+from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
     TILE_M,
+    TILE_N,
     cdiv,
+    evict_partial_sum,
     k_blocks,
     load_interleaved_rows,
+    load_row_tiles,
     multiply_rows_into,
-    transpose_tokens,
+    transpose_rows,
 )
 
 
@@ -36,7 +52,7 @@ def dense_matmul(x, w, plan=None):
     Args:
         x: [M, K] activations, row-major (tokens x features, as an ONNX graph holds them).
         w: [K, N] weight, same dtype as x (bfloat16 or float32).
-        plan: a blocking.DensePlan; None asks blocking.plan_dense for this shape and target.
+        plan: a blocking.OutputBlockPlan; None asks blocking.plan_dense for this shape and target.
     Returns:
         y: [M, N] in x's dtype, in shared HBM.
     """
@@ -47,18 +63,91 @@ def dense_matmul(x, w, plan=None):
     if plan is None:
         plan = plan_dense(M, K, N, x.dtype, transposed_input=False)
     y = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
-    blocked_matmul(x, w, y, plan, x_is_transposed=False)
+    blocks = k_blocks(K, plan.k_tiles)
+    for row0 in range(0, M, plan.m_block):
+        rows = min(plan.m_block, M - row0)
+        # up to 128 tokens, their whole rows in one DMA (short rows per contraction block move slowly)
+        x_rows = None
+        if rows <= PMAX:
+            x_rows = nl.ndarray((PMAX, 1, K), dtype=x.dtype, buffer=nl.sbuf)
+            load_row_tiles(x_rows, x, row0, rows, 0, K)
+        xT = []  # the row block's x^T, one [P, t, rows] tile per contraction block, made as they are first used
+        for col0 in range(0, N, plan.n_block):
+            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(plan.n_block, N - col0))
     return y
+
+
+def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols):
+    """y[row0 : row0+rows, col0 : col0+cols] = x · w. The row block's x^T tiles (`xT`, one per contraction
+    block) are made here where they are first used, from `x_rows` if its rows are loaded already.
+
+    A block of at most blocking.OUTPUT_BANKS PSUM banks accumulates over the whole contraction in PSUM and
+    leaves it once; a larger one leaves PSUM after every contraction block, summed in fp32 in SBUF (the
+    tutorial's partial sums), and a single contraction block needs no sums at all.
+    """
+    in_psum = cdiv(rows, TILE_M) * cdiv(cols, TILE_N) <= OUTPUT_BANKS
+    acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols, TILE_N)]
+           for _ in range(0, rows, TILE_M)] if in_psum else None
+    partials = None
+    if not in_psum and len(blocks) > 1:
+        partials = [nl.ndarray((PMAX, cols), dtype=nl.float32, buffer=nl.sbuf) for _ in range(cdiv(rows, TILE_M))]
+    for b, (k0, P, t) in enumerate(blocks):
+        # x^T a contraction block ahead, so that ScalarE copies the next block's transposes out of PSUM while
+        # TensorE multiplies this one
+        for ahead in range(len(xT), min(b + 2, len(blocks))):
+            xT.append(transposed_block(x, x_rows, row0, rows, *blocks[ahead]))
+        w_block = nl.ndarray((PMAX, t, cols), dtype=w.dtype, buffer=nl.sbuf)
+        load_interleaved_rows(w_block, w, k0, P, t, col0, col0 + cols)
+        if in_psum:
+            accumulate(acc, xT[b], w_block, rows, cols, P, t, first=b == 0)
+        else:
+            multiply_rows_into(y, row0, col0, xT[b], w_block, partials, 0, rows, cols, P, t, b == 0,
+                               b == len(blocks) - 1)
+    if in_psum:
+        for r, r0 in enumerate(range(0, rows, TILE_M)):
+            R = min(TILE_M, rows - r0)
+            result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
+            for n, n0 in enumerate(range(0, cols, TILE_N)):
+                nt = min(TILE_N, cols - n0)
+                evict_partial_sum(result[0:R, n0 : n0 + nt], None, acc[r][n][0:R, 0:nt], first=True, last=True)
+            nisa.dma_copy(dst=y[row0 + r0 : row0 + r0 + R, col0 : col0 + cols], src=result[0:R, 0:cols])
+
+
+def accumulate(acc, xT, w_block, rows, cols, P, t, first):
+    """acc[r][n] (+)= one contraction block's product, row tile by row tile (the first row tile's matmuls need
+    only the first 128 tokens' x^T)."""
+    for r, r0 in enumerate(range(0, rows, TILE_M)):
+        R = min(TILE_M, rows - r0)
+        for j in range(t):
+            for n, n0 in enumerate(range(0, cols, TILE_N)):
+                nt = min(TILE_N, cols - n0)
+                nisa.nc_matmul(acc[r][n][0:R, 0:nt], stationary=xT[0:P, j, r0 : r0 + R],
+                               moving=w_block[0:P, j, n0 : n0 + nt], accumulate=not first or j > 0)
+
+
+def transposed_block(x, x_rows, row0, rows, k0, P, t):
+    """x^T for contraction rows k0.. (row-interleaved, as the w block) and the `rows` tokens from row0, by
+    TensorE transposes: from `x_rows` (the tokens' whole rows), or from the block's columns of every 128
+    tokens loaded in one DMA (tiles.load_row_tiles)."""
+    column0 = k0
+    if x_rows is None:
+        x_rows = nl.ndarray((PMAX, cdiv(rows, PMAX), P * t), dtype=x.dtype, buffer=nl.sbuf)
+        load_row_tiles(x_rows, x, row0, rows, k0, k0 + P * t)
+        column0 = 0
+    block = nl.ndarray((PMAX, t, rows), dtype=x.dtype, buffer=nl.sbuf)
+    for c, tok0 in enumerate(range(0, rows, PMAX)):
+        transpose_rows(block, x_rows[:, c, :], min(PMAX, rows - tok0), column0, P, t, tok0)
+    return block
 
 
 @nki.jit
 def dense_matmul_lhsT(lhsT, w, plan=None):
-    """y = lhsT^T · w, the tutorial's form.
+    """y = lhsT^T · w, the tutorial's kernel and form.
 
     Args:
         lhsT: [K, M], the left operand delivered transposed (contraction first).
         w: [K, N] weight, same dtype.
-        plan: a blocking.DensePlan; None asks blocking.plan_dense.
+        plan: a blocking.DensePlan; None asks blocking.plan_dense(transposed_input=True).
     Returns:
         y: [M, N] in lhsT's dtype, in shared HBM.
     """
@@ -68,24 +157,17 @@ def dense_matmul_lhsT(lhsT, w, plan=None):
     assert lhsT.dtype == w.dtype, f"lhsT is {lhsT.dtype} but w is {w.dtype}"
     if plan is None:
         plan = plan_dense(M, K, N, lhsT.dtype, transposed_input=True)
-    y = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    blocked_matmul(lhsT, w, y, plan, x_is_transposed=True)
-    return y
-
-
-def blocked_matmul(x, w, y, plan, x_is_transposed):
-    """y = x · w, one output stripe of rows and block of columns at a time."""
-    M, N = y.shape
     # Partial sums are kept per 128-row tile of the stripe, so row blocks must start on tile boundaries.
     assert plan.m_block % TILE_M == 0 or plan.m_block >= M, f"m_block {plan.m_block}: a multiple of {TILE_M}"
     assert plan.m_stripe % plan.m_block == 0 or plan.m_stripe >= M, "m_stripe must be a multiple of m_block"
+    y = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
     for row0 in range(0, M, plan.m_stripe):
         for col0 in range(0, N, plan.n_block):
-            output_block(x, w, y, row0, min(plan.m_stripe, M - row0), col0, min(plan.n_block, N - col0),
-                         plan, x_is_transposed)
+            stripe_block(lhsT, w, y, row0, min(plan.m_stripe, M - row0), col0, min(plan.n_block, N - col0), plan)
+    return y
 
 
-def output_block(x, w, y, row0, rows, col0, cols, plan, x_is_transposed):
+def stripe_block(lhsT, w, y, row0, rows, col0, cols, plan):
     """y[row0:row0+rows, col0:col0+cols], streaming the contraction in blocks of plan.k_tiles tiles."""
     K = w.shape[0]
     blocks = k_blocks(K, plan.k_tiles)
@@ -102,17 +184,7 @@ def output_block(x, w, y, row0, rows, col0, cols, plan, x_is_transposed):
 
         for m0 in range(0, rows, plan.m_block):
             m_rows = min(plan.m_block, rows - m0)
-            lhsT = lhsT_block(x, x_is_transposed, row0 + m0, m_rows, k0, P, t)
-            multiply_rows_into(y, row0 + m0, col0, lhsT, w_block, partials, m0 // TILE_M, m_rows, cols, P, t,
+            block = nl.ndarray((PMAX, t, m_rows), dtype=lhsT.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(block, lhsT, k0, P, t, row0 + m0, row0 + m0 + m_rows)
+            multiply_rows_into(y, row0 + m0, col0, block, w_block, partials, m0 // TILE_M, m_rows, cols, P, t,
                                first, last)
-
-
-def lhsT_block(x, x_is_transposed, row0, rows, k0, P, t):
-    """The [P, t, rows] block of x^T for contraction rows k0.. and output rows row0..row0+rows."""
-    block = nl.ndarray((PMAX, t, rows), dtype=x.dtype, buffer=nl.sbuf)
-    if x_is_transposed:
-        load_interleaved_rows(block, x, k0, P, t, row0, row0 + rows)
-    else:
-        for tok0 in range(0, rows, PMAX):
-            transpose_tokens(block, x, row0 + tok0, min(PMAX, rows - tok0), k0, P, t, tok0)
-    return block

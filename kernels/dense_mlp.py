@@ -15,17 +15,28 @@ For each block of tokens:
      leaves PSUM in its natural [tokens, H] layout; the I blocks are summed in fp32 in SBUF;
   4. the last I block writes y in x's dtype and stores it.
 No transpose of the intermediate activation, and it never leaves SBUF — the same dataflow as the fused SVD
-MLP (fused_mlp), with whole weights instead of factors. Block sizes come from blocking.plan_dense_mlp.
+MLP (fused_mlp), with whole weights instead of factors.
+
+Up to 128 tokens (decode), when blocking.sums_in_psum allows, every sum stays in PSUM instead:
+  2'. per block of I, the gate and up columns stream in by blocks of H, in long rows, each I tile's gate and
+      up summed over all of H in its own place of PSUM; actᵀ as they leave it;
+  3'. Wd's rows of each I tile (one DMA each) are the stationary operand and actᵀ the moving one (a weight
+      tile costs TensorE max(tokens, 64) cycles instead of 512), y^T summed over all of I in PSUM;
+  4'. y^T leaves PSUM once, TensorE transposes it back, and the rows are stored.
+Nothing is summed in SBUF, so no VectorE addition per block of I (a [1, 512] one costs as much as a
+[128, 512] one). Block sizes come from blocking.plan_dense_mlp.
 """
 
-from onnx_nmm.kernels.blocking import plan_dense_mlp
+from onnx_nmm.kernels.blocking import plan_dense_mlp, sums_in_psum
 from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
+    PSUM_BANK_BYTES,
     TILE_M,
     TILE_N,
     cdiv,
+    dtype_bytes,
     k_blocks,
     load_interleaved_rows,
     multiply_rows_into,
@@ -93,6 +104,9 @@ def _token_blocks(x, projections, bias, wd, plan, act):
         tokens = min(plan.token_block, M - row0)
         xT = _transposed(x, row0, tokens, h_blocks)
         i_blocks = k_blocks(wd.shape[0], plan.i_tiles)
+        if sums_in_psum(tokens, H, plan.i_tiles, len(projections)):
+            _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0, tokens, act, x.dtype)
+            continue
         # fp32 sums of y over the I blocks, one [128, H] tile per 128 tokens; a single I block needs none.
         partials = None
         if len(i_blocks) > 1:
@@ -103,6 +117,77 @@ def _token_blocks(x, projections, bias, wd, plan, act):
             load_interleaved_rows(wd_block, wd, i0, P, t, 0, H)
             _down(actT, wd_block, y, partials, row0, tokens, P, t, b == 0, b == len(i_blocks) - 1)
     return y
+
+
+def _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0, tokens, act, dtype):
+    """y for up to 128 tokens, every sum in PSUM (steps 2'-4' of the module docstring)."""
+    H = y.shape[1]
+    h_tiles = cdiv(H, PMAX)
+    per_bank = TILE_N // tokens  # [128, tokens] fp32 sums that fit one PSUM bank
+    yT = [nl.ndarray((PMAX, min(per_bank, h_tiles - g), tokens), dtype=nl.float32, buffer=nl.psum)
+          for g in range(0, h_tiles, per_bank)]
+    for b, (i0, P, t) in enumerate(i_blocks):
+        columns = P * t
+        sums = [nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.psum) for _ in projections]
+        for (k0, kp, kt), x_block in zip(h_blocks, xT):
+            for w, acc in zip(projections, sums):
+                w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
+                load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
+                for j in range(t):
+                    for h in range(kt):
+                        nisa.nc_matmul(acc[0:P, j, 0:tokens], stationary=w_block[0:kp, h, j : columns : t],
+                                       moving=x_block[0:kp, h, 0:tokens], accumulate=k0 > 0 or h > 0)
+        actT = _activated(sums, bias, i0, P, t, tokens, act, dtype)
+        for j in range(t):  # Wd's rows of actᵀ's tile j, one DMA each: a wide block of I needs no wide Wd block
+            wd_rows = nl.ndarray((PMAX, H), dtype=wd.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=wd_rows[0:P, 0:H], src=wd[i0 + j : i0 + columns : t, 0:H])
+            for n, h0 in enumerate(range(0, H, PMAX)):
+                rows = min(PMAX, H - h0)
+                nisa.nc_matmul(yT[n // per_bank][0:rows, n % per_bank, 0:tokens],
+                               stationary=wd_rows[0:P, h0 : h0 + rows], moving=actT[0:P, j, 0:tokens],
+                               accumulate=b > 0 or j > 0)
+    _store_transposed(yT, per_bank, y, row0, tokens)
+
+
+def _store_transposed(yT, per_bank, y, row0, tokens):
+    """y[row0 : row0+tokens] from its transpose's PSUM sums: each [128, tokens] tile out of PSUM, transposed
+    back by TensorE, several to a bank, out of PSUM again, and the rows stored in one DMA."""
+    H = y.shape[1]
+    h_tiles = cdiv(H, PMAX)
+    yT_rows = nl.ndarray((PMAX, h_tiles, tokens), dtype=y.dtype, buffer=nl.sbuf)
+    for n, h0 in enumerate(range(0, H, PMAX)):
+        rows = min(PMAX, H - h0)
+        nisa.activation(dst=yT_rows[0:rows, n, 0:tokens], op=nl.copy,
+                        data=yT[n // per_bank][0:rows, n % per_bank, 0:tokens])
+    result = nl.ndarray((PMAX, H), dtype=y.dtype, buffer=nl.sbuf)
+    per_transpose_bank = PSUM_BANK_BYTES // (PMAX * dtype_bytes(y.dtype))
+    for g0 in range(0, h_tiles, per_transpose_bank):
+        bank = nl.ndarray((PMAX, per_transpose_bank, PMAX), dtype=y.dtype, buffer=nl.psum)
+        for n in range(g0, min(h_tiles, g0 + per_transpose_bank)):
+            rows = min(PMAX, H - n * PMAX)
+            nisa.nc_transpose(dst=bank[0:tokens, n - g0, 0:rows], data=yT_rows[0:rows, n, 0:tokens],
+                              engine=nisa.engine.tensor)
+            nisa.activation(dst=result[0:tokens, n * PMAX : n * PMAX + rows], op=nl.copy,
+                            data=bank[0:tokens, n - g0, 0:rows])
+    nisa.dma_copy(dst=y[row0 : row0 + tokens, 0:H], src=result[0:tokens, 0:H])
+
+
+def _activated(sums, bias, i0, P, t, tokens, act, dtype):
+    """actᵀ [128, t, tokens] in `dtype` from the PSUM sums of the gate and up (or fc1): act on ScalarE as the
+    gate leaves PSUM (with fc1's bias, one value per I row), the product with the up on VectorE."""
+    bias_block = None
+    if bias is not None:
+        bias_block = nl.ndarray((PMAX, t), dtype=bias.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bias_block[0:P, 0:t], src=bias[i0 : i0 + P * t].reshape((P, t)))
+    actT = nl.ndarray((PMAX, t, tokens), dtype=dtype, buffer=nl.sbuf)
+    gate = actT if len(sums) == 1 else nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
+    for j in range(t):
+        row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
+        nisa.activation(dst=gate[0:P, j, 0:tokens], op=act, data=sums[0][0:P, j, 0:tokens], bias=row_bias)
+        if len(sums) == 2:
+            nisa.tensor_tensor(dst=actT[0:P, j, 0:tokens], data1=gate[0:P, j, 0:tokens],
+                               data2=sums[1][0:P, j, 0:tokens], op=nl.multiply)
+    return actT
 
 
 def _transposed(x, row0, tokens, h_blocks):

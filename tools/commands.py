@@ -41,9 +41,13 @@ class CommandLog:
         from pathlib import Path
 
         if all(Path(output).exists() for output in outputs):
-            self._record([str(a) for a in shown or argv], "# kept from an earlier run:")
+            self.kept(*(shown or argv))
             return
         self.run(*argv, shown=shown)
+
+    def kept(self, *argv) -> None:
+        """Record `onnx-nmm ARGV` without running it: its result is what an earlier run of the study left."""
+        self._record([str(a) for a in argv], "# kept from an earlier run:")
 
     def _record(self, argv: list[str], label: str) -> None:
         line = shlex.join(["onnx-nmm", *map(as_typed, argv)])
@@ -68,7 +72,7 @@ class CommandLog:
         model = Path(model)
         kept = model.with_name(f"{model.stem}.eval-{hashlib.sha1(shlex.join(argv).encode()).hexdigest()[:12]}.json")
         if kept.exists() and kept.stat().st_mtime >= model.stat().st_mtime:
-            self._record(argv, "# kept from an earlier run:")
+            self.kept(*argv)
             return json.loads(kept.read_text())
         result = self.json(*argv)
         kept.write_text(json.dumps(result))

@@ -154,6 +154,7 @@ class Study:
         kind = "trn1" if "--target" in flags else "ort"
         kept = kv.with_name(f"{kv.stem}.bench-{kind}.json")
         if kept.exists() and kept.stat().st_mtime >= kv.stat().st_mtime:
+            self.log.kept("bench", self.kv, kv, *flags, "--json")
             return json.loads(kept.read_text())
         result = self.log.json("bench", self.kv, kv, *flags, "--json")
         kept.write_text(json.dumps(result))

@@ -36,6 +36,12 @@ def test_the_summary_states_both_bars(rows):
     )
     (decode,) = summary["decode"]
     assert decode["parameter_ratio"] == pytest.approx(2048 * 8192 / (1280 * (2048 + 8192)))
+    # every dense kernel launch of both dense paths against its own roofline: 3 dense_matmul and 1 dense MLP a row
+    worst = summary["dense_kernels_over_roofline_max"]
+    assert set(worst) == {"dense_matmul", "dense_gated_mlp"} and min(worst.values()) >= 1.0
+    within, launches = summary["dense_kernels_within_goal"]
+    assert launches == 2 * 4 and within == sum(ratio <= benchmark.DENSE_ROOFLINE_GOAL for row in rows
+                                               for _, ratio in row.dense_kernels_over_roofline())
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2"])

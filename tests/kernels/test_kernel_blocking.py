@@ -73,7 +73,9 @@ def test_weights_move_in_one_transfer_per_block_and_small_token_blocks_store_the
 def test_plans_respect_the_shape_and_the_hardware_tiles():
     dense = plan_dense(700, 300, 9000, "bfloat16", target="trn1")
     assert dense.n_block % 512 == 0 or dense.n_block == 9000
-    assert dense.m_block <= dense.m_stripe <= 700
+    assert dense.m_block % 128 == 0 or dense.m_block == 700
+    tutorial = plan_dense(700, 300, 9000, "bfloat16", transposed_input=True, target="trn1")
+    assert tutorial.m_block <= tutorial.m_stripe <= 700
     xuv = plan_xuv(1, 4096, 1000, 4096, "float32", target="trn2")
     assert xuv.token_block == 1 and 1 <= xuv.k_tiles <= 16
     mlp = plan_mlp(8192, H, I, R, R, R, "bfloat16", target="trn1")

@@ -20,16 +20,19 @@ from onnx_nmm.kernels import (
     run,
     silu_mul,
 )
-from onnx_nmm.kernels.blocking import DenseMlpPlan, DensePlan, MlpPlan, XuvPlan
+from onnx_nmm.kernels.blocking import DenseMlpPlan, DensePlan, MlpPlan, OutputBlockPlan, XuvPlan
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Error relative to the output's largest magnitude: bf16 rounds the intermediates and the output
 # (2^-9 each), fp32 only sums in a different order.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-5}
 SMALL_DENSE = DensePlan(m_stripe=128, m_block=128, n_block=512, k_tiles=1)
+PSUM_BLOCKS = OutputBlockPlan(m_block=128, n_block=512, k_tiles=1)  # one bank per block, summed in PSUM
+SBUF_BLOCKS = OutputBlockPlan(m_block=256, n_block=2048, k_tiles=1)  # up to 8 banks: summed in SBUF
 SMALL_XUV = XuvPlan(token_block=128, k_tiles=1, n_block=512)
 SMALL_MLP = MlpPlan(token_block=128, k_tiles=1, i_tiles=2, down_tiles=1, n_block=512)
-SMALL_DENSE_MLP = DenseMlpPlan(token_block=128, k_tiles=1, i_tiles=2)
+SMALL_DENSE_MLP = DenseMlpPlan(token_block=128, k_tiles=1, i_tiles=2)  # up to 128 tokens: every sum in PSUM
+WIDE_DENSE_MLP = DenseMlpPlan(token_block=256, k_tiles=1, i_tiles=2)  # above 128: y summed in SBUF
 
 
 def arrays(seed, dtype, *shapes):
@@ -54,12 +57,20 @@ def check(result, reference, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", [None, SMALL_DENSE], ids=["planned", "small-blocks"])
-@pytest.mark.parametrize(("M", "K", "N"), [(1, 200, 300), (37, 300, 700), (130, 384, 1030)])
+@pytest.mark.parametrize("plan", [None, PSUM_BLOCKS, SBUF_BLOCKS], ids=["planned", "summed-in-psum", "summed-in-sbuf"])
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 200, 300), (37, 300, 700), (130, 384, 1030), (300, 300, 2100)])
 def test_dense_matmul(M, K, N, plan, dtype):
     x, w = arrays(0, dtype, (M, K), (K, N))
     X, W = f64(x, w)
     check(run(dense_matmul, x, w, target="trn1", plan=plan), X @ W, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize(("M", "K", "N"), [(1, 200, 300), (37, 300, 700), (130, 384, 1030)])
+def test_the_tutorials_dense_matmul_lhsT(M, K, N, plan, dtype):
+    x, w = arrays(0, dtype, (M, K), (K, N))
+    X, W = f64(x, w)
     check(run(dense_matmul_lhsT, np.ascontiguousarray(x.T), w, target="trn2", plan=plan), X @ W, dtype)
 
 
@@ -98,7 +109,8 @@ def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP, WIDE_DENSE_MLP],
+                         ids=["planned", "small-blocks", "wide-blocks"])
 @pytest.mark.parametrize(("M", "H", "I", "activation"), [(1, 200, 300, "silu"), (37, 256, 700, "gelu"),
                                                          (130, 300, 520, "gelu_tanh")])
 def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
@@ -110,7 +122,8 @@ def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP, WIDE_DENSE_MLP],
+                         ids=["planned", "small-blocks", "wide-blocks"])
 @pytest.mark.parametrize(("M", "H", "I"), [(1, 200, 300), (130, 300, 520)])
 def test_dense_ungated_mlp(M, H, I, plan, dtype):
     x, w1, b1, w2 = arrays(9, dtype, (M, H), (H, I), (I,), (I, H))

@@ -31,6 +31,7 @@ CASES = [
     ("dense_matmul", (300, 1000, 700), "bfloat16", "trn1"),
     ("dense_matmul", (700, 300, 9000), "bfloat16", "trn2"),
     ("dense_matmul", (33, 2048, 700), "float32", "trn1"),
+    ("dense_matmul", (1100, 2300, 2100), "bfloat16", "trn1"),  # blocks summed in PSUM and in SBUF
     ("dense_matmul_lhsT", (1, 1000, 700), "bfloat16", "trn1"),
     ("dense_matmul_lhsT", (300, 1000, 700), "float32", "trn1"),
     ("dense_matmul_lhsT", (2048, 1000, 1536), "bfloat16", "trn2"),
