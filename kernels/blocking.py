@@ -333,7 +333,9 @@ def _overlapped_seconds(token_blocks, issue_interval):
     for g, (count, nests) in enumerate(token_blocks):
         before = sum(n * seconds for (n, _), seconds in zip(token_blocks[:g], dma[:g]))
         after = sum(n * seconds for (n, _), seconds in zip(token_blocks[g + 1 :], compute[g + 1 :]))
-        repeats = (count - 1) * max(dma[g], compute[g])
+        # each repeat streams its own weights again: its first loads come before its compute can start
+        steps = max(work.steps for work in nests)
+        repeats = (count - 1) * (max(dma[g], compute[g]) + min(dma[g], compute[g]) / steps)
         for k, work in enumerate(nests):
             later = sum(w.compute for w in nests[k + 1 :])
             streamed = sum(w.busy["dma"] for w in nests[:k]) + work.pipelined()
@@ -607,8 +609,10 @@ def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projec
                 _load_interleaved_rows(work, tensor, count * h_count, kp, kt, P * t, whole_rows=P * t == intermediate)
         if not gated:
             work.load("bias", count, P * t * s, t * s)
-        work.group(count, len(projections) * work.matmuls(h_tiles * t, tokens),
-                   act=t * work.scalar(tokens), dve=t * work.vector(tokens) if gated else 0.0)
+        evict = (t * work.scalar(tokens), t * work.vector(tokens) if gated else 0.0)
+        work.group(count, len(projections) * work.matmuls(h_tiles * t, tokens), *evict)
+        if _psum_banks(cdiv(H, PMAX), tokens) + 2 * len(projections) * _psum_banks(t, tokens) > PSUM_BANKS:
+            work.wait(count, sum(evict))  # no room for the next block's sums: they wait for these to leave
         work.load("wd", count * t, P * H * s, H * s)  # Wd's rows of each I tile
         work.group(count, work.matmuls(t * cdiv(H, PMAX), tokens))
     for rows, n in out_tiles:
@@ -626,12 +630,16 @@ def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projec
 
 def sums_in_psum(tokens, H, i_tiles, projections):
     """Whether dense_mlp keeps every sum of a block of `tokens` in PSUM: y^T over all of I ([128, tokens] per
-    128 rows of H), each block of I's gate and up (`projections` of them, a bank each) over all of H, and a
-    bank for the transposes back."""
-    if tokens > TILE_M or tokens * i_tiles > TILE_N:
+    128 rows of H) and each block of I's gate and up (`projections` of them) over all of H, with a bank to
+    spare (the transposes back)."""
+    if tokens > TILE_M:
         return False
-    y_banks = cdiv(cdiv(H, PMAX), TILE_N // tokens)
-    return y_banks + projections + 1 <= PSUM_BANKS
+    return _psum_banks(cdiv(H, PMAX), tokens) + projections * _psum_banks(i_tiles, tokens) < PSUM_BANKS
+
+
+def _psum_banks(sums, tokens):
+    """PSUM banks that `sums` fp32 sums of [128, tokens] take (dense_mlp._psum_tiles)."""
+    return cdiv(sums, TILE_N // tokens)
 
 
 def _act_T(work, times, P, t, tokens, rank, bias):

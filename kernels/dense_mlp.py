@@ -122,20 +122,18 @@ def _token_blocks(x, projections, bias, wd, plan, act):
 def _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0, tokens, act, dtype):
     """y for up to 128 tokens, every sum in PSUM (steps 2'-4' of the module docstring)."""
     H = y.shape[1]
-    h_tiles = cdiv(H, PMAX)
-    per_bank = TILE_N // tokens  # [128, tokens] fp32 sums that fit one PSUM bank
-    yT = [nl.ndarray((PMAX, min(per_bank, h_tiles - g), tokens), dtype=nl.float32, buffer=nl.psum)
-          for g in range(0, h_tiles, per_bank)]
+    yT = _psum_tiles(cdiv(H, PMAX), tokens)
     for b, (i0, P, t) in enumerate(i_blocks):
         columns = P * t
-        sums = [nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.psum) for _ in projections]
+        # each projection's sums for the block's I tiles, [128, tokens] apiece, as many to a PSUM bank as fit
+        sums = [_psum_tiles(t, tokens) for _ in projections]
         for (k0, kp, kt), x_block in zip(h_blocks, xT):
             for w, acc in zip(projections, sums):
                 w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
                 load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
                 for j in range(t):
                     for h in range(kt):
-                        nisa.nc_matmul(acc[0:P, j, 0:tokens], stationary=w_block[0:kp, h, j : columns : t],
+                        nisa.nc_matmul(acc(j, P), stationary=w_block[0:kp, h, j : columns : t],
                                        moving=x_block[0:kp, h, 0:tokens], accumulate=k0 > 0 or h > 0)
         actT = _activated(sums, bias, i0, P, t, tokens, act, dtype)
         for j in range(t):  # Wd's rows of actᵀ's tile j, one DMA each: a wide block of I needs no wide Wd block
@@ -143,13 +141,21 @@ def _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0
             nisa.dma_copy(dst=wd_rows[0:P, 0:H], src=wd[i0 + j : i0 + columns : t, 0:H])
             for n, h0 in enumerate(range(0, H, PMAX)):
                 rows = min(PMAX, H - h0)
-                nisa.nc_matmul(yT[n // per_bank][0:rows, n % per_bank, 0:tokens],
-                               stationary=wd_rows[0:P, h0 : h0 + rows], moving=actT[0:P, j, 0:tokens],
+                nisa.nc_matmul(yT(n, rows), stationary=wd_rows[0:P, h0 : h0 + rows], moving=actT[0:P, j, 0:tokens],
                                accumulate=b > 0 or j > 0)
-    _store_transposed(yT, per_bank, y, row0, tokens)
+    _store_transposed(yT, y, row0, tokens)
 
 
-def _store_transposed(yT, per_bank, y, row0, tokens):
+def _psum_tiles(count, tokens):
+    """`count` fp32 sums of [128, tokens] in PSUM, as many to a bank as fit (a matmul's output stays within a
+    bank); returns sum(i, rows), the first `rows` partitions of the i-th."""
+    per_bank = TILE_N // tokens
+    banks = [nl.ndarray((PMAX, min(per_bank, count - i0), tokens), dtype=nl.float32, buffer=nl.psum)
+             for i0 in range(0, count, per_bank)]
+    return lambda i, rows: banks[i // per_bank][0:rows, i % per_bank, 0:tokens]
+
+
+def _store_transposed(yT, y, row0, tokens):
     """y[row0 : row0+tokens] from its transpose's PSUM sums: each [128, tokens] tile out of PSUM, transposed
     back by TensorE, several to a bank, out of PSUM again, and the rows stored in one DMA."""
     H = y.shape[1]
@@ -157,8 +163,7 @@ def _store_transposed(yT, per_bank, y, row0, tokens):
     yT_rows = nl.ndarray((PMAX, h_tiles, tokens), dtype=y.dtype, buffer=nl.sbuf)
     for n, h0 in enumerate(range(0, H, PMAX)):
         rows = min(PMAX, H - h0)
-        nisa.activation(dst=yT_rows[0:rows, n, 0:tokens], op=nl.copy,
-                        data=yT[n // per_bank][0:rows, n % per_bank, 0:tokens])
+        nisa.activation(dst=yT_rows[0:rows, n, 0:tokens], op=nl.copy, data=yT(n, rows))
     result = nl.ndarray((PMAX, H), dtype=y.dtype, buffer=nl.sbuf)
     per_transpose_bank = PSUM_BANK_BYTES // (PMAX * dtype_bytes(y.dtype))
     for g0 in range(0, h_tiles, per_transpose_bank):
@@ -183,10 +188,10 @@ def _activated(sums, bias, i0, P, t, tokens, act, dtype):
     gate = actT if len(sums) == 1 else nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(t):
         row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
-        nisa.activation(dst=gate[0:P, j, 0:tokens], op=act, data=sums[0][0:P, j, 0:tokens], bias=row_bias)
+        nisa.activation(dst=gate[0:P, j, 0:tokens], op=act, data=sums[0](j, P), bias=row_bias)
         if len(sums) == 2:
             nisa.tensor_tensor(dst=actT[0:P, j, 0:tokens], data1=gate[0:P, j, 0:tokens],
-                               data2=sums[1][0:P, j, 0:tokens], op=nl.multiply)
+                               data2=sums[1](j, P), op=nl.multiply)
     return actT
 
 
