@@ -388,8 +388,8 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
 
 def _output_block(work, times, rows, cols, blocks, N):
     """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
-    in PSUM (then every bank copied out by ScalarE) or, larger, in SBUF as dense_matmul_lhsT's stripes are;
-    every 128 rows stored."""
+    in PSUM (then dense_matmul.store_sums: every bank copied out by ScalarE) or, larger, in SBUF as
+    dense_matmul_lhsT's stripes are; every 128 rows stored."""
     s = work.s
     if cdiv(rows, TILE_M) * cdiv(cols, TILE_N) > OUTPUT_BANKS:
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)

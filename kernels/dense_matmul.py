@@ -104,13 +104,19 @@ def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols):
             multiply_rows_into(y, row0, col0, xT[b], w_block, partials, 0, rows, cols, P, t, b == 0,
                                b == len(blocks) - 1)
     if in_psum:
-        for r, r0 in enumerate(range(0, rows, TILE_M)):
-            R = min(TILE_M, rows - r0)
-            result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
-            for n, n0 in enumerate(range(0, cols, TILE_N)):
-                nt = min(TILE_N, cols - n0)
-                evict_partial_sum(result[0:R, n0 : n0 + nt], None, acc[r][n][0:R, 0:nt], first=True, last=True)
-            nisa.dma_copy(dst=y[row0 + r0 : row0 + r0 + R, col0 : col0 + cols], src=result[0:R, 0:cols])
+        store_sums(acc, y, row0, rows, col0, cols)
+
+
+def store_sums(acc, y, row0, rows, col0, cols):
+    """y[row0 : row0+rows, col0 : col0+cols] from its PSUM sums: each bank copied out by ScalarE in y's dtype,
+    each 128 rows stored in one DMA."""
+    for r, r0 in enumerate(range(0, rows, TILE_M)):
+        R = min(TILE_M, rows - r0)
+        result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
+        for n, n0 in enumerate(range(0, cols, TILE_N)):
+            nt = min(TILE_N, cols - n0)
+            evict_partial_sum(result[0:R, n0 : n0 + nt], None, acc[r][n][0:R, 0:nt], first=True, last=True)
+        nisa.dma_copy(dst=y[row0 + r0 : row0 + r0 + R, col0 : col0 + cols], src=result[0:R, 0:cols])
 
 
 def accumulate(acc, xT, w_block, rows, cols, P, t, first):
