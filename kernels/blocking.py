@@ -355,7 +355,7 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     # x^T stays for the later column blocks; with one column block, three blocks of it are live at once
     x_T = sum(t for _, _, t in blocks) * m_block if n_block < N else 3 * t_max * m_block
     x_tiles = (x_T + x_rows) * s
-    in_sbuf = cdiv(m_block, TILE_M) * cdiv(n_block, TILE_N) > OUTPUT_BANKS and len(blocks) > 1
+    in_sbuf = not block_in_psum(m_block, n_block) and len(blocks) > 1
     partials = cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
     sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * n_block * s
 
@@ -368,8 +368,7 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
         for (P, t), kinds in Counter((P, t) for _, P, t in blocks).items():
             _transposed_block(first, kinds, rows, P, t, loaded=whole_rows)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
-        t = blocks[0][2]
-        first.wait(1, first.scalar((t % _transposes_per_bank(s) or _transposes_per_bank(s)) * min(rows, PMAX)))
+        first.wait(1, _last_transposes_copy(first, blocks[0][2], rows))
         _output_block(first, 1, rows, n_block, blocks, N)
         nests = [first]
         later_columns = _spans(N - n_block, plan.n_block)
@@ -391,7 +390,7 @@ def _output_block(work, times, rows, cols, blocks, N):
     in PSUM (then dense_matmul.store_sums: every bank copied out by ScalarE) or, larger, in SBUF as
     dense_matmul_lhsT's stripes are; every 128 rows stored."""
     s = work.s
-    if cdiv(rows, TILE_M) * cdiv(cols, TILE_N) > OUTPUT_BANKS:
+    if not block_in_psum(rows, cols):
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
         return
     for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
@@ -402,12 +401,18 @@ def _output_block(work, times, rows, cols, blocks, N):
     evictions = sum(count * tiles * work.scalar(nt) for nt, count in pieces)
     k_tiles = sum(t for _, _, t in blocks)
     work.group(times, sum(count * work.matmuls(k_tiles * tiles, nt) for nt, count in pieces), act=evictions)
-    if 2 * tiles * cdiv(cols, TILE_N) > work.core.psum_banks - 1:
+    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - 1:
         # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
         # matmuls wait for these banks to be emptied
         work.wait(times, evictions)
     for R, count in row_tiles:
         work.store("y", times * count, R * cols * s, cols * s)
+
+
+def block_in_psum(rows, cols):
+    """Whether dense_matmul sums an output block of rows x cols over the whole contraction in PSUM (at most
+    OUTPUT_BANKS banks of 128 rows x 512 columns) rather than in SBUF."""
+    return cdiv(rows, TILE_M) * cdiv(cols, TILE_N) <= OUTPUT_BANKS
 
 
 def _transposed_block(work, times, rows, P, t, loaded):
@@ -553,8 +558,7 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
         for (_, t), count in Counter((P, t) for _, P, t in h_blocks).items():
             for group, banks in _spans(t, _transposes_per_bank(s)):
                 work.group(chunks * count * banks, work.transposes(group, T), act=work.scalar(group * T))
-    last_bank = h_blocks[-1][2] % _transposes_per_bank(s) or _transposes_per_bank(s)
-    work.wait(1, work.scalar(last_bank * (tokens % PMAX or PMAX)))  # the first matmul reads every block
+    work.wait(1, _last_transposes_copy(work, h_blocks[-1][2], tokens))  # the first matmul reads every block
     h_tiles = sum(t for _, _, t in h_blocks)
     projections = ("wg", "wu") if gated else ("w1",)
     i_blocks = k_blocks(intermediate, i_tiles)
@@ -672,8 +676,7 @@ def _transposed_x(work, times, tokens, P, t, waited_for=True):
     for T, chunks in _spans(tokens, PMAX):
         _transpose_tokens(work, times * chunks, T, P, t)
     if waited_for:
-        last_bank = t % _transposes_per_bank(work.s) or _transposes_per_bank(work.s)
-        work.wait(times, work.scalar(last_bank * (tokens % PMAX or PMAX)))
+        work.wait(times, _last_transposes_copy(work, t, tokens))
 
 
 def _transpose_tokens(work, times, tokens, P, t):
@@ -683,6 +686,13 @@ def _transpose_tokens(work, times, tokens, P, t):
     work.load("x", times, tokens * P * t * s, P * t * s)
     for group, banks in _spans(t, _transposes_per_bank(s)):
         work.group(times * banks, work.transposes(group, tokens), act=work.scalar(group * tokens))
+
+
+def _last_transposes_copy(work, t, tokens):
+    """ScalarE's copy of the last PSUM bank of a contraction block's transposes (t tiles, `tokens` rows): the
+    last 128 tokens' last bank, which the block's first matmul waits for."""
+    last_bank = t % _transposes_per_bank(work.s) or _transposes_per_bank(work.s)
+    return work.scalar(last_bank * (tokens % PMAX or PMAX))
 
 
 def _transposes_per_bank(s):

@@ -29,7 +29,7 @@ sums are float32 (the tutorial keeps them in the output dtype), and its block si
 blocking.plan_dense(transposed_input=True) unless given.
 """
 
-from onnx_nmm.kernels.blocking import OUTPUT_BANKS, plan_dense
+from onnx_nmm.kernels.blocking import block_in_psum, plan_dense
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
@@ -81,11 +81,11 @@ def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols):
     """y[row0 : row0+rows, col0 : col0+cols] = x · w. The row block's x^T tiles (`xT`, one per contraction
     block) are made here where they are first used, from `x_rows` if its rows are loaded already.
 
-    A block of at most blocking.OUTPUT_BANKS PSUM banks accumulates over the whole contraction in PSUM and
-    leaves it once; a larger one leaves PSUM after every contraction block, summed in fp32 in SBUF (the
-    tutorial's partial sums), and a single contraction block needs no sums at all.
+    A block of at most blocking.OUTPUT_BANKS PSUM banks (blocking.block_in_psum) accumulates over the whole
+    contraction in PSUM and leaves it once; a larger one leaves PSUM after every contraction block, summed in
+    fp32 in SBUF (the tutorial's partial sums), and a single contraction block needs no sums at all.
     """
-    in_psum = cdiv(rows, TILE_M) * cdiv(cols, TILE_N) <= OUTPUT_BANKS
+    in_psum = block_in_psum(rows, cols)
     acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols, TILE_N)]
            for _ in range(0, rows, TILE_M)] if in_psum else None
     partials = None
