@@ -9,6 +9,7 @@ Kernels (`@nki.jit`, HBM tensors in and out; x is row-major [tokens, features], 
     dense_gated_mlp(x [M,H], wg [H,I], wu [H,I], wd [I,H]) -> y [M,H]
     dense_ungated_mlp(x [M,H], w1 [H,I], b1 [I], w2 [I,H]) -> y [M,H]
     silu_mul(gate [M,I], up [M,I]) -> act [M,I]
+    silu_mul_transposed(gate [M,I], up [M,I]) -> actᵀ [I,M]   (for dense_matmul_lhsT)
 and lowrank_unfused(x, u, v), which launches dense_matmul twice.
 
 On a CPU: `run(kernel, *arrays, target=...)` executes on the emulator; `estimate(kernel, *shapes,
@@ -20,7 +21,7 @@ from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
 from onnx_nmm.kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.gated_activation import silu_mul, silu_mul_transposed
 from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
 from onnx_nmm.kernels.nki_api import USING_EMULATOR
 from onnx_nmm.kernels.runner import estimate, run, trace
@@ -39,5 +40,6 @@ __all__ = [
     "lowrank_unfused",
     "run",
     "silu_mul",
+    "silu_mul_transposed",
     "trace",
 ]

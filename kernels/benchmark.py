@@ -3,7 +3,8 @@
 For each model, token count and target, five ways to run one gated MLP
 y = (silu(x·Wg) * (x·Wu)) · Wd, each W of K×N replaced by U [K, r] · V [r, N] in the low-rank ones:
 
-  dense      dense_matmul for gate, up and down, silu_mul between (4 launches)
+  dense      dense_matmul for gate and up, silu_mul between, dense_matmul for down (4 launches); above 128
+             tokens silu_mul_transposed and dense_matmul_lhsT instead (gated_activation.leaves_transposed)
   dense_mlp  dense_gated_mlp, the dense weights in one fused kernel (1 launch)
   unfused    lowrank_unfused (2 dense launches) per projection, silu_mul between (7 launches)
   fused_xuv  fused_xuv per projection, silu_mul between (4 launches)
@@ -21,12 +22,12 @@ import math
 from dataclasses import dataclass, field
 
 from onnx_nmm.kernels.cost_model import KernelCost, model_trace
-from onnx_nmm.kernels.dense_matmul import dense_matmul
+from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
 from onnx_nmm.kernels.dense_mlp import dense_gated_mlp
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.gated_activation import leaves_transposed, silu_mul, silu_mul_transposed
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
 
@@ -62,6 +63,8 @@ DENSE_ROOFLINE_GOAL = 1.10  # the best dense path, so that no speed-up leans on 
 def dense_mlp(x, wg, wu, wd):
     gate = dense_matmul(x, wg)
     up = dense_matmul(x, wu)
+    if leaves_transposed(x.shape[0]):
+        return dense_matmul_lhsT(silu_mul_transposed(gate, up), wd)
     return dense_matmul(silu_mul(gate, up), wd)
 
 

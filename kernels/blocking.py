@@ -356,7 +356,8 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     x_T = sum(t for _, _, t in blocks) * m_block if n_block < N else 3 * t_max * m_block
     x_tiles = (x_T + x_rows) * s
     in_sbuf = not block_in_psum(m_block, n_block) and len(blocks) > 1
-    partials = cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
+    # two sets of fp32 sums, which a row block's column blocks take in turn
+    partials = min(2, cdiv(N, n_block)) * cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
     sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * n_block * s
 
     row_blocks = []
@@ -369,13 +370,13 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
             _transposed_block(first, kinds, rows, P, t, loaded=whole_rows)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
         first.wait(1, _last_transposes_copy(first, blocks[0][2], rows))
-        _output_block(first, 1, rows, n_block, blocks, N)
+        _output_block(first, 1, rows, n_block, blocks, N, transposing=True)
         nests = [first]
         later_columns = _spans(N - n_block, plan.n_block)
         if later_columns:
             later = _Work(core, s)
             for cols, column_blocks in later_columns:
-                _output_block(later, column_blocks, rows, cols, blocks, N)
+                _output_block(later, column_blocks, rows, cols, blocks, N, transposing=False)
             later.steps = sum(column_blocks for _, column_blocks in later_columns) * len(blocks)
             nests.append(later)
         first.steps = len(blocks)
@@ -385,10 +386,11 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     return row_blocks
 
 
-def _output_block(work, times, rows, cols, blocks, N):
+def _output_block(work, times, rows, cols, blocks, N, transposing):
     """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
     in PSUM (then dense_matmul.store_sums: every bank copied out by ScalarE) or, larger, in SBUF as
-    dense_matmul_lhsT's stripes are; every 128 rows stored."""
+    dense_matmul_lhsT's stripes are; every 128 rows stored. While x^T is being made (`transposing`, the first
+    column block) its transposes hold a PSUM bank too."""
     s = work.s
     if not block_in_psum(rows, cols):
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
@@ -401,7 +403,7 @@ def _output_block(work, times, rows, cols, blocks, N):
     evictions = sum(count * tiles * work.scalar(nt) for nt, count in pieces)
     k_tiles = sum(t for _, _, t in blocks)
     work.group(times, sum(count * work.matmuls(k_tiles * tiles, nt) for nt, count in pieces), act=evictions)
-    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - 1:
+    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - transposing:
         # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
         # matmuls wait for these banks to be emptied
         work.wait(times, evictions)

@@ -72,12 +72,20 @@ def dense_matmul(x, w, plan=None):
             x_rows = nl.ndarray((PMAX, 1, K), dtype=x.dtype, buffer=nl.sbuf)
             load_row_tiles(x_rows, x, row0, rows, 0, K)
         xT = []  # the row block's x^T, one [P, t, rows] tile per contraction block, made as they are first used
-        for col0 in range(0, N, plan.n_block):
-            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(plan.n_block, N - col0))
+        # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
+        # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
+        # then wait for the last additions; one set, the next block's first sums would wait for them)
+        partials = [None, None]
+        if not block_in_psum(rows, min(plan.n_block, N)) and len(blocks) > 1:
+            partials = [[nl.ndarray((PMAX, min(plan.n_block, N)), dtype=nl.float32, buffer=nl.sbuf)
+                         for _ in range(cdiv(rows, TILE_M))] for _ in range(min(2, cdiv(N, plan.n_block)))]
+        for c, col0 in enumerate(range(0, N, plan.n_block)):
+            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(plan.n_block, N - col0),
+                         partials[c % len(partials)])
     return y
 
 
-def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols):
+def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols, partials):
     """y[row0 : row0+rows, col0 : col0+cols] = x · w. The row block's x^T tiles (`xT`, one per contraction
     block) are made here where they are first used, from `x_rows` if its rows are loaded already.
 
@@ -88,9 +96,6 @@ def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols):
     in_psum = block_in_psum(rows, cols)
     acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols, TILE_N)]
            for _ in range(0, rows, TILE_M)] if in_psum else None
-    partials = None
-    if not in_psum and len(blocks) > 1:
-        partials = [nl.ndarray((PMAX, cols), dtype=nl.float32, buffer=nl.sbuf) for _ in range(cdiv(rows, TILE_M))]
     for b, (k0, P, t) in enumerate(blocks):
         # x^T a contraction block ahead, so that ScalarE copies the next block's transposes out of PSUM while
         # TensorE multiplies this one

@@ -38,20 +38,21 @@ import numpy as np
 
 from onnx_nmm.kernels.benchmark import PROGRAMS, MlpShape, mlp_shapes
 from onnx_nmm.kernels.cost_model import model_traces
-from onnx_nmm.kernels.dense_matmul import dense_matmul
+from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
 from onnx_nmm.kernels.dense_mlp import dense_gated_mlp
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator.dtypes import as_dtype
 from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
 from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import silu_mul
+from onnx_nmm.kernels.gated_activation import silu_mul, silu_mul_transposed
 from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
 from onnx_nmm.kernels.nki_api import USING_EMULATOR
 from onnx_nmm.kernels.runner import estimate
 
-KERNELS = {kernel.__name__: kernel for kernel in (dense_matmul, dense_gated_mlp, fused_xuv, silu_mul, fused_svd_mlp)}
+KERNELS = {kernel.__name__: kernel for kernel in (dense_matmul, dense_matmul_lhsT, dense_gated_mlp, fused_xuv, silu_mul,
+                                                  silu_mul_transposed, fused_svd_mlp)}
 # Inputs that are activations (the first ones); the rest are weights [fan_in, fan_out].
-ACTIVATION_INPUTS = {"silu_mul": 2}
+ACTIVATION_INPUTS = {"silu_mul": 2, "silu_mul_transposed": 2}
 # Largest |output - reference| allowed, as a fraction of max |reference|.
 ERROR_BOUNDS = {"bfloat16": 2e-2, "float32": 1e-4}
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
@@ -111,10 +112,14 @@ def reference(kernel: str, inputs: list[np.ndarray]) -> np.ndarray:
     a = [np.asarray(x, dtype=np.float64) for x in inputs]
     if kernel == "dense_matmul":
         return a[0] @ a[1]
+    if kernel == "dense_matmul_lhsT":
+        return a[0].T @ a[1]
     if kernel == "fused_xuv":
         return a[0] @ a[1] @ a[2]
     if kernel == "silu_mul":
         return _silu(a[0]) * a[1]
+    if kernel == "silu_mul_transposed":
+        return (_silu(a[0]) * a[1]).T
     if kernel == "fused_svd_mlp":
         x, ug, vg, uu, vu, ud, vd = a
         return (_silu(x @ ug @ vg) * (x @ uu @ vu)) @ ud @ vd

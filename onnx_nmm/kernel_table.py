@@ -15,7 +15,8 @@ the kernel, in the model's dtype. The kernels take X as [tokens, features].
 Each op's `projections` are the dense products of the same layer with its original weights: what `compile`
 and the estimate price it against. An MLP op's separate launches are its projections one launch each, the
 alternative to its fused kernel (trainium/launch_costs.choose_mlp_kernel picks the faster): fused_xuv on each
-of a factorized MLP's `factors`, dense_matmul on each of a dense MLP's projections.
+of a factorized MLP's `factors`, dense_matmul on each of a dense MLP's projections (above 128 tokens the last
+one as dense_matmul_lhsT, on the activation handed over transposed: kernels.gated_activation.leaves_transposed).
 """
 
 from __future__ import annotations
@@ -67,9 +68,14 @@ class KernelSpec:
     def separate_launches(self, tokens: int, dims: dict[str, int]) -> list[tuple[str, tuple[Shape, ...]]]:
         """An MLP op's projections as one launch each (fused_xuv for factors, dense_matmul for weights): the kernel
         and the shapes it is launched on at `tokens` rows. The activation between them is not a launch here."""
+        from onnx_nmm.kernels.gated_activation import leaves_transposed
+
         factors = self.factors(*dims.values())
         if not factors:
-            return [("dense_matmul", shapes) for shapes in self.dense_products(tokens, dims)]
+            *first, (x, w) = self.dense_products(tokens, dims)
+            # above one tile of tokens the activation hands the last projection its input transposed
+            last = ("dense_matmul_lhsT", (x[::-1], w)) if leaves_transposed(tokens) else ("dense_matmul", (x, w))
+            return [*(("dense_matmul", shapes) for shapes in first), last]
         xuv = KERNEL_TABLE[svd_ops.SVD_MATMUL]
         return [(xuv.kernel, xuv.operands(tokens, k, rank, n)) for k, rank, n in factors]
 

@@ -74,6 +74,18 @@ def test_a_vector_is_not_taken_for_a_matrix():
     assert spec.shapes(2, spec.dims([(H, I), (I,), (I, H)])) == ((2, H), (H, I), (I,), (I, H))
 
 
+@pytest.mark.parametrize("op", [svd_ops.GATED_MLP, svd_ops.MLP])
+def test_a_dense_mlp_s_projections_hand_the_down_projection_act_transposed_above_one_tile(op):
+    """Launched one by one, a dense MLP's last projection takes act as it is up to 128 tokens (dense_matmul), and
+    transposed above (dense_matmul_lhsT on [I, tokens]): its x^T transposes then cost it nothing."""
+    spec = kernel_spec(op)
+    dims = {"H": H, "I": I}
+    *first, last = spec.separate_launches(128, dims)
+    assert last == ("dense_matmul", ((128, I), (I, H))) and {kernel for kernel, _ in first} == {"dense_matmul"}
+    *first, last = spec.separate_launches(129, dims)
+    assert last == ("dense_matmul_lhsT", ((I, 129), (I, H))) and first[0] == ("dense_matmul", ((129, H), (H, I)))
+
+
 def test_an_mlp_runs_fused_only_where_the_fused_kernel_is_modelled_faster():
     """Llama-3-8B's MLP at keep 0.9 (ranks 2816): one fused_svd_mlp wins at one token, three fused_xuv launches
     win on a prompt of 512 (the fused kernel recomputes its strips there); both times are kept."""

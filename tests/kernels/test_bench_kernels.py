@@ -44,6 +44,14 @@ def test_the_summary_states_both_bars(rows):
                                                for _, ratio in row.dense_kernels_over_roofline())
 
 
+def test_above_one_tile_of_tokens_the_dense_path_hands_the_down_projection_act_transposed():
+    small = benchmark.MlpShape("small", hidden=256, intermediate=512, rank=128)
+    kernels = [cost.kernels[0] for cost in benchmark.launch_costs("dense", small, 256, "trn2", "bfloat16")]
+    assert kernels == ["dense_matmul", "dense_matmul", "silu_mul_transposed", "dense_matmul_lhsT"]
+    kernels = [cost.kernels[0] for cost in benchmark.launch_costs("dense", small, 128, "trn2", "bfloat16")]
+    assert kernels == ["dense_matmul", "dense_matmul", "silu_mul", "dense_matmul"]
+
+
 @pytest.mark.parametrize("target", ["trn1", "trn2"])
 def test_at_one_token_the_fused_mlp_beats_dense_and_reads_fewer_bytes(target):
     """Decoding is weight-bound: fewer weight bytes must mean a faster MLP (the bar against the parameter

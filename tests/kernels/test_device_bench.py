@@ -27,6 +27,14 @@ def test_the_grid_has_each_distinct_launch_of_the_programs_once(launches):
     assert device.Launch("dense_matmul", ((64, 256), (256, 128)), "bfloat16", "trn2") in launches  # x·U unfused
 
 
+def test_above_one_tile_of_tokens_the_transposed_activation_and_the_down_projection_run_right():
+    chain = [launch for launch in device.grid_launches((TINY,), (192,), "trn2", "bfloat16")
+             if launch.kernel in ("silu_mul_transposed", "dense_matmul_lhsT")]
+    assert [launch.kernel for launch in chain] == ["silu_mul_transposed", "dense_matmul_lhsT"]
+    report = device.bench_on_device(device.EmulatedDevice("trn2"), chain)
+    assert all(result["ok"] for result in report["launches"])
+
+
 def test_every_launch_runs_right_and_measures_its_model_on_a_faithful_device(launches):
     report = device.bench_on_device(device.EmulatedDevice("trn2"), launches)
     results = report["launches"]

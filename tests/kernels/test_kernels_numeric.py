@@ -19,6 +19,7 @@ from onnx_nmm.kernels import (
     lowrank_unfused,
     run,
     silu_mul,
+    silu_mul_transposed,
 )
 from onnx_nmm.kernels.blocking import DenseMlpPlan, DensePlan, MlpPlan, OutputBlockPlan, XuvPlan
 
@@ -171,6 +172,14 @@ def test_silu_mul(M, I, dtype):
     gate, up = arrays(4, dtype, (M, I), (M, I))
     G, U = f64(gate, up)
     check(run(silu_mul, gate, up), silu(G) * U, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "I"), [(1, 5000), (1100, 300)])  # two token chunks; columns with a partial tile
+def test_silu_mul_transposed(M, I, dtype):
+    gate, up = arrays(4, dtype, (M, I), (M, I))
+    G, U = f64(gate, up)
+    check(run(silu_mul_transposed, gate, up), (silu(G) * U).T, dtype)
 
 
 def test_inputs_of_different_dtypes_are_refused():
