@@ -370,13 +370,13 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
             _transposed_block(first, kinds, rows, P, t, loaded=whole_rows)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
         first.wait(1, _last_transposes_copy(first, blocks[0][2], rows))
-        _output_block(first, 1, rows, n_block, blocks, N, transposing=True)
+        _output_block(first, 1, rows, n_block, blocks, N)
         nests = [first]
         later_columns = _spans(N - n_block, plan.n_block)
         if later_columns:
             later = _Work(core, s)
             for cols, column_blocks in later_columns:
-                _output_block(later, column_blocks, rows, cols, blocks, N, transposing=False)
+                _output_block(later, column_blocks, rows, cols, blocks, N)
             later.steps = sum(column_blocks for _, column_blocks in later_columns) * len(blocks)
             nests.append(later)
         first.steps = len(blocks)
@@ -386,11 +386,10 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     return row_blocks
 
 
-def _output_block(work, times, rows, cols, blocks, N, transposing):
+def _output_block(work, times, rows, cols, blocks, N):
     """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
     in PSUM (then dense_matmul.store_sums: every bank copied out by ScalarE) or, larger, in SBUF as
-    dense_matmul_lhsT's stripes are; every 128 rows stored. While x^T is being made (`transposing`, the first
-    column block) its transposes hold a PSUM bank too."""
+    dense_matmul_lhsT's stripes are; every 128 rows stored."""
     s = work.s
     if not block_in_psum(rows, cols):
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
@@ -403,7 +402,7 @@ def _output_block(work, times, rows, cols, blocks, N, transposing):
     evictions = sum(count * tiles * work.scalar(nt) for nt, count in pieces)
     k_tiles = sum(t for _, _, t in blocks)
     work.group(times, sum(count * work.matmuls(k_tiles * tiles, nt) for nt, count in pieces), act=evictions)
-    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - transposing:
+    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - 1:
         # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
         # matmuls wait for these banks to be emptied
         work.wait(times, evictions)
