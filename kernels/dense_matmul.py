@@ -75,12 +75,13 @@ def dense_matmul(x, w, plan=None):
         # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
         # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
         # then wait for the last additions; one set, the next block's first sums would wait for them)
-        partials = [None, None]
-        if not block_in_psum(rows, min(plan.n_block, N)) and len(blocks) > 1:
-            partials = [[nl.ndarray((PMAX, min(plan.n_block, N)), dtype=nl.float32, buffer=nl.sbuf)
-                         for _ in range(cdiv(rows, TILE_M))] for _ in range(min(2, cdiv(N, plan.n_block)))]
-        for c, col0 in enumerate(range(0, N, plan.n_block)):
-            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(plan.n_block, N - col0),
+        n_block = min(plan.n_block, N)
+        partials = [None]
+        if not block_in_psum(rows, n_block) and len(blocks) > 1:
+            partials = [[nl.ndarray((PMAX, n_block), dtype=nl.float32, buffer=nl.sbuf)
+                         for _ in range(cdiv(rows, TILE_M))] for _ in range(min(2, cdiv(N, n_block)))]
+        for c, col0 in enumerate(range(0, N, n_block)):
+            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(n_block, N - col0),
                          partials[c % len(partials)])
     return y
 

@@ -11,7 +11,7 @@ which an element-wise kernel leaves idle.
 """
 
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.tiles import PMAX, cdiv, dtype_bytes, k_blocks, load_row_tiles
+from onnx_nmm.kernels.tiles import PMAX, cdiv, dtype_bytes, k_blocks, load_row_tiles, transpose_rows
 
 DMA_BYTES_PER_PARTITION = 4096  # ">= 4 KiB per partition (target for full saturation)", nki-dma-bandwidth-guide.rst
 
@@ -73,8 +73,8 @@ def silu_mul_transposed(gate, up):
       2. per token tile, silu(gate) on ScalarE, times up on VectorE: act in the inputs' dtype; the next tile's
          silu is issued before this tile's copy below, so that ScalarE does not wait on VectorE;
       3. per block of the columns (tiles.k_blocks, row-interleaved as tiles.py describes), TensorE transposes
-         the token tile's act 128 columns at a time into one PSUM bank, and ScalarE copies the bank out into
-         actᵀ [128, t, tokens], partition p and tile j holding column c0 + p*t + j;
+         the token tile's act 128 columns at a time, several to a PSUM bank, and ScalarE copies each bank out
+         into actᵀ [128, t, tokens], partition p and tile j holding column c0 + p*t + j (tiles.transpose_rows);
       4. each block of actᵀ stored in one DMA: each partition writes t rows of actᵀ, runs of the chunk's tokens.
 
     Args:
@@ -101,13 +101,8 @@ def silu_mul_transposed(gate, up):
             for c in range(token_tiles):
                 if c + 1 < token_tiles:
                     _gated_tile(act, gate_rows, up_rows, c + 1, tokens, columns)
-                R = min(PMAX, tokens - c * PMAX)
                 for (c0, P, t), block in zip(blocks, transposed):
-                    bank = nl.ndarray((PMAX, t, PMAX), dtype=gate.dtype, buffer=nl.psum)
-                    for j in range(t):
-                        nisa.nc_transpose(dst=bank[0:P, j, 0:R], data=act[0:R, c, c0 + j : c0 + P * t : t],
-                                          engine=nisa.engine.tensor)
-                    nisa.activation(dst=block[0:P, 0:t, c * PMAX : c * PMAX + R], op=nl.copy, data=bank[0:P, 0:t, 0:R])
+                    transpose_rows(block, act[:, c, :], min(PMAX, tokens - c * PMAX), c0, P, t, c * PMAX)
             for (c0, P, t), block in zip(blocks, transposed):
                 rows = actT[i0 + c0 : i0 + c0 + P * t, m0 : m0 + tokens].reshape((P, t, tokens))
                 nisa.dma_copy(dst=rows, src=block[0:P, 0:t, 0:tokens])
