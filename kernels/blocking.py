@@ -52,6 +52,9 @@ TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached stri
 PSUM_BANKS = TRN1.psum_banks  # 16 KiB per partition in 2 KiB banks, on trn1 and trn2 alike
 # PSUM banks one output block of dense_matmul may hold: its x^T transposes take turns in the others
 OUTPUT_BANKS = 6
+# Narrowest piece of columns dense_matmul's column groups multiply at once: a matmul costs TensorE at least
+# 64 cycles (MM_INIT_LATENCY), the time of 64 moving columns
+MIN_PIECE = 64
 
 KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
            "dense_gated_mlp", "dense_ungated_mlp")
@@ -163,7 +166,7 @@ def candidate_plans(kernel, shape):
         M, K, N = shape
         in_psum = {(min(rows * TILE_M, M), min(pieces * TILE_N, N)) for rows in range(1, OUTPUT_BANKS + 1)
                    for pieces in range(1, OUTPUT_BANKS // rows + 1)}
-        larger = {(m, n) for m in _clipped(ROW_BLOCKS, M) for n in _clipped(COLUMN_BLOCKS, N)}
+        larger = {(m, n) for m in _clipped(ROW_BLOCKS, M) for n in _clipped(COLUMN_BLOCKS + (N,), N)}
         return [OutputBlockPlan(m, n, k) for m, n in sorted(in_psum | larger) for k in _contraction_tiles(K)]
     if kernel in DENSE_MLP_KERNELS:
         M, H, intermediate = shape
@@ -351,32 +354,35 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     blocks = k_blocks(K, plan.k_tiles)
     t_max = max(t for _, _, t in blocks)
     m_block, n_block = min(plan.m_block, M), min(plan.n_block, N)
+    groups = column_groups(m_block, n_block, N)
     x_rows = K if m_block <= PMAX else 2 * cdiv(m_block, PMAX) * t_max * PMAX  # whole rows, or a block's columns
     # x^T stays for the later column blocks; with one column block, three blocks of it are live at once
-    x_T = sum(t for _, _, t in blocks) * m_block if n_block < N else 3 * t_max * m_block
+    x_width = groups * m_block + groups - 1
+    x_T = sum(t for _, _, t in blocks) * x_width if n_block < N else 3 * t_max * x_width
     x_tiles = (x_T + x_rows) * s
-    in_sbuf = not block_in_psum(m_block, n_block) and len(blocks) > 1
+    in_sbuf = not block_in_psum(m_block, n_block, groups) and len(blocks) > 1
     # two sets of fp32 sums, which a row block's column blocks take in turn
     partials = min(2, cdiv(N, n_block)) * cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
-    sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * n_block * s
+    sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * cdiv(m_block, TILE_M) * (n_block // groups) * s
 
     row_blocks = []
     for rows, count in _spans(M, plan.m_block):
+        groups = column_groups(rows, n_block, N)
         first = _Work(core, s)
         whole_rows = rows <= PMAX
         if whole_rows:
             _load_row_tiles(first, "x", 1, rows, K)
         for (P, t), kinds in Counter((P, t) for _, P, t in blocks).items():
-            _transposed_block(first, kinds, rows, P, t, loaded=whole_rows)
+            _transposed_block(first, kinds, rows, P, t, loaded=whole_rows, groups=groups)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
         first.wait(1, _last_transposes_copy(first, blocks[0][2], rows))
-        _output_block(first, 1, rows, n_block, blocks, N)
+        _output_block(first, 1, rows, n_block, blocks, N, groups)
         nests = [first]
         later_columns = _spans(N - n_block, plan.n_block)
         if later_columns:
             later = _Work(core, s)
             for cols, column_blocks in later_columns:
-                _output_block(later, column_blocks, rows, cols, blocks, N)
+                _output_block(later, column_blocks, rows, cols, blocks, N, groups)
             later.steps = sum(column_blocks for _, column_blocks in later_columns) * len(blocks)
             nests.append(later)
         first.steps = len(blocks)
@@ -386,42 +392,66 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     return row_blocks
 
 
-def _output_block(work, times, rows, cols, blocks, N):
+def _output_block(work, times, rows, cols, blocks, N, groups):
     """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
-    in PSUM (then dense_matmul.store_sums: every bank copied out by ScalarE) or, larger, in SBUF as
-    dense_matmul_lhsT's stripes are; every 128 rows stored."""
+    in PSUM, its columns in `groups` pieces (then dense_matmul.store_sums: every bank copied out by ScalarE)
+    or, larger, in SBUF as dense_matmul_lhsT's stripes are; every 128 partitions stored."""
     s = work.s
-    if not block_in_psum(rows, cols):
+    if not block_in_psum(rows, cols, groups):
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
         return
     for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
         _load_interleaved_rows(work, "w", times * count, P, t, cols, whole_rows=cols == N)
     row_tiles = _spans(rows, TILE_M)
     tiles = sum(count for _, count in row_tiles)
-    pieces = _spans(cols, TILE_N)
-    evictions = sum(count * tiles * work.scalar(nt) for nt, count in pieces)
+    piece = cols // groups
+    banks = _spans(piece, TILE_N)
+    evictions = sum(count * tiles * work.scalar(nt) for nt, count in banks)
     k_tiles = sum(t for _, _, t in blocks)
-    work.group(times, sum(count * work.matmuls(k_tiles * tiles, nt) for nt, count in pieces), act=evictions)
-    if 2 * tiles * cdiv(cols, TILE_N) > PSUM_BANKS - 1:
+    work.group(times, sum(count * work.matmuls(k_tiles * tiles * groups, nt) for nt, count in banks), act=evictions)
+    if 2 * tiles * cdiv(piece, TILE_N) > PSUM_BANKS - 1:
         # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
         # matmuls wait for these banks to be emptied
         work.wait(times, evictions)
-    for R, count in row_tiles:
-        work.store("y", times * count, R * cols * s, cols * s)
+    if groups > 1:
+        work.store("y", times, rows * cols * s, piece * s)
+    else:
+        _store_row_tiles(work, "y", times, rows, cols)
 
 
-def block_in_psum(rows, cols):
-    """Whether dense_matmul sums an output block of rows x cols over the whole contraction in PSUM (at most
-    OUTPUT_BANKS banks of 128 rows x 512 columns) rather than in SBUF."""
-    return cdiv(rows, TILE_M) * cdiv(cols, TILE_N) <= OUTPUT_BANKS
+def block_in_psum(rows, cols, groups=1):
+    """Whether dense_matmul sums an output block of rows x cols, its columns in `groups` side by side (see
+    column_groups), over the whole contraction in PSUM (at most OUTPUT_BANKS banks of 128 partitions x 512
+    columns) rather than in SBUF."""
+    return cdiv(rows * groups, TILE_M) * cdiv(cols // groups, TILE_N) <= OUTPUT_BANKS
 
 
-def _transposed_block(work, times, rows, P, t, loaded):
+def column_groups(rows, n_block, N):
+    """How many pieces of each output block's columns dense_matmul multiplies side by side, for a row block of
+    `rows` tokens.
+
+    A stationary x^T of a few tokens fills a few of TensorE's 128 columns, so each PSUM bank would hold the
+    block's columns for a few partitions only. With g groups, piece q of the block's columns goes to the
+    partitions g*i + q (token i), so a block spans g times fewer banks: blocks of few tokens can be g times
+    wider, w arrives in g times longer rows, and the block's rows leave PSUM and SBUF over g times more
+    partitions. A power of two while the groups' tokens fit 128 partitions, every block divides into pieces
+    of at least MIN_PIECE columns, and the blocks are then summed in PSUM; 1 (plain blocks) otherwise.
+    """
+    groups = 1
+    while (2 * groups * rows <= PMAX and N % (2 * groups) == 0 and n_block % (2 * groups) == 0
+           and n_block // (2 * groups) >= MIN_PIECE):
+        groups *= 2
+    return groups if groups > 1 and block_in_psum(rows, n_block, groups) else 1
+
+
+def _transposed_block(work, times, rows, P, t, loaded, groups):
     """dense_matmul.transposed_block: the block's columns of every 128 rows (tiles.load_row_tiles) unless the
-    rows are `loaded` whole, then per 128 tokens TensorE transposes, several to a PSUM bank, each bank copied
-    out by ScalarE."""
+    rows are `loaded` whole, then (with column groups, after VectorE zeroes the tile) per 128 tokens TensorE
+    transposes, several to a PSUM bank, each bank copied out by ScalarE."""
     if not loaded:
         _load_row_tiles(work, "x", times, rows, P * t)
+    if groups > 1:
+        work.busy["dve"] += times * elementwise_seconds(work.core, "dve", t * (groups * rows + groups - 1), inputs=0)
     for T, chunks in _spans(rows, PMAX):
         for group, banks in _spans(t, _transposes_per_bank(work.s)):
             work.group(times * chunks * banks, work.transposes(group, T), act=work.scalar(group * T))
@@ -712,6 +742,14 @@ def _load_row_tiles(work, tensor, times, rows, cols):
     for partitions, count in ((PMAX, full), (partial, 1)):
         if partitions and count:
             work.load(tensor, times, partitions * count * cols * work.s, cols * work.s)
+
+
+def _store_row_tiles(work, tensor, times, rows, cols):
+    """tiles.store_row_tiles: one DMA of the full 128-row tiles, one of a partial last tile."""
+    full, partial = divmod(rows, PMAX)
+    for partitions, count in ((PMAX, full), (partial, 1)):
+        if partitions and count:
+            work.store(tensor, times, partitions * count * cols * work.s, cols * work.s)
 
 
 # -- choosing ----------------------------------------------------------------------------------------------

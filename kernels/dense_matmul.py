@@ -13,6 +13,11 @@ blocks of m_block rows and n_block columns, a row block's column blocks one afte
   3. a block of at most OUTPUT_BANKS banks accumulates over the whole contraction in PSUM, and after the
      last contraction block ScalarE copies each bank out in x's dtype; a larger block leaves PSUM after
      every contraction block and is summed in fp32 in SBUF; each 128 rows go to HBM in one DMA.
+  4. a row block of at most 64 tokens multiplies its output blocks' columns in groups side by side
+     (blocking.column_groups): x^T is kept with zeros between its tokens, and each group's window of it
+     sends the group's piece of the columns to its own partitions of the same PSUM banks. Four groups of 32
+     tokens make a bank hold 2,048 columns, so a block can take w in whole rows (runs of 16 KiB and more
+     instead of 6 KiB) and leaves through all 128 partitions, on all 16 DMA queues.
 
 Summing in PSUM costs a small M no eviction per contraction block (a [1, 512] partial sum costs VectorE
 as much as a [128, 512] one); larger blocks reuse each block of w over more rows and load it in longer
@@ -29,7 +34,7 @@ sums are float32 (the tutorial keeps them in the output dtype), and its block si
 blocking.plan_dense(transposed_input=True) unless given.
 """
 
-from onnx_nmm.kernels.blocking import block_in_psum, plan_dense
+from onnx_nmm.kernels.blocking import block_in_psum, column_groups, plan_dense
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
@@ -41,6 +46,7 @@ from onnx_nmm.kernels.tiles import (
     load_interleaved_rows,
     load_row_tiles,
     multiply_rows_into,
+    store_row_tiles,
     transpose_rows,
 )
 
@@ -71,84 +77,123 @@ def dense_matmul(x, w, plan=None):
         if rows <= PMAX:
             x_rows = nl.ndarray((PMAX, 1, K), dtype=x.dtype, buffer=nl.sbuf)
             load_row_tiles(x_rows, x, row0, rows, 0, K)
-        xT = []  # the row block's x^T, one [P, t, rows] tile per contraction block, made as they are first used
+        n_block = min(plan.n_block, N)
+        groups = column_groups(rows, n_block, N)
+        # the row block's x^T, one tile per contraction block (transposed_block), made as first used; when it
+        # stays for several column blocks its tiles are allocated here, before any w block (allocated as they are
+        # made, they would sit between the w blocks, and the next column block's w loads would wait for them)
+        xT = []
+        reserved = [x_transposed_tile(x.dtype, rows, t, groups) for _, _, t in blocks] if n_block < N else None
         # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
         # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
         # then wait for the last additions; one set, the next block's first sums would wait for them)
-        n_block = min(plan.n_block, N)
         partials = [None]
-        if not block_in_psum(rows, n_block) and len(blocks) > 1:
+        if not block_in_psum(rows, n_block, groups) and len(blocks) > 1:
             partials = [[nl.ndarray((PMAX, n_block), dtype=nl.float32, buffer=nl.sbuf)
                          for _ in range(cdiv(rows, TILE_M))] for _ in range(min(2, cdiv(N, n_block)))]
         for c, col0 in enumerate(range(0, N, n_block)):
-            output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, min(n_block, N - col0),
-                         partials[c % len(partials)])
+            output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, col0, min(n_block, N - col0),
+                         partials[c % len(partials)], groups)
     return y
 
 
-def output_block(x, x_rows, xT, w, y, blocks, row0, rows, col0, cols, partials):
+def output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, col0, cols, partials, groups):
     """y[row0 : row0+rows, col0 : col0+cols] = x · w. The row block's x^T tiles (`xT`, one per contraction
-    block) are made here where they are first used, from `x_rows` if its rows are loaded already.
+    block) are made here where they are first used, in the `reserved` tiles if any, from `x_rows` if its rows
+    are loaded already.
 
     A block of at most blocking.OUTPUT_BANKS PSUM banks (blocking.block_in_psum) accumulates over the whole
-    contraction in PSUM and leaves it once; a larger one leaves PSUM after every contraction block, summed in
-    fp32 in SBUF (the tutorial's partial sums), and a single contraction block needs no sums at all.
+    contraction in PSUM and leaves it once, its columns in `groups` pieces side by side
+    (blocking.column_groups); a larger one leaves PSUM after every contraction block, summed in fp32 in SBUF
+    (the tutorial's partial sums), and a single contraction block needs no sums at all.
     """
-    in_psum = block_in_psum(rows, cols)
-    acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols, TILE_N)]
-           for _ in range(0, rows, TILE_M)] if in_psum else None
+    in_psum = block_in_psum(rows, cols, groups)
+    acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols // groups, TILE_N)]
+           for _ in range(0, rows * groups, TILE_M)] if in_psum else None
     for b, (k0, P, t) in enumerate(blocks):
         # x^T a contraction block ahead, so that ScalarE copies the next block's transposes out of PSUM while
         # TensorE multiplies this one
         for ahead in range(len(xT), min(b + 2, len(blocks))):
-            xT.append(transposed_block(x, x_rows, row0, rows, *blocks[ahead]))
+            tile = x_transposed_tile(x.dtype, rows, blocks[ahead][2], groups) if reserved is None else reserved[ahead]
+            xT.append(transposed_block(tile, x, x_rows, row0, rows, *blocks[ahead], groups))
         w_block = nl.ndarray((PMAX, t, cols), dtype=w.dtype, buffer=nl.sbuf)
         load_interleaved_rows(w_block, w, k0, P, t, col0, col0 + cols)
         if in_psum:
-            accumulate(acc, xT[b], w_block, rows, cols, P, t, first=b == 0)
+            accumulate(acc, xT[b], w_block, rows, cols, P, t, groups, first=b == 0)
         else:
             multiply_rows_into(y, row0, col0, xT[b], w_block, partials, 0, rows, cols, P, t, b == 0,
                                b == len(blocks) - 1)
     if in_psum:
-        store_sums(acc, y, row0, rows, col0, cols)
+        store_sums(acc, y, row0, rows, col0, cols, groups)
 
 
-def store_sums(acc, y, row0, rows, col0, cols):
+def store_sums(acc, y, row0, rows, col0, cols, groups):
     """y[row0 : row0+rows, col0 : col0+cols] from its PSUM sums: each bank copied out by ScalarE in y's dtype,
-    each 128 rows stored in one DMA."""
+    the full 128-row tiles stored in one DMA and a partial last one in another (tiles.store_row_tiles). With
+    column groups, partition g*i + q holds piece q of token i's columns, and a token's pieces follow each
+    other in its row of y: one DMA."""
+    piece = cols // groups
+    result = nl.ndarray((PMAX, cdiv(rows, TILE_M), piece), dtype=y.dtype, buffer=nl.sbuf)
     for r, r0 in enumerate(range(0, rows, TILE_M)):
         R = min(TILE_M, rows - r0)
-        result = nl.ndarray((PMAX, cols), dtype=y.dtype, buffer=nl.sbuf)
-        for n, n0 in enumerate(range(0, cols, TILE_N)):
-            nt = min(TILE_N, cols - n0)
-            evict_partial_sum(result[0:R, n0 : n0 + nt], None, acc[r][n][0:R, 0:nt], first=True, last=True)
-        nisa.dma_copy(dst=y[row0 + r0 : row0 + r0 + R, col0 : col0 + cols], src=result[0:R, 0:cols])
+        for n, n0 in enumerate(range(0, piece, TILE_N)):
+            nt = min(TILE_N, piece - n0)
+            evict_partial_sum(result[0 : R * groups, r, n0 : n0 + nt], None, acc[r][n][0 : R * groups, 0:nt],
+                              first=True, last=True)
+    if groups > 1:
+        nisa.dma_copy(dst=y[row0 : row0 + rows, col0 : col0 + cols].reshape((rows, groups, piece)),
+                      src=result[0 : rows * groups, 0, 0:piece])
+    else:
+        store_row_tiles(y, result, row0, rows, col0, col0 + cols)
 
 
-def accumulate(acc, xT, w_block, rows, cols, P, t, first):
+def accumulate(acc, xT, w_block, rows, cols, P, t, groups, first):
     """acc[r][n] (+)= one contraction block's product, row tile by row tile (the first row tile's matmuls need
-    only the first 128 tokens' x^T)."""
+    only the first 128 tokens' x^T).
+
+    With several groups, piece q of the columns is multiplied with the stationary window of x^T's tile that
+    puts token i in column g*i + q and zeros in the other columns (see transposed_block), so its products
+    land in partitions g*i + q and the other partitions of the bank gain zeros.
+    """
+    piece = cols // groups
     for r, r0 in enumerate(range(0, rows, TILE_M)):
         R = min(TILE_M, rows - r0)
         for j in range(t):
-            for n, n0 in enumerate(range(0, cols, TILE_N)):
-                nt = min(TILE_N, cols - n0)
-                nisa.nc_matmul(acc[r][n][0:R, 0:nt], stationary=xT[0:P, j, r0 : r0 + R],
-                               moving=w_block[0:P, j, n0 : n0 + nt], accumulate=not first or j > 0)
+            for q in range(groups):
+                window = groups * r0 + groups - 1 - q
+                for n, n0 in enumerate(range(0, piece, TILE_N)):
+                    nt = min(TILE_N, piece - n0)
+                    c0 = q * piece + n0
+                    nisa.nc_matmul(acc[r][n][0 : R * groups, 0:nt],
+                                   stationary=xT[0:P, j, window : window + R * groups],
+                                   moving=w_block[0:P, j, c0 : c0 + nt], accumulate=not first or j > 0 or q > 0)
 
 
-def transposed_block(x, x_rows, row0, rows, k0, P, t):
-    """x^T for contraction rows k0.. (row-interleaved, as the w block) and the `rows` tokens from row0, by
-    TensorE transposes: from `x_rows` (the tokens' whole rows), or from the block's columns of every 128
-    tokens loaded in one DMA (tiles.load_row_tiles)."""
+def x_transposed_tile(dtype, rows, t, groups):
+    """A tile for one contraction block of x^T (transposed_block): [P, t, rows], or with several column groups
+    [P, t, g*rows + g - 1]."""
+    return nl.ndarray((PMAX, t, groups * rows + groups - 1), dtype=dtype, buffer=nl.sbuf)
+
+
+def transposed_block(block, x, x_rows, row0, rows, k0, P, t, groups):
+    """block = x^T for contraction rows k0.. (row-interleaved, as the w block) and the `rows` tokens from row0,
+    by TensorE transposes: from `x_rows` (the tokens' whole rows), or from the block's columns of every 128
+    tokens loaded in one DMA (tiles.load_row_tiles).
+
+    With several column groups the tile is zeros but for token i in column g*i + g - 1, so that the window of
+    g*rows columns from g - 1 - q puts token i in column g*i + q.
+    """
     column0 = k0
     if x_rows is None:
         x_rows = nl.ndarray((PMAX, cdiv(rows, PMAX), P * t), dtype=x.dtype, buffer=nl.sbuf)
         load_row_tiles(x_rows, x, row0, rows, k0, k0 + P * t)
         column0 = 0
-    block = nl.ndarray((PMAX, t, rows), dtype=x.dtype, buffer=nl.sbuf)
+    width = groups * rows + groups - 1
+    if groups > 1:
+        nisa.memset(block[0:P, 0:t, 0:width], 0)
+    tokens = block[:, :, groups - 1 : width : groups]
     for c, tok0 in enumerate(range(0, rows, PMAX)):
-        transpose_rows(block, x_rows[:, c, :], min(PMAX, rows - tok0), column0, P, t, tok0)
+        transpose_rows(tokens, x_rows[:, c, :], min(PMAX, rows - tok0), column0, P, t, tok0)
     return block
 
 

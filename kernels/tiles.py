@@ -64,6 +64,19 @@ def load_row_tiles(block, src, row0, rows, col0, col1):
         nisa.dma_copy(dst=block[0 : rows % PMAX, full, 0:cols], src=src[first : row0 + rows, col0:col1])
 
 
+def store_row_tiles(dst, block, row0, rows, col0, col1):
+    """dst[row0 + j*128 + p, col0:col1] = block[p, j, :], load_row_tiles' way back: the full 128-row tiles in
+    one DMA, a partial last tile in a second."""
+    cols = col1 - col0
+    full = rows // PMAX
+    if full:
+        tiles = dst[row0 : row0 + full * PMAX, col0:col1].reshape((full, PMAX, cols)).permute((1, 0, 2))
+        nisa.dma_copy(dst=tiles, src=block[0:PMAX, 0:full, 0:cols])
+    if rows % PMAX:
+        first = row0 + full * PMAX
+        nisa.dma_copy(dst=dst[first : row0 + rows, col0:col1], src=block[0 : rows % PMAX, full, 0:cols])
+
+
 def transpose_tokens(xT, x, row0, tokens, k0, partitions, tiles, col):
     """xT[p, j, col + i] = x[row0 + i, k0 + p*tiles + j] for i < tokens (<= 128), by TensorE transposes.
 

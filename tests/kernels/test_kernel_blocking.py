@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
-from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, plan_dense, plan_mlp, plan_xuv
+from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, column_groups, plan_dense, plan_mlp, plan_xuv
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate, trace
 
@@ -101,3 +101,29 @@ def test_8192_tokens_trace_within_sbuf():
     (mlp,) = trace(fused_svd_mlp, (M, hidden), (hidden, rank), (rank, inter), (hidden, rank), (rank, inter),
                    (inter, rank), (rank, hidden), target="trn1")
     assert max(xuv.sbuf_peak_bytes, mlp.sbuf_peak_bytes) <= budget
+
+
+@pytest.mark.parametrize(("rows", "n_block", "N", "groups"), [
+    (32, 8192, 8192, 4),  # 4 x 32 partitions: 2,048 columns per bank, the block in 4 banks
+    (1, 6144, 6144, 64),  # pieces of 96 columns (128 groups would leave 48, under a matmul's 64 cycles)
+    (64, 2048, 2048, 2),
+    (65, 2048, 2048, 1),  # two groups would need 130 partitions
+    (32, 4096, 8190, 2),  # the columns divide into 2 pieces, not 4
+    (32, 16384, 16384, 1),  # 4 groups of 4,096 columns would need 8 banks: summed in SBUF, plain blocks
+])
+def test_few_tokens_multiply_pieces_of_the_columns_side_by_side(rows, n_block, N, groups):
+    assert column_groups(rows, n_block, N) == groups
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_a_few_tokens_take_the_weight_in_whole_rows_and_store_through_all_partitions(target):
+    """At 32 tokens a gate projection's whole output fits PSUM in column groups: w comes in runs of whole rows
+    (16 KiB and more) and y leaves through 128 partitions, where plain blocks of 6 banks load 6 KiB runs."""
+    M, K, N = 32, 2048, 8192
+    plan = plan_dense(M, K, N, "bfloat16", target=target)
+    assert column_groups(M, plan.n_block, N) == 4
+    (launch,) = trace(dense_matmul, (M, K), (K, N), target=target)
+    loads = [ins for ins in launch.instructions if ins.engine == "dma" and ins.hbm_read and ins.size > M * K * 2]
+    stores = [ins for ins in launch.instructions if ins.engine == "dma" and ins.hbm_write]
+    assert min(ins.run_bytes for ins in loads) >= 8 * 1024
+    assert all(ins.partitions == 128 for ins in stores)
