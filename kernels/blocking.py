@@ -31,7 +31,7 @@ from functools import lru_cache
 from onnx_nmm.kernels.hardware import TRN1, TRN2, neuron_core
 from onnx_nmm.kernels.instruction_costs import dma_seconds, elementwise_seconds, takes_psum_port, tensor_engine_seconds
 from onnx_nmm.kernels.nki_api import nisa, nl
-from onnx_nmm.kernels.tiles import PMAX, PSUM_BANK_BYTES, TILE_M, TILE_N, cdiv, dtype_bytes, k_blocks
+from onnx_nmm.kernels.tiles import PMAX, PSUM_BANK_BYTES, TILE_M, TILE_N, cdiv, dtype_bytes, k_blocks, ramped_k_blocks
 
 # nki-library leaves 16 KiB + 264 B of each SBUF partition to the compiler (DMA scratch, reserved locations,
 # transpose identity): MAX_AVAILABLE_SBUF_SIZE = 224*1024 - 16384 - 8 - 256 in
@@ -351,7 +351,7 @@ def _overlapped_seconds(token_blocks, issue_interval):
 def _accumulated_row_blocks(M, K, N, s, core, plan):
     """dense_matmul, as (how many, loop nests) per kind of row block: the first column block, which makes x^T
     as it goes, then the other column blocks."""
-    blocks = k_blocks(K, plan.k_tiles)
+    blocks = ramped_k_blocks(K, plan.k_tiles)
     t_max = max(t for _, _, t in blocks)
     m_block, n_block = min(plan.m_block, M), min(plan.n_block, N)
     groups = column_groups(m_block, n_block, N)
@@ -365,8 +365,11 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     partials = min(2, cdiv(N, n_block)) * cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
     sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * cdiv(m_block, TILE_M) * (n_block // groups) * s
 
+    # the first row block ramps its contraction blocks up, the others do not (dense_matmul)
+    first_rows = [(m_block, 1, blocks)]
+    later_rows = [(rows, count, k_blocks(K, plan.k_tiles)) for rows, count in _spans(M - m_block, plan.m_block)]
     row_blocks = []
-    for rows, count in _spans(M, plan.m_block):
+    for rows, count, blocks in first_rows + later_rows:
         groups = column_groups(rows, n_block, N)
         first = _Work(core, s)
         whole_rows = rows <= PMAX

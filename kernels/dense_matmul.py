@@ -46,6 +46,7 @@ from onnx_nmm.kernels.tiles import (
     load_interleaved_rows,
     load_row_tiles,
     multiply_rows_into,
+    ramped_k_blocks,
     store_row_tiles,
     transpose_rows,
 )
@@ -69,9 +70,11 @@ def dense_matmul(x, w, plan=None):
     if plan is None:
         plan = plan_dense(M, K, N, x.dtype, transposed_input=False)
     y = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
-    blocks = k_blocks(K, plan.k_tiles)
     for row0 in range(0, M, plan.m_block):
         rows = min(plan.m_block, M - row0)
+        # the first row block's contraction blocks ramp up (nothing runs before its first loads arrive); a later
+        # row block's loads run ahead while the one before computes
+        blocks = ramped_k_blocks(K, plan.k_tiles) if row0 == 0 else k_blocks(K, plan.k_tiles)
         # up to 128 tokens, their whole rows in one DMA (short rows per contraction block move slowly)
         x_rows = None
         if rows <= PMAX:

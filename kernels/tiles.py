@@ -12,6 +12,7 @@ PMAX = nl.tile_size.pmax  # 128 partitions: the contraction tile and the largest
 TILE_M = nl.tile_size.gemm_stationary_fmax  # 128: stationary free size = result partitions
 TILE_N = nl.tile_size.gemm_moving_fmax  # 512: moving free size = fp32 elements in one PSUM bank
 PSUM_BANK_BYTES = nl.tile_size.psum_bank_fmax_bytes  # 2 KiB per partition per bank
+RAMP_TILES = 2  # tiles of a ramped first contraction block (ramped_k_blocks)
 
 
 def cdiv(a, b):
@@ -37,6 +38,17 @@ def k_blocks(rows, tiles):
     if rows % PMAX:
         blocks.append((full_tiles * PMAX, rows % PMAX, 1))
     return blocks
+
+
+def ramped_k_blocks(rows, tiles):
+    """k_blocks, but the first blocks growing from RAMP_TILES tiles, doubling up to `tiles`: a kernel's first
+    matmul waits for the first blocks of both operands, and while TensorE multiplies a block the DMA queues
+    bring the next, twice as large."""
+    blocks, k0, t = [], 0, min(RAMP_TILES, tiles)
+    while t < tiles and rows - k0 >= 2 * t * PMAX:
+        blocks.append((k0, PMAX, t))
+        k0, t = k0 + t * PMAX, 2 * t
+    return blocks + [(k0 + first, P, t) for first, P, t in k_blocks(rows - k0, tiles)]
 
 
 def load_interleaved_rows(block, src, k0, partitions, tiles, col0, col1):

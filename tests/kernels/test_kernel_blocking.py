@@ -8,6 +8,7 @@ from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
 from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, column_groups, plan_dense, plan_mlp, plan_xuv
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate, trace
+from onnx_nmm.kernels.tiles import ramped_k_blocks
 
 # Llama-3.2-3B's MLP: the largest rank of the benchmark grid.
 H, I, R = 3072, 8192, 1792
@@ -127,3 +128,16 @@ def test_a_few_tokens_take_the_weight_in_whole_rows_and_store_through_all_partit
     stores = [ins for ins in launch.instructions if ins.engine == "dma" and ins.hbm_write]
     assert min(ins.run_bytes for ins in loads) >= 8 * 1024
     assert all(ins.partitions == 128 for ins in stores)
+
+
+@pytest.mark.parametrize(("rows", "tiles", "sizes"), [
+    (2048, 16, [2, 4, 10]),  # 2, 4, then the 10 tiles left (fewer than 16)
+    (4096, 8, [2, 4, 8, 8, 8, 2]),
+    (2048, 2, [2] * 8),  # nothing to ramp
+    (1000, 4, [2, 4, 1, 1]),  # then the full tiles left, then the 104-row partial tile
+])
+def test_a_ramped_contraction_starts_small_and_doubles(rows, tiles, sizes):
+    blocks = ramped_k_blocks(rows, tiles)
+    assert [t for _, _, t in blocks] == sizes
+    assert [k0 for k0, _, _ in blocks] == [sum(P * t for _, P, t in blocks[:b]) for b in range(len(blocks))]
+    assert sum(P * t for _, P, t in blocks) == rows

@@ -67,6 +67,17 @@ def test_dense_matmul(M, K, N, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [OutputBlockPlan(128, 512, 4), OutputBlockPlan(256, 2048, 4)],
+                         ids=["summed-in-psum", "summed-in-sbuf"])
+def test_dense_matmul_ramps_the_first_row_blocks_contraction(plan, dtype):
+    """The first row block takes the contraction in blocks of 2 and 4 tiles, then the rest (tiles.ramped_k_blocks), the
+    others in blocks of 4; the x^T tiles and the fp32 sums follow each row block's own blocks."""
+    x, w = arrays(0, dtype, (300, 1000), (1000, 700))
+    X, W = f64(x, w)
+    check(run(dense_matmul, x, w, target="trn1", plan=plan), X @ W, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "K", "N", "plan"), [
     (1, 200, 8192, OutputBlockPlan(m_block=1, n_block=8192, k_tiles=1)),  # 64 groups of 128 columns
     (5, 384, 1000, OutputBlockPlan(m_block=5, n_block=512, k_tiles=2)),  # 8 groups; a last block of 488 columns
