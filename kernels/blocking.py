@@ -31,7 +31,17 @@ from functools import lru_cache
 from onnx_nmm.kernels.hardware import TRN1, TRN2, neuron_core
 from onnx_nmm.kernels.instruction_costs import dma_seconds, elementwise_seconds, takes_psum_port, tensor_engine_seconds
 from onnx_nmm.kernels.nki_api import nisa, nl
-from onnx_nmm.kernels.tiles import PMAX, PSUM_BANK_BYTES, TILE_M, TILE_N, cdiv, dtype_bytes, k_blocks, ramped_k_blocks
+from onnx_nmm.kernels.tiles import (
+    PMAX,
+    PSUM_BANK_BYTES,
+    TILE_M,
+    TILE_N,
+    cdiv,
+    dtype_bytes,
+    k_blocks,
+    ramped_k_blocks,
+    row_pieces,
+)
 
 # nki-library leaves 16 KiB + 264 B of each SBUF partition to the compiler (DMA scratch, reserved locations,
 # transpose identity): MAX_AVAILABLE_SBUF_SIZE = 224*1024 - 16384 - 8 - 256 in
@@ -356,9 +366,10 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     m_block, n_block = min(plan.m_block, M), min(plan.n_block, N)
     groups = column_groups(m_block, n_block, N)
     x_rows = K if m_block <= PMAX else 2 * cdiv(m_block, PMAX) * t_max * PMAX  # whole rows, or a block's columns
-    # x^T stays for the later column blocks; with one column block, three blocks of it are live at once
+    # x^T stays for the later column blocks, and up to 128 tokens it is made at once; else, with one column
+    # block, three blocks of it are live at once
     x_width = groups * m_block + groups - 1
-    x_T = sum(t for _, _, t in blocks) * x_width if n_block < N else 3 * t_max * x_width
+    x_T = sum(t for _, _, t in blocks) * x_width if n_block < N or m_block <= PMAX else 3 * t_max * x_width
     x_tiles = (x_T + x_rows) * s
     in_sbuf = not block_in_psum(m_block, n_block, groups) and len(blocks) > 1
     # two sets of fp32 sums, which a row block's column blocks take in turn
@@ -374,7 +385,8 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
         first = _Work(core, s)
         whole_rows = rows <= PMAX
         if whole_rows:
-            _load_row_tiles(first, "x", 1, rows, K)
+            pieces = row_pieces(rows, K, blocks)
+            first.load("x", 1, rows * K * s, K // pieces * s)
         for (P, t), kinds in Counter((P, t) for _, P, t in blocks).items():
             _transposed_block(first, kinds, rows, P, t, loaded=whole_rows, groups=groups)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes

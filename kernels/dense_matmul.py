@@ -44,9 +44,11 @@ from onnx_nmm.kernels.tiles import (
     evict_partial_sum,
     k_blocks,
     load_interleaved_rows,
+    load_row_pieces,
     load_row_tiles,
     multiply_rows_into,
     ramped_k_blocks,
+    row_pieces,
     store_row_tiles,
     transpose_rows,
 )
@@ -78,8 +80,9 @@ def dense_matmul(x, w, plan=None):
         # up to 128 tokens, their whole rows in one DMA (short rows per contraction block move slowly)
         x_rows = None
         if rows <= PMAX:
-            x_rows = nl.ndarray((PMAX, 1, K), dtype=x.dtype, buffer=nl.sbuf)
-            load_row_tiles(x_rows, x, row0, rows, 0, K)
+            pieces = row_pieces(rows, K, blocks)
+            x_rows = nl.ndarray((PMAX, 1, K // pieces), dtype=x.dtype, buffer=nl.sbuf)
+            load_row_pieces(x_rows, x, row0, rows, K, pieces)
         n_block = min(plan.n_block, N)
         groups = column_groups(rows, n_block, N)
         # the row block's x^T, one tile per contraction block (transposed_block), made as first used; when it
@@ -87,6 +90,12 @@ def dense_matmul(x, w, plan=None):
         # made, they would sit between the w blocks, and the next column block's w loads would wait for them)
         xT = []
         reserved = [x_transposed_tile(x.dtype, rows, t, groups) for _, _, t in blocks] if n_block < N else None
+        if x_rows is not None:
+            # up to 128 tokens, all of x^T at once while the first w block arrives: x's rows are then free before
+            # any w block is allocated (one taking their place late would wait for the last transposes)
+            for b, (k0, P, t) in enumerate(blocks):
+                tile = x_transposed_tile(x.dtype, rows, t, groups) if reserved is None else reserved[b]
+                xT.append(transposed_block(tile, x, x_rows, row0, rows, k0, P, t, groups))
         # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
         # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
         # then wait for the last additions; one set, the next block's first sums would wait for them)
@@ -180,17 +189,22 @@ def x_transposed_tile(dtype, rows, t, groups):
 
 def transposed_block(block, x, x_rows, row0, rows, k0, P, t, groups):
     """block = x^T for contraction rows k0.. (row-interleaved, as the w block) and the `rows` tokens from row0,
-    by TensorE transposes: from `x_rows` (the tokens' whole rows), or from the block's columns of every 128
-    tokens loaded in one DMA (tiles.load_row_tiles).
+    by TensorE transposes: from `x_rows` (the tokens' whole rows, in pieces of their columns side by side as
+    tiles.load_row_pieces puts them), or from the block's columns of every 128 tokens loaded in one DMA
+    (tiles.load_row_tiles).
 
     With several column groups the tile is zeros but for token i in column g*i + g - 1, so that the window of
     g*rows columns from g - 1 - q puts token i in column g*i + q.
     """
-    column0 = k0
     if x_rows is None:
         x_rows = nl.ndarray((PMAX, cdiv(rows, PMAX), P * t), dtype=x.dtype, buffer=nl.sbuf)
         load_row_tiles(x_rows, x, row0, rows, k0, k0 + P * t)
         column0 = 0
+    else:
+        piece = k0 // x_rows.shape[2]  # the piece of the rows' columns that holds this block
+        column0 = k0 - piece * x_rows.shape[2]
+        if piece:
+            x_rows = x_rows[piece * rows : (piece + 1) * rows]
     width = groups * rows + groups - 1
     if groups > 1:
         nisa.memset(block[0:P, 0:t, 0:width], 0)

@@ -40,6 +40,27 @@ def k_blocks(rows, tiles):
     return blocks
 
 
+def row_pieces(rows, cols, blocks):
+    """How many pieces of their columns `rows` whole rows are loaded in, each piece in its own partitions
+    (load_row_pieces): 128 / rows for 32 or 64 rows, so that the one DMA spans all 128 partitions (each DMA
+    queue serves 8 of a transfer's partitions: 32 rows alone keep 4 of the 16 busy), provided each contraction
+    block in `blocks` lies within one piece; 1 otherwise."""
+    pieces = PMAX // rows if rows in (32, 64) else 1
+    if pieces > 1 and cols % pieces == 0:
+        width = cols // pieces
+        if all(k0 // width == (k0 + P * t - 1) // width for k0, P, t in blocks):
+            return pieces
+    return 1
+
+
+def load_row_pieces(block, src, row0, rows, cols, pieces):
+    """block[q*rows + i, 0, c] = src[row0 + i, q*width + c] with width = cols / pieces: piece q of the rows'
+    columns in partitions q*rows.., in one DMA."""
+    width = cols // pieces
+    parts = src[row0 : row0 + rows, 0:cols].reshape((rows, pieces, width)).permute((1, 0, 2))
+    nisa.dma_copy(dst=block[0 : rows * pieces, 0, 0:width], src=parts)
+
+
 def ramped_k_blocks(rows, tiles):
     """k_blocks, but the first blocks growing from RAMP_TILES tiles, doubling up to `tiles`: a kernel's first
     matmul waits for the first blocks of both operands, and while TensorE multiplies a block the DMA queues

@@ -8,7 +8,7 @@ from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
 from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, column_groups, plan_dense, plan_mlp, plan_xuv
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate, trace
-from onnx_nmm.kernels.tiles import ramped_k_blocks
+from onnx_nmm.kernels.tiles import ramped_k_blocks, row_pieces
 
 # Llama-3.2-3B's MLP: the largest rank of the benchmark grid.
 H, I, R = 3072, 8192, 1792
@@ -141,3 +141,14 @@ def test_a_ramped_contraction_starts_small_and_doubles(rows, tiles, sizes):
     assert [t for _, _, t in blocks] == sizes
     assert [k0 for k0, _, _ in blocks] == [sum(P * t for _, P, t in blocks[:b]) for b in range(len(blocks))]
     assert sum(P * t for _, P, t in blocks) == rows
+
+
+@pytest.mark.parametrize(("rows", "cols", "tiles", "pieces"), [
+    (32, 8192, 2, 4),  # 4 x 32 partitions, 2,048 columns each; blocks of 2 tiles never straddle a piece
+    (64, 8192, 2, 2),
+    (32, 6144, 4, 1),  # a ramp of 2 then 4 tiles puts a block across the piece boundary at 1,536
+    (16, 8192, 2, 1),  # pieces must start at partitions 0, 32, 64, 96
+    (128, 8192, 2, 1),
+])
+def test_32_or_64_rows_load_in_pieces_over_all_partitions(rows, cols, tiles, pieces):
+    assert row_pieces(rows, cols, ramped_k_blocks(cols, tiles)) == pieces

@@ -83,6 +83,8 @@ def test_dense_matmul_ramps_the_first_row_blocks_contraction(plan, dtype):
     (5, 384, 1000, OutputBlockPlan(m_block=5, n_block=512, k_tiles=2)),  # 8 groups; a last block of 488 columns
     (32, 300, 3000, OutputBlockPlan(m_block=32, n_block=1024, k_tiles=2)),  # 4 groups, a partial contraction tile
     (64, 256, 1536, OutputBlockPlan(m_block=64, n_block=1536, k_tiles=1)),  # 2 groups, two banks each
+    (32, 1024, 2048, OutputBlockPlan(m_block=32, n_block=2048, k_tiles=2)),  # x's rows in 4 pieces of 256 columns
+    (64, 512, 1024, OutputBlockPlan(m_block=64, n_block=1024, k_tiles=2)),  # x's rows in 2 pieces
 ])
 def test_dense_matmul_with_column_groups(M, K, N, plan, dtype):
     """Few tokens multiply pieces of the columns side by side (blocking.column_groups); the zeros of x^T's
