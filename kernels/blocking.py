@@ -65,6 +65,9 @@ OUTPUT_BANKS = 6
 # Narrowest piece of columns dense_matmul's column groups multiply at once: a matmul costs TensorE at least
 # 64 cycles (MM_INIT_LATENCY), the time of 64 moving columns
 MIN_PIECE = 64
+# First w blocks from this size on are ramped up (contraction_blocks): 1 MiB takes 2.9 / 3.9 us on trn2 / trn1,
+# several times a transfer's 1.3 us issue interval
+RAMP_BYTES = 1 << 20
 
 KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
            "dense_gated_mlp", "dense_ungated_mlp")
@@ -361,9 +364,9 @@ def _overlapped_seconds(token_blocks, issue_interval):
 def _accumulated_row_blocks(M, K, N, s, core, plan):
     """dense_matmul, as (how many, loop nests) per kind of row block: the first column block, which makes x^T
     as it goes, then the other column blocks."""
-    blocks = ramped_k_blocks(K, plan.k_tiles)
-    t_max = max(t for _, _, t in blocks)
     m_block, n_block = min(plan.m_block, M), min(plan.n_block, N)
+    blocks = contraction_blocks(K, plan.k_tiles, n_block, s, first_row_block=True)
+    t_max = max(t for _, _, t in blocks)
     groups = column_groups(m_block, n_block, N)
     x_rows = K if m_block <= PMAX else 2 * cdiv(m_block, PMAX) * t_max * PMAX  # whole rows, or a block's columns
     # x^T stays for the later column blocks, and up to 128 tokens it is made at once; else, with one column
@@ -376,9 +379,10 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     partials = min(2, cdiv(N, n_block)) * cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
     sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * cdiv(m_block, TILE_M) * (n_block // groups) * s
 
-    # the first row block ramps its contraction blocks up, the others do not (dense_matmul)
+    # the first row block may ramp its contraction blocks up, the others do not (contraction_blocks)
     first_rows = [(m_block, 1, blocks)]
-    later_rows = [(rows, count, k_blocks(K, plan.k_tiles)) for rows, count in _spans(M - m_block, plan.m_block)]
+    later_rows = [(rows, count, contraction_blocks(K, plan.k_tiles, n_block, s, first_row_block=False))
+                  for rows, count in _spans(M - m_block, plan.m_block)]
     row_blocks = []
     for rows, count, blocks in first_rows + later_rows:
         groups = column_groups(rows, n_block, N)
@@ -439,6 +443,15 @@ def block_in_psum(rows, cols, groups=1):
     column_groups), over the whole contraction in PSUM (at most OUTPUT_BANKS banks of 128 partitions x 512
     columns) rather than in SBUF."""
     return cdiv(rows * groups, TILE_M) * cdiv(cols // groups, TILE_N) <= OUTPUT_BANKS
+
+
+def contraction_blocks(K, k_tiles, n_block, s, first_row_block):
+    """dense_matmul's contraction blocks for a row block: the first row block's ramp up (tiles.ramped_k_blocks)
+    when its first w block would otherwise be RAMP_BYTES or more (TensorE would wait for all of it); small
+    weights keep the planned blocks, each transfer of a tensor waiting an issue interval after the last."""
+    if first_row_block and PMAX * k_tiles * n_block * s >= RAMP_BYTES:
+        return ramped_k_blocks(K, k_tiles)
+    return k_blocks(K, k_tiles)
 
 
 def column_groups(rows, n_block, N):

@@ -34,20 +34,20 @@ sums are float32 (the tutorial keeps them in the output dtype), and its block si
 blocking.plan_dense(transposed_input=True) unless given.
 """
 
-from onnx_nmm.kernels.blocking import block_in_psum, column_groups, plan_dense
+from onnx_nmm.kernels.blocking import block_in_psum, column_groups, contraction_blocks, plan_dense
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
     TILE_M,
     TILE_N,
     cdiv,
+    dtype_bytes,
     evict_partial_sum,
     k_blocks,
     load_interleaved_rows,
     load_row_pieces,
     load_row_tiles,
     multiply_rows_into,
-    ramped_k_blocks,
     row_pieces,
     store_row_tiles,
     transpose_rows,
@@ -74,9 +74,9 @@ def dense_matmul(x, w, plan=None):
     y = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
     for row0 in range(0, M, plan.m_block):
         rows = min(plan.m_block, M - row0)
-        # the first row block's contraction blocks ramp up (nothing runs before its first loads arrive); a later
-        # row block's loads run ahead while the one before computes
-        blocks = ramped_k_blocks(K, plan.k_tiles) if row0 == 0 else k_blocks(K, plan.k_tiles)
+        # the first row block's contraction blocks ramp up where its first w block is large (nothing runs before
+        # its first loads arrive); a later row block's loads run ahead while the one before computes
+        blocks = contraction_blocks(K, plan.k_tiles, min(plan.n_block, N), dtype_bytes(x.dtype), row0 == 0)
         # up to 128 tokens, their whole rows in one DMA (short rows per contraction block move slowly)
         x_rows = None
         if rows <= PMAX:

@@ -5,10 +5,17 @@ from collections import Counter
 import pytest
 
 from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
-from onnx_nmm.kernels.blocking import SBUF_RESERVE_BYTES, column_groups, plan_dense, plan_mlp, plan_xuv
+from onnx_nmm.kernels.blocking import (
+    SBUF_RESERVE_BYTES,
+    column_groups,
+    contraction_blocks,
+    plan_dense,
+    plan_mlp,
+    plan_xuv,
+)
 from onnx_nmm.kernels.hardware import neuron_core
 from onnx_nmm.kernels.runner import estimate, trace
-from onnx_nmm.kernels.tiles import ramped_k_blocks, row_pieces
+from onnx_nmm.kernels.tiles import k_blocks, ramped_k_blocks, row_pieces
 
 # Llama-3.2-3B's MLP: the largest rank of the benchmark grid.
 H, I, R = 3072, 8192, 1792
@@ -152,3 +159,11 @@ def test_a_ramped_contraction_starts_small_and_doubles(rows, tiles, sizes):
 ])
 def test_32_or_64_rows_load_in_pieces_over_all_partitions(rows, cols, tiles, pieces):
     assert row_pieces(rows, cols, ramped_k_blocks(cols, tiles)) == pieces
+
+
+def test_only_a_large_first_w_block_is_ramped():
+    """A ramp adds transfers, each an issue interval after the last: it pays only where the first w block takes
+    longer than that (a 2 MiB block of a gate projection at 512 tokens, not a decode step's small k/v weights)."""
+    assert contraction_blocks(2048, 16, 512, 2, first_row_block=True) == ramped_k_blocks(2048, 16)
+    assert contraction_blocks(2048, 16, 512, 2, first_row_block=False) == k_blocks(2048, 16)
+    assert contraction_blocks(576, 4, 192, 2, first_row_block=True) == k_blocks(576, 4)

@@ -21,7 +21,16 @@ from onnx_nmm.kernels import (
     silu_mul,
     silu_mul_transposed,
 )
-from onnx_nmm.kernels.blocking import DenseMlpPlan, DensePlan, MlpPlan, OutputBlockPlan, XuvPlan, column_groups
+from onnx_nmm.kernels.blocking import (
+    DenseMlpPlan,
+    DensePlan,
+    MlpPlan,
+    OutputBlockPlan,
+    XuvPlan,
+    column_groups,
+    contraction_blocks,
+)
+from onnx_nmm.kernels.tiles import k_blocks
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Error relative to the output's largest magnitude: bf16 rounds the intermediates and the output
@@ -67,12 +76,16 @@ def test_dense_matmul(M, K, N, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", [OutputBlockPlan(128, 512, 4), OutputBlockPlan(256, 2048, 4)],
+@pytest.mark.parametrize("plan", [OutputBlockPlan(128, 1024, 8), OutputBlockPlan(256, 2048, 4)],
                          ids=["summed-in-psum", "summed-in-sbuf"])
 def test_dense_matmul_ramps_the_first_row_blocks_contraction(plan, dtype):
-    """The first row block takes the contraction in blocks of 2 and 4 tiles, then the rest (tiles.ramped_k_blocks), the
-    others in blocks of 4; the x^T tiles and the fp32 sums follow each row block's own blocks."""
-    x, w = arrays(0, dtype, (300, 1000), (1000, 700))
+    """The first row block, whose first w block would be over 1 MiB, takes the contraction in blocks of 2 and 4
+    tiles, then the rest (blocking.contraction_blocks), the others in the planned blocks; the x^T tiles and the
+    fp32 sums follow each row block's own blocks."""
+    element_bytes = 2 if dtype == "bfloat16" else 4
+    ramped = contraction_blocks(1000, plan.k_tiles, min(plan.n_block, 1500), element_bytes, first_row_block=True)
+    assert len(ramped) > len(k_blocks(1000, plan.k_tiles))
+    x, w = arrays(0, dtype, (300, 1000), (1000, 1500))
     X, W = f64(x, w)
     check(run(dense_matmul, x, w, target="trn1", plan=plan), X @ W, dtype)
 
