@@ -122,8 +122,12 @@ class BenchmarkRow:
 
     def dense_kernels_over_roofline(self) -> list[tuple[str, float]]:
         """(kernel, time / roofline) of every dense kernel launch of the dense paths (silu_mul aside)."""
-        return [(cost.kernels[0], cost.over_roofline) for variant in DENSE_PATHS for cost in self.launches[variant]
-                if cost.kernels[0].startswith("dense_")]
+        return [(kernel, ratio) for _, _, kernel, ratio in self.dense_launches()]
+
+    def dense_launches(self) -> list[tuple[str, int, str, float]]:
+        """(variant, launch index, kernel, time / roofline) of every dense kernel launch of the dense paths."""
+        return [(variant, i, cost.kernels[0], cost.over_roofline) for variant in DENSE_PATHS
+                for i, cost in enumerate(self.launches[variant]) if cost.kernels[0].startswith("dense_")]
 
     def fused_kernels_over_roofline(self) -> float:
         """The worst of the fused kernels' launches (fused_xuv and fused_svd_mlp) against the roofline."""
@@ -191,6 +195,11 @@ def summarize(rows: list[BenchmarkRow]) -> dict:
         "dense_kernels_over_roofline_max": {kernel: max(r for k, r in dense_kernels if k == kernel)
                                             for kernel in sorted({k for k, _ in dense_kernels})},
         "dense_kernels_within_goal": [sum(r <= DENSE_ROOFLINE_GOAL for _, r in dense_kernels), len(dense_kernels)],
+        "dense_kernels_over_goal": [
+            {"target": row.target, "model": row.shape.model, "tokens": row.tokens, "variant": variant,
+             "launch": i, "kernel": kernel, "over_roofline": ratio}
+            for row in rows for variant, i, kernel, ratio in row.dense_launches() if ratio > DENSE_ROOFLINE_GOAL
+        ],
         "roofline_goal": ROOFLINE_GOAL,
         "over_roofline_max": {v: max(row.over_roofline(v) for row in rows) for v in VARIANTS},
         "best_dense_over_roofline_max": max(row.over_roofline(row.best_dense) for row in rows),

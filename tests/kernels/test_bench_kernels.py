@@ -42,6 +42,13 @@ def test_the_summary_states_both_bars(rows):
     within, launches = summary["dense_kernels_within_goal"]
     assert launches == 2 * 4 and within == sum(ratio <= benchmark.DENSE_ROOFLINE_GOAL for row in rows
                                                for _, ratio in row.dense_kernels_over_roofline())
+    # the launches over the goal, each named: which dense path, which launch of it, which kernel
+    over = summary["dense_kernels_over_goal"]
+    assert len(over) == launches - within
+    for launch in over:
+        row = next(r for r in rows if r.tokens == launch["tokens"] and r.target == launch["target"])
+        cost = row.launches[launch["variant"]][launch["launch"]]
+        assert cost.kernels[0] == launch["kernel"] and cost.over_roofline == launch["over_roofline"] > 1.10
 
 
 def test_above_one_tile_of_tokens_the_dense_path_hands_the_down_projection_act_transposed():
