@@ -276,6 +276,10 @@ class _Work:
         block, an fp32 add onto the partial sums for the others."""
         return (self.scalar(elements), 0.0) if first else (0.0, self.vector(elements))
 
+    def memset(self, times, elements):
+        """`times` VectorE memsets of `elements` per partition (off the PSUM groups' chain)."""
+        self.busy["dve"] += times * elementwise_seconds(self.core, "dve", elements, inputs=0)
+
     def group(self, times, pe, act=0.0, dve=0.0):
         """`times` PSUM groups, each `pe` seconds of TensorE work emptied by `act` and/or `dve` seconds (in
         turn where ScalarE and VectorE share PSUM's port)."""
@@ -479,7 +483,7 @@ def _transposed_block(work, times, rows, P, t, loaded, groups):
     if not loaded:
         _load_row_tiles(work, "x", times, rows, P * t)
     if groups > 1:
-        work.busy["dve"] += times * elementwise_seconds(work.core, "dve", t * (groups * rows + groups - 1), inputs=0)
+        work.memset(times, t * (groups * rows + groups - 1))
     for T, chunks in _spans(rows, PMAX):
         for group, banks in _spans(t, _transposes_per_bank(work.s)):
             work.group(times * chunks * banks, work.transposes(group, T), act=work.scalar(group * T))

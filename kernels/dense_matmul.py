@@ -4,15 +4,19 @@ matmul (the cost model's calibration anchor).
 `dense_matmul(x, w)` takes x in natural [M, K] layout like every other kernel here. It computes y in output
 blocks of m_block rows and n_block columns, a row block's column blocks one after another:
 
-  1. x^T of a row block is made once, as its first column block needs it (per contraction block one DMA
-     of the block's columns for every 128 tokens, or up to 128 tokens' whole rows in one DMA; TensorE
-     transposes, ScalarE copies), and stays in SBUF for every column block;
+  1. x^T of a row block is made once and stays in SBUF for every column block: up to 128 tokens from their
+     whole rows (one DMA; 32 or 64 tokens in pieces of their columns side by side over all 128 partitions,
+     tiles.row_pieces), all of it while the first w block arrives; above, as the first column block needs
+     it, per contraction block from one DMA of the block's columns for every 128 tokens (TensorE transposes,
+     ScalarE copies). The first row block's contraction blocks ramp up where its first w block is large
+     (blocking.contraction_blocks);
   2. per contraction block of k_tiles tiles, the block's rows of w (one DMA, row-interleaved as x^T's
      tiles are) are the moving operand and x^T the stationary one, each 128 x 512 output tile in a PSUM
      bank;
   3. a block of at most OUTPUT_BANKS banks accumulates over the whole contraction in PSUM, and after the
      last contraction block ScalarE copies each bank out in x's dtype; a larger block leaves PSUM after
-     every contraction block and is summed in fp32 in SBUF; each 128 rows go to HBM in one DMA.
+     every contraction block and is summed in fp32 in SBUF; a PSUM-summed block's full 128-row tiles go to
+     HBM in one DMA, a larger block's rows 128 at a time;
   4. a row block of at most 64 tokens multiplies its output blocks' columns in groups side by side
      (blocking.column_groups): x^T is kept with zeros between its tokens, and each group's window of it
      sends the group's piece of the columns to its own partitions of the same PSUM banks. Four groups of 32
@@ -93,9 +97,8 @@ def dense_matmul(x, w, plan=None):
         if x_rows is not None:
             # up to 128 tokens, all of x^T at once while the first w block arrives: x's rows are then free before
             # any w block is allocated (one taking their place late would wait for the last transposes)
-            for b, (k0, P, t) in enumerate(blocks):
-                tile = x_transposed_tile(x.dtype, rows, t, groups) if reserved is None else reserved[b]
-                xT.append(transposed_block(tile, x, x_rows, row0, rows, k0, P, t, groups))
+            for _ in blocks:
+                transpose_next_block(xT, reserved, x, x_rows, row0, rows, blocks, groups)
         # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
         # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
         # then wait for the last additions; one set, the next block's first sums would wait for them)
@@ -125,9 +128,8 @@ def output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, col0, cols, 
     for b, (k0, P, t) in enumerate(blocks):
         # x^T a contraction block ahead, so that ScalarE copies the next block's transposes out of PSUM while
         # TensorE multiplies this one
-        for ahead in range(len(xT), min(b + 2, len(blocks))):
-            tile = x_transposed_tile(x.dtype, rows, blocks[ahead][2], groups) if reserved is None else reserved[ahead]
-            xT.append(transposed_block(tile, x, x_rows, row0, rows, *blocks[ahead], groups))
+        while len(xT) < min(b + 2, len(blocks)):
+            transpose_next_block(xT, reserved, x, x_rows, row0, rows, blocks, groups)
         w_block = nl.ndarray((PMAX, t, cols), dtype=w.dtype, buffer=nl.sbuf)
         load_interleaved_rows(w_block, w, k0, P, t, col0, col0 + cols)
         if in_psum:
@@ -185,6 +187,14 @@ def x_transposed_tile(dtype, rows, t, groups):
     """A tile for one contraction block of x^T (transposed_block): [P, t, rows], or with several column groups
     [P, t, g*rows + g - 1]."""
     return nl.ndarray((PMAX, t, groups * rows + groups - 1), dtype=dtype, buffer=nl.sbuf)
+
+
+def transpose_next_block(xT, reserved, x, x_rows, row0, rows, blocks, groups):
+    """Appends to `xT` the x^T of the next contraction block in `blocks`, in its `reserved` tile if any."""
+    b = len(xT)
+    k0, P, t = blocks[b]
+    tile = x_transposed_tile(x.dtype, rows, t, groups) if reserved is None else reserved[b]
+    xT.append(transposed_block(tile, x, x_rows, row0, rows, k0, P, t, groups))
 
 
 def transposed_block(block, x, x_rows, row0, rows, k0, P, t, groups):
