@@ -770,18 +770,20 @@ def _load_interleaved_rows(work, tensor, times, P, t, cols, whole_rows):
 
 def _load_row_tiles(work, tensor, times, rows, cols):
     """tiles.load_row_tiles: one DMA of the full 128-row tiles, one of a partial last tile."""
-    full, partial = divmod(rows, PMAX)
-    for partitions, count in ((PMAX, full), (partial, 1)):
-        if partitions and count:
-            work.load(tensor, times, partitions * count * cols * work.s, cols * work.s)
+    _row_tile_transfers(work.load, tensor, times, rows, cols, work.s)
 
 
 def _store_row_tiles(work, tensor, times, rows, cols):
-    """tiles.store_row_tiles: one DMA of the full 128-row tiles, one of a partial last tile."""
+    """tiles.store_row_tiles: the same DMAs the other way."""
+    _row_tile_transfers(work.store, tensor, times, rows, cols, work.s)
+
+
+def _row_tile_transfers(move, tensor, times, rows, cols, s):
+    """tiles.row_tile_pairs: `move` (a _Work's load or store) of the full 128-row tiles, then a partial one."""
     full, partial = divmod(rows, PMAX)
     for partitions, count in ((PMAX, full), (partial, 1)):
         if partitions and count:
-            work.store(tensor, times, partitions * count * cols * work.s, cols * work.s)
+            move(tensor, times, partitions * count * cols * s, cols * s)
 
 
 # -- choosing ----------------------------------------------------------------------------------------------

@@ -76,18 +76,18 @@ def dense_matmul(x, w, plan=None):
     if plan is None:
         plan = plan_dense(M, K, N, x.dtype, transposed_input=False)
     y = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
+    n_block = min(plan.n_block, N)
     for row0 in range(0, M, plan.m_block):
         rows = min(plan.m_block, M - row0)
         # the first row block's contraction blocks ramp up where its first w block is large (nothing runs before
         # its first loads arrive); a later row block's loads run ahead while the one before computes
-        blocks = contraction_blocks(K, plan.k_tiles, min(plan.n_block, N), dtype_bytes(x.dtype), row0 == 0)
+        blocks = contraction_blocks(K, plan.k_tiles, n_block, dtype_bytes(x.dtype), row0 == 0)
         # up to 128 tokens, their whole rows in one DMA (short rows per contraction block move slowly)
         x_rows = None
         if rows <= PMAX:
             pieces = row_pieces(rows, K, blocks)
             x_rows = nl.ndarray((PMAX, 1, K // pieces), dtype=x.dtype, buffer=nl.sbuf)
             load_row_pieces(x_rows, x, row0, rows, K, pieces)
-        n_block = min(plan.n_block, N)
         groups = column_groups(rows, n_block, N)
         # the row block's x^T, one tile per contraction block (transposed_block), made as first used; when it
         # stays for several column blocks its tiles are allocated here, before any w block (allocated as they are

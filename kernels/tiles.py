@@ -87,27 +87,30 @@ def load_interleaved_rows(block, src, k0, partitions, tiles, col0, col1):
 def load_row_tiles(block, src, row0, rows, col0, col1):
     """block[p, j, :] = src[row0 + j*128 + p, col0:col1]: the 128-row tiles (the last may be partial), the
     full ones in one DMA of `cols`-element runs and a partial last tile in a second."""
-    cols = col1 - col0
-    full = rows // PMAX
-    if full:
-        tiles = src[row0 : row0 + full * PMAX, col0:col1].reshape((full, PMAX, cols)).permute((1, 0, 2))
-        nisa.dma_copy(dst=block[0:PMAX, 0:full, 0:cols], src=tiles)
-    if rows % PMAX:
-        first = row0 + full * PMAX
-        nisa.dma_copy(dst=block[0 : rows % PMAX, full, 0:cols], src=src[first : row0 + rows, col0:col1])
+    for rows_of_src, tiles in row_tile_pairs(src, block, row0, rows, col0, col1):
+        nisa.dma_copy(dst=tiles, src=rows_of_src)
 
 
 def store_row_tiles(dst, block, row0, rows, col0, col1):
     """dst[row0 + j*128 + p, col0:col1] = block[p, j, :], load_row_tiles' way back: the full 128-row tiles in
     one DMA, a partial last tile in a second."""
+    for rows_of_dst, tiles in row_tile_pairs(dst, block, row0, rows, col0, col1):
+        nisa.dma_copy(dst=rows_of_dst, src=tiles)
+
+
+def row_tile_pairs(hbm, block, row0, rows, col0, col1):
+    """The (rows of `hbm`, tiles of `block`) views one DMA each moves between hbm[row0 + j*128 + p, col0:col1]
+    and block[p, j, :]: the full 128-row tiles together, then a partial last tile."""
     cols = col1 - col0
     full = rows // PMAX
+    pairs = []
     if full:
-        tiles = dst[row0 : row0 + full * PMAX, col0:col1].reshape((full, PMAX, cols)).permute((1, 0, 2))
-        nisa.dma_copy(dst=tiles, src=block[0:PMAX, 0:full, 0:cols])
+        tiles = hbm[row0 : row0 + full * PMAX, col0:col1].reshape((full, PMAX, cols)).permute((1, 0, 2))
+        pairs.append((tiles, block[0:PMAX, 0:full, 0:cols]))
     if rows % PMAX:
         first = row0 + full * PMAX
-        nisa.dma_copy(dst=dst[first : row0 + rows, col0:col1], src=block[0 : rows % PMAX, full, 0:cols])
+        pairs.append((hbm[first : row0 + rows, col0:col1], block[0 : rows % PMAX, full, 0:cols]))
+    return pairs
 
 
 def transpose_tokens(xT, x, row0, tokens, k0, partitions, tiles, col):
