@@ -68,6 +68,9 @@ MIN_PIECE = 64
 # First w blocks from this size on are ramped up (contraction_blocks): 1 MiB takes 2.9 / 3.9 us on trn2 / trn1,
 # several times a transfer's 1.3 us issue interval
 RAMP_BYTES = 1 << 20
+# Bytes per partition of each load of Wd's rows in dense_mlp's streamed down projection: runs long enough for
+# the DMA's full rate (hardware.dma_efficiency), small enough to be loaded while TensorE still makes actᵀ
+DOWN_LOAD_BYTES = 16 * 1024
 
 KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
            "dense_gated_mlp", "dense_ungated_mlp")
@@ -662,10 +665,10 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
 
 
 def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projections):
-    """dense_mlp._streamed_token_block after x^T: per block of I, per block of H each projection's columns and
-    their matmuls (the block's sums in PSUM), actᵀ as they leave it, Wd's rows of each I tile and the matmuls
-    of their weight tiles into y^T (summed over all of I in PSUM); at the end y^T copied out, transposed back,
-    copied out again and stored (_store_transposed)."""
+    """dense_mlp._streamed_token_block after x^T: per block of I, each projection in turn streams its columns by
+    blocks of H with their matmuls (the block's sums in PSUM), actᵀ as they leave it; then per block of I
+    Wd's rows, a few I tiles per load, and the matmuls of their weight tiles into y^T (summed over all of I in
+    PSUM); at the end y^T copied out, transposed back, copied out again and stored (_store_transposed)."""
     s = work.s
     h_tiles = sum(t for _, _, t in h_blocks)
     gated = len(projections) == 2
@@ -676,11 +679,17 @@ def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projec
                 _load_interleaved_rows(work, tensor, count * h_count, kp, kt, P * t, whole_rows=P * t == intermediate)
         if not gated:
             work.load("bias", count, P * t * s, t * s)
-        evict = (t * work.scalar(tokens), t * work.vector(tokens) if gated else 0.0)
-        work.group(count, len(projections) * work.matmuls(h_tiles * t, tokens), *evict)
-        if _psum_banks(cdiv(H, PMAX), tokens) + 2 * len(projections) * _psum_banks(t, tokens) > PSUM_BANKS:
-            work.wait(count, sum(evict))  # no room for the next block's sums: they wait for these to leave
-        work.load("wd", count * t, P * H * s, H * s)  # Wd's rows of each I tile
+        # the gate's sums leave PSUM (ScalarE) while the up's are made, the up's (VectorE) while the next block's
+        # gate's are; a lone projection's next sums wait for these to leave where PSUM has no room for both
+        work.group(count, work.matmuls(h_tiles * t, tokens), act=t * work.scalar(tokens))
+        if gated:
+            work.group(count, work.matmuls(h_tiles * t, tokens), dve=t * work.vector(tokens))
+        elif 2 * _psum_banks(t, tokens) > PSUM_BANKS:
+            work.wait(count, t * work.scalar(tokens))
+    for (P, t), count in Counter((P, t) for _, P, t in i_blocks).items():
+        per_load = down_tiles_per_load(t, H, s)
+        for d, loads in _spans(t, per_load):
+            work.load("wd", count * loads, P * d * H * s, d * H * s)
         work.group(count, work.matmuls(t * cdiv(H, PMAX), tokens))
     for rows, n in out_tiles:
         work.group(n, work.transposes(1, rows), act=work.scalar(tokens) + work.scalar(rows))
@@ -690,18 +699,26 @@ def _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projec
     t_max = max(t for _, _, t in i_blocks)
     kt_max = max(t for _, _, t in h_blocks)
     x_tiles = h_tiles * tokens * s + 2 * H * s  # x^T and the rows it comes from
-    weights = 2 * len(projections) * kt_max * PMAX * t_max * s + 2 * H * s
-    act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 2 * t_max * s)
+    # two blocks of each projection's columns, two loads of Wd's rows; actᵀ of all of I, the gate of a block
+    weights = 2 * len(projections) * kt_max * PMAX * t_max * s + 2 * down_tiles_per_load(t_max, H, s) * H * s
+    act = cdiv(intermediate, PMAX) * tokens * s + (t_max * tokens * 4 if gated else 2 * t_max * s)
     work.sbuf = x_tiles + weights + act + cdiv(H, PMAX) * tokens * s + H * s
 
 
 def sums_in_psum(tokens, H, i_tiles, projections):
-    """Whether dense_mlp keeps every sum of a block of `tokens` in PSUM: y^T over all of I ([128, tokens] per
-    128 rows of H) and each block of I's gate and up (`projections` of them) over all of H, with a bank to
-    spare (the transposes back)."""
+    """Whether dense_mlp keeps every sum of a block of `tokens` in PSUM: first each block of I's gate and up
+    (`projections` of them) over all of H, a set of sums per projection; then y^T over all of I ([128, tokens]
+    per 128 rows of H) with a bank to spare (the transposes back)."""
     if tokens > TILE_M:
         return False
-    return _psum_banks(cdiv(H, PMAX), tokens) + projections * _psum_banks(i_tiles, tokens) < PSUM_BANKS
+    return (projections * _psum_banks(i_tiles, tokens) <= PSUM_BANKS
+            and _psum_banks(cdiv(H, PMAX), tokens) < PSUM_BANKS)
+
+
+def down_tiles_per_load(i_tiles, H, s):
+    """Tiles of I whose Wd rows dense_mlp's streamed down projection loads at once: rows of H elements of
+    `s` bytes, consecutive per partition, up to DOWN_LOAD_BYTES a partition."""
+    return max(1, min(i_tiles, DOWN_LOAD_BYTES // (H * s)))
 
 
 def _psum_banks(sums, tokens):

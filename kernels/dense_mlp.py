@@ -27,7 +27,7 @@ Nothing is summed in SBUF, so no VectorE addition per block of I (a [1, 512] one
 [128, 512] one). Block sizes come from blocking.plan_dense_mlp.
 """
 
-from onnx_nmm.kernels.blocking import plan_dense_mlp, sums_in_psum
+from onnx_nmm.kernels.blocking import down_tiles_per_load, plan_dense_mlp, sums_in_psum
 from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
@@ -120,30 +120,43 @@ def _token_blocks(x, projections, bias, wd, plan, act):
 
 
 def _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0, tokens, act, dtype):
-    """y for up to 128 tokens, every sum in PSUM (steps 2'-4' of the module docstring)."""
+    """y for up to 128 tokens, every sum in PSUM (steps 2'-4' of the module docstring): actᵀ of every block of
+    I first, with all of PSUM for the gate and up sums, then the down projection into y^T."""
+    actT = [_streamed_act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, dtype) for i0, P, t in i_blocks]
     H = y.shape[1]
     yT = _psum_tiles(cdiv(H, PMAX), tokens)
-    for b, (i0, P, t) in enumerate(i_blocks):
-        columns = P * t
-        # each projection's sums for the block's I tiles, [128, tokens] apiece, as many to a PSUM bank as fit
-        sums = [_psum_tiles(t, tokens) for _ in projections]
-        for (k0, kp, kt), x_block in zip(h_blocks, xT):
-            for w, acc in zip(projections, sums):
-                w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
-                load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
-                for j in range(t):
-                    for h in range(kt):
-                        nisa.nc_matmul(acc(j, P), stationary=w_block[0:kp, h, j : columns : t],
-                                       moving=x_block[0:kp, h, 0:tokens], accumulate=k0 > 0 or h > 0)
-        actT = _activated(sums, bias, i0, P, t, tokens, act, dtype)
-        for j in range(t):  # Wd's rows of actᵀ's tile j, one DMA each: a wide block of I needs no wide Wd block
-            wd_rows = nl.ndarray((PMAX, H), dtype=wd.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=wd_rows[0:P, 0:H], src=wd[i0 + j : i0 + columns : t, 0:H])
-            for n, h0 in enumerate(range(0, H, PMAX)):
-                rows = min(PMAX, H - h0)
-                nisa.nc_matmul(yT(n, rows), stationary=wd_rows[0:P, h0 : h0 + rows], moving=actT[0:P, j, 0:tokens],
-                               accumulate=b > 0 or j > 0)
+    for b, ((i0, P, t), block_act) in enumerate(zip(i_blocks, actT)):
+        per_load = down_tiles_per_load(t, H, dtype_bytes(wd.dtype))
+        for j0 in range(0, t, per_load):
+            d = min(per_load, t - j0)
+            # Wd's rows of actᵀ's tiles j0..j0+d: rows i0 + p*t + j0.. are consecutive, one run per partition
+            wd_rows = nl.ndarray((PMAX, per_load, H), dtype=wd.dtype, buffer=nl.sbuf)
+            rows = wd[i0 : i0 + P * t, 0:H].reshape((P, t * H))[:, j0 * H : (j0 + d) * H]
+            nisa.dma_copy(dst=wd_rows[0:P, 0:d, 0:H], src=rows.reshape((P, d, H)))
+            for j in range(d):
+                for n, h0 in enumerate(range(0, H, PMAX)):
+                    h_rows = min(PMAX, H - h0)
+                    nisa.nc_matmul(yT(n, h_rows), stationary=wd_rows[0:P, j, h0 : h0 + h_rows],
+                                   moving=block_act[0:P, j0 + j, 0:tokens], accumulate=b > 0 or j0 + j > 0)
     _store_transposed(yT, y, row0, tokens)
+
+
+def _streamed_act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, dtype):
+    """actᵀ of one block of I: each projection in turn streams its columns of the block by blocks of H, each I
+    tile's sum over all of H in its own place of PSUM (the gate's sums leave while the up's are made)."""
+    columns = P * t
+    sums = []
+    for w in projections:
+        acc = _psum_tiles(t, tokens)
+        for (k0, kp, kt), x_block in zip(h_blocks, xT):
+            w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
+            for j in range(t):
+                for h in range(kt):
+                    nisa.nc_matmul(acc(j, P), stationary=w_block[0:kp, h, j : columns : t],
+                                   moving=x_block[0:kp, h, 0:tokens], accumulate=k0 > 0 or h > 0)
+        sums.append(acc)
+    return _activated(sums, bias, i0, P, t, tokens, act, dtype)
 
 
 def _psum_tiles(count, tokens):

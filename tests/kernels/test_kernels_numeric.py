@@ -29,6 +29,7 @@ from onnx_nmm.kernels.blocking import (
     XuvPlan,
     column_groups,
     contraction_blocks,
+    down_tiles_per_load,
 )
 from onnx_nmm.kernels.tiles import k_blocks
 
@@ -162,6 +163,19 @@ def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
     reference = (activated(X @ WG, activation) * (X @ WU)) @ WD
     target = "trn1" if M % 2 else "trn2"
     check(run(dense_gated_mlp, x, wg, wu, wd, target=target, plan=plan, activation=activation), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_gated_mlp_loads_wd_rows_a_few_tiles_of_i_at_a_time(dtype):
+    """Up to 128 tokens, Wd's rows of a block of 6 I tiles come in loads of blocking.down_tiles_per_load tiles
+    (4 then 2 in bfloat16, 2 by 2 in float32), and a last partial I tile in its own block."""
+    M, H, I = 37, 2000, 800
+    plan = DenseMlpPlan(token_block=128, k_tiles=2, i_tiles=6)
+    assert down_tiles_per_load(6, H, 2) == 4 and down_tiles_per_load(6, H, 4) == 2
+    x, wg, wu, wd = arrays(10, dtype, (M, H), (H, I), (H, I), (I, H))
+    X, WG, WU, WD = f64(x, wg, wu, wd)
+    reference = (activated(X @ WG, "silu") * (X @ WU)) @ WD
+    check(run(dense_gated_mlp, x, wg, wu, wd, target="trn1", plan=plan), reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
