@@ -18,10 +18,13 @@ No transpose of the intermediate activation, and it never leaves SBUF — the sa
 MLP (fused_mlp), with whole weights instead of factors.
 
 Up to 128 tokens (decode), when blocking.sums_in_psum allows, every sum stays in PSUM instead:
-  2'. per block of I, the gate and up columns stream in by blocks of H, in long rows, each I tile's gate and
-      up summed over all of H in its own place of PSUM; actᵀ as they leave it;
-  3'. Wd's rows of each I tile (one DMA each) are the stationary operand and actᵀ the moving one (a weight
-      tile costs TensorE max(tokens, 64) cycles instead of 512), y^T summed over all of I in PSUM;
+  2'. per block of I, the gate's columns stream in by blocks of H, in long rows, each I tile's sum over all of
+      H in its own place of PSUM; then the up's the same way, in the other half of PSUM, while the gate's
+      sums leave it through the activation (the up's leave, multiplied in, while the next block's gate's are
+      made): actᵀ of every block of I, with all of PSUM for these sums (blocks of 16 I tiles of 128 tokens);
+  3'. then Wd's rows of a few I tiles at a time (consecutive rows per partition, one long run) are the
+      stationary operand and actᵀ the moving one (a weight tile costs TensorE max(tokens, 64) cycles instead
+      of 512), y^T summed over all of I in PSUM;
   4'. y^T leaves PSUM once, TensorE transposes it back, and the rows are stored.
 Nothing is summed in SBUF, so no VectorE addition per block of I (a [1, 512] one costs as much as a
 [128, 512] one). Block sizes come from blocking.plan_dense_mlp.
