@@ -62,6 +62,9 @@ TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached stri
 PSUM_BANKS = TRN1.psum_banks  # 16 KiB per partition in 2 KiB banks, on trn1 and trn2 alike
 # PSUM banks one output block of dense_matmul may hold: its x^T transposes take turns in the others
 OUTPUT_BANKS = 6
+# PSUM groups TensorE may run ahead of the engines emptying PSUM: the banks a kernel's loops rotate through,
+# less those its long-lived sums hold
+PSUM_LAG = 4
 # Narrowest piece of columns dense_matmul's column groups multiply at once: a matmul costs TensorE at least
 # 64 cycles (MM_INIT_LATENCY), the time of 64 moving columns
 MIN_PIECE = 64
@@ -232,9 +235,13 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
     if kernel in DENSE_MLP_KERNELS:
         M, H, intermediate = shape
         gated = kernel == "dense_gated_mlp"
-        return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles,
-                                                   plan.i_tiles)]) for tokens, count in _spans(M, plan.token_block)],
-                         core)
+        followed = M > plan.token_block  # each block but the last loads the next one's rows
+        # the first block of tokens, which ramps its blocks of I up, then the others
+        first = min(plan.token_block, M)
+        token_blocks = [(1, first, True)] + [(count, tokens, False) for tokens, count in _spans(M - first, plan.token_block)]
+        return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles, plan.i_tiles,
+                                                   followed, first_block)])
+                          for count, tokens, first_block in token_blocks], core)
     if kernel == "dense_matmul":
         return _estimate(_accumulated_row_blocks(*shape, s, core, plan), core)
     return _estimate([(1, [_stripe_work(*shape, s, core, plan)])], core)
@@ -245,15 +252,17 @@ class _Work:
     """The instructions one loop nest issues, priced with instruction_costs, and the SBUF its tiles need.
 
     The helpers that fill it price `times` identical calls of a kernel step at once. Instructions come in
-    PSUM groups: TensorE fills one bank while ScalarE/VectorE empty the previous one (two banks rotate), so
-    a group takes the longer of its TensorE work and its eviction; `chain` adds those up along the nest.
+    PSUM groups that flow through two stages: TensorE fills a bank, then ScalarE/VectorE empty it. TensorE
+    runs ahead of the evictions by up to PSUM_LAG groups (the banks the kernels rotate through), so a phase
+    whose evictions are slower than its matmuls catches up during one whose matmuls are slower; `chain` is
+    when the last group so far has left PSUM, `pe_done` when TensorE finished it.
     """
 
     def __init__(self, core, s):
         self.core = core
         self.s = s
         self.busy = dict.fromkeys(ENGINES, 0.0)
-        self.chain = 0.0
+        self.chain = self.pe_done = 0.0
         self.hbm_read = self.hbm_write = 0
         # DMAs per HBM tensor (each tensor's go through one queue, in order), loads and stores apart
         self.loads, self.stores = Counter(), Counter()
@@ -290,12 +299,17 @@ class _Work:
         self.busy["act"] += times * act
         self.busy["dve"] += times * dve
         evict = act + dve if takes_psum_port(self.core, "act", touches_psum=True) else max(act, dve)
-        self.chain += times * max(pe, evict)
+        # a two-stage flow of identical groups: the last leaves PSUM after the evictions so far and its own, or
+        # after the matmuls up to its bottleneck stage; TensorE waits where it is PSUM_LAG groups ahead
+        start = self.pe_done
+        self.chain = max(self.chain + times * evict, start + max(times * pe + evict, pe + times * evict))
+        self.pe_done = max(start + times * pe, self.chain - PSUM_LAG * evict)
 
     def wait(self, times, seconds):
         """The PSUM groups stall `seconds`, `times` over: TensorE waits for data another engine is still
         producing, and the engines emptying PSUM then wait for TensorE."""
-        self.chain += times * seconds
+        self.pe_done += times * seconds
+        self.chain = max(self.chain, self.pe_done)
 
     def load(self, tensor, times, nbytes, run_bytes):
         """`times` DMAs of `nbytes` from the HBM tensor named `tensor`, in contiguous runs of `run_bytes`."""
@@ -317,8 +331,12 @@ class _Work:
         """The nest on its own: compute waits for its first block's loads and its last block's compute follows
         its last load. The two streams meet as a 4-norm rather than a max, since neither is smooth."""
         compute, dma = self.compute, self.busy["dma"]
-        streams = (compute + dma / self.steps, dma + compute / self.steps)
-        return sum(t**CONTENTION_NORM for t in streams) ** (1 / CONTENTION_NORM)
+        return _contended(compute + dma / self.steps, dma + compute / self.steps)
+
+
+def _contended(*streams):
+    """Streams that run side by side, each held up at times by the other: their CONTENTION_NORM-norm."""
+    return sum(t**CONTENTION_NORM for t in streams) ** (1 / CONTENTION_NORM)
 
 
 def _estimate(token_blocks, core):
@@ -358,7 +376,7 @@ def _overlapped_seconds(token_blocks, issue_interval):
         after = sum(n * seconds for (n, _), seconds in zip(token_blocks[g + 1 :], compute[g + 1 :]))
         # each repeat streams its own weights again: its first loads come before its compute can start
         steps = max(work.steps for work in nests)
-        repeats = (count - 1) * (max(dma[g], compute[g]) + min(dma[g], compute[g]) / steps)
+        repeats = (count - 1) * (_contended(dma[g], compute[g]) + min(dma[g], compute[g]) / steps)
         for k, work in enumerate(nests):
             later = sum(w.compute for w in nests[k + 1 :])
             streamed = sum(w.busy["dma"] for w in nests[:k]) + work.pipelined()
@@ -612,11 +630,12 @@ def _expand_work(tokens, rank, N, s, core, n_block):
 
 
 @lru_cache(maxsize=4096)
-def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
+def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles, followed, first_block):
     """dense_mlp._token_blocks for one block of tokens: x^T of every block of H, then per block of I the gate
     (and up) weight blocks and their matmuls with the activation (and the up's product) as they leave PSUM,
     the Wd block, and the down projection's matmuls into fp32 sums of y across the I blocks; the last I
-    block stores y."""
+    block stores y. Where another block `followed`, its rows load meanwhile; the `first_block` of more than 128
+    tokens ramps its blocks of I up (dense_mlp._token_blocks)."""
     work = _Work(core, s)
     h_blocks = k_blocks(H, k_tiles)
     for T, chunks in _spans(tokens, PMAX):  # dense_mlp._transposed: the rows once, then every block's transposes
@@ -627,10 +646,14 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
     work.wait(1, _last_transposes_copy(work, h_blocks[-1][2], tokens))  # the first matmul reads every block
     h_tiles = sum(t for _, _, t in h_blocks)
     projections = ("wg", "wu") if gated else ("w1",)
-    i_blocks = k_blocks(intermediate, i_tiles)
+    i_blocks = (ramped_k_blocks if first_block and tokens > PMAX else k_blocks)(intermediate, i_tiles)
     if sums_in_psum(tokens, H, i_tiles, len(projections)):
         _streamed_mlp_work(work, tokens, H, intermediate, h_blocks, i_blocks, projections)
         return work
+    # the first block of I's first sums need every gate block of it, which the gate's queue starts an issue
+    # interval apart
+    if first_block:
+        work.wait(1, core.dma_issue_interval_s * len(h_blocks))
     for (P, t, first, last), count in _kinds([(P, t) for _, P, t in i_blocks]).items():
         for tensor in projections:
             for (kp, kt), h_count in Counter((kp, kt) for _, kp, kt in h_blocks).items():
@@ -655,12 +678,17 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles):
     # a block of I's gate and up columns over all of H, and the next block's first ones loading meanwhile; the
     # Wd block, which the next block's gate and up outlive
     kt_max = max(t for _, _, t in h_blocks)
-    projected = len(projections) * (h_tiles + kt_max) * columns * s
-    weights = projected + t_max * H * s + (0 if gated else 2 * t_max * s)
-    act = 2 * t_max * tokens * s + (t_max * tokens * 4 if gated else 0)
+    projected = len(projections) * (h_tiles + kt_max) * columns * s + (0 if gated else 2 * t_max * s)
+    # the Wd block, loading while the gate and up blocks are used, and two output rows in turn at the end
+    down = t_max * H * s + 2 * H * s
+    # actᵀ of the block and the gate's activation of one PSUM bank, two in turn
+    act = t_max * tokens * s + (2 * TILE_N * 4 if gated else 0)
     sums = cdiv(tokens, TILE_M) * H * 4 if len(i_blocks) > 1 else 0
-    # the rows x^T comes from are gone before the weights arrive; two output rows in turn at the end
-    work.sbuf = x_T + max(2 * H * s, weights + act + sums + 2 * H * s)
+    # the token block's rows are gone once x^T is made; the next block's, if any, arrive meanwhile, into room
+    # the Wd block leaves while the gate and up blocks are used, or beside them
+    rows = cdiv(tokens, PMAX) * H * s
+    weights = max(projected + down, (rows if followed else 0) + max(projected, down))
+    work.sbuf = x_T + max(rows, act + sums + weights)
     return work
 
 
@@ -820,7 +848,7 @@ def _fastest(kernel, shape, dtype, target):
     fastest = min(estimate.total_s for estimate, _ in fitting)
     tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting)
             if e.total_s <= fastest * (1 + TIE)]
-    return fitting[min(tied)[3]][1]
+    return fitting[min(tied)[-1]][1]
 
 
 def _check_kernel(kernel):

@@ -43,6 +43,7 @@ from onnx_nmm.kernels.tiles import (
     k_blocks,
     load_interleaved_rows,
     multiply_rows_into,
+    ramped_k_blocks,
     transpose_rows,
 )
 
@@ -103,10 +104,19 @@ def _token_blocks(x, projections, bias, wd, plan, act):
     M, H = x.shape
     y = nl.ndarray((M, H), dtype=x.dtype, buffer=nl.shared_hbm)
     h_blocks = k_blocks(H, plan.k_tiles)
+    rows = _token_rows(x, 0, min(plan.token_block, M))
     for row0 in range(0, M, plan.token_block):
         tokens = min(plan.token_block, M - row0)
-        xT = _transposed(x, row0, tokens, h_blocks)
-        i_blocks = k_blocks(wd.shape[0], plan.i_tiles)
+        xT = _transposed(rows, tokens, h_blocks)
+        next0 = row0 + plan.token_block
+        if next0 < M:
+            # the next block's rows are loaded now: made as it starts, their loads would queue behind the weight
+            # loads already running ahead for it
+            rows = _token_rows(x, next0, min(plan.token_block, M - next0))
+        # the first block of more than 128 tokens ramps its blocks of I up: nothing runs before the first block's
+        # gate and up columns arrive (later token blocks find theirs loaded while the one before computes)
+        ramped = row0 == 0 and tokens > PMAX
+        i_blocks = (ramped_k_blocks if ramped else k_blocks)(wd.shape[0], plan.i_tiles)
         if sums_in_psum(tokens, H, plan.i_tiles, len(projections)):
             _streamed_token_block(xT, h_blocks, i_blocks, projections, bias, wd, y, row0, tokens, act, x.dtype)
             continue
@@ -115,9 +125,12 @@ def _token_blocks(x, projections, bias, wd, plan, act):
         if len(i_blocks) > 1:
             partials = [nl.ndarray((PMAX, H), dtype=nl.float32, buffer=nl.sbuf) for _ in range(cdiv(tokens, TILE_M))]
         for b, (i0, P, t) in enumerate(i_blocks):
-            actT = _act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, x.dtype)
+            blocks = _projection_blocks(projections, h_blocks, i0, P, t)
+            # the Wd block loads while the gate and up blocks are used (allocated after the matmuls, its bytes
+            # would be those freed last, and its load would start late)
             wd_block = nl.ndarray((PMAX, t, H), dtype=wd.dtype, buffer=nl.sbuf)
             load_interleaved_rows(wd_block, wd, i0, P, t, 0, H)
+            actT = _act_T(xT, h_blocks, blocks, bias, i0, P, t, tokens, act, x.dtype)
             _down(actT, wd_block, y, partials, row0, tokens, P, t, b == 0, b == len(i_blocks) - 1)
     return y
 
@@ -211,50 +224,65 @@ def _activated(sums, bias, i0, P, t, tokens, act, dtype):
     return actT
 
 
-def _transposed(x, row0, tokens, h_blocks):
-    """x^T of the token block in each contraction block (k0, P, t) of H: [128, t, tokens] apiece."""
+def _token_rows(x, row0, tokens):
+    """The rows of the token block, 128 to a tile, one DMA each."""
     H = x.shape[1]
-    xT = [nl.ndarray((PMAX, t, tokens), dtype=x.dtype, buffer=nl.sbuf) for _, _, t in h_blocks]
+    tiles = []
     for tok0 in range(0, tokens, PMAX):
         T = min(PMAX, tokens - tok0)
         rows = nl.ndarray((PMAX, H), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=rows[0:T, 0:H], src=x[row0 + tok0 : row0 + tok0 + T, 0:H])
+        tiles.append(rows)
+    return tiles
+
+
+def _transposed(rows, tokens, h_blocks):
+    """x^T of the token block whose rows are `rows` (_token_rows), in each contraction block (k0, P, t) of H:
+    [128, t, tokens] apiece."""
+    xT = [nl.ndarray((PMAX, t, tokens), dtype=rows[0].dtype, buffer=nl.sbuf) for _, _, t in h_blocks]
+    for tile, tok0 in zip(rows, range(0, tokens, PMAX)):
         for block, (k0, P, t) in zip(xT, h_blocks):
-            transpose_rows(block, rows, T, k0, P, t, tok0)
+            transpose_rows(block, tile, min(PMAX, tokens - tok0), k0, P, t, tok0)
     return xT
 
 
-def _act_T(xT, h_blocks, projections, bias, i0, P, t, tokens, act, dtype):
-    """actᵀ for the intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`.
-
-    Each projection's columns of the block are loaded per contraction block of H ([128, tiles, P*t]); column
-    p*t + j of a block is the stationary operand for row p of tile j, so each PSUM tile is [I rows, tokens].
-    """
-    columns = P * t
+def _projection_blocks(projections, h_blocks, i0, P, t):
+    """Each projection's columns of the block of I, loaded per contraction block of H: [128, tiles, P*t]."""
     blocks = []
     for w in projections:
         loaded = []
         for k0, kp, kt in h_blocks:
-            w_block = nl.ndarray((PMAX, kt, columns), dtype=w.dtype, buffer=nl.sbuf)
-            load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + columns)
+            w_block = nl.ndarray((PMAX, kt, P * t), dtype=w.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(w_block, w, k0, kp, kt, i0, i0 + P * t)
             loaded.append(w_block)
         blocks.append(loaded)
+    return blocks
+
+
+def _act_T(xT, h_blocks, blocks, bias, i0, P, t, tokens, act, dtype):
+    """actᵀ for the intermediate rows i0 + p*t + j: [128, t, tokens] in `dtype`, from each projection's `blocks`
+    (_projection_blocks): column p*t + j of a block is the stationary operand for row p of tile j, so each
+    PSUM tile is [I rows, tokens]."""
+    columns = P * t
     bias_block = None
     if bias is not None:
         bias_block = nl.ndarray((PMAX, t), dtype=bias.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_block[0:P, 0:t], src=bias[i0 : i0 + columns].reshape((P, t)))
     actT = nl.ndarray((PMAX, t, tokens), dtype=dtype, buffer=nl.sbuf)
-    gate = actT if len(projections) == 1 else nl.ndarray((PMAX, t, tokens), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(t):
         for c0 in range(0, tokens, TILE_N):
             cw = min(TILE_N, tokens - c0)
             acc = _project(xT, h_blocks, blocks[0], j, t, P, c0, cw)
             row_bias = None if bias_block is None else bias_block[0:P, j : j + 1]
-            nisa.activation(dst=gate[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
-            if len(projections) == 2:  # the up product, multiplied in as it leaves PSUM
-                up = _project(xT, h_blocks, blocks[1], j, t, P, c0, cw)
-                nisa.tensor_tensor(dst=actT[0:P, j, c0 : c0 + cw], data1=gate[0:P, j, c0 : c0 + cw],
-                                   data2=up[0:P, 0:cw], op=nl.multiply)
+            if len(blocks) == 1:
+                nisa.activation(dst=actT[0:P, j, c0 : c0 + cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
+                continue
+            # the gated activation in fp32, one PSUM bank's worth at a time, the up multiplied in as it leaves PSUM
+            gate = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=gate[0:P, 0:cw], op=act, data=acc[0:P, 0:cw], bias=row_bias)
+            up = _project(xT, h_blocks, blocks[1], j, t, P, c0, cw)
+            nisa.tensor_tensor(dst=actT[0:P, j, c0 : c0 + cw], data1=gate[0:P, 0:cw], data2=up[0:P, 0:cw],
+                               op=nl.multiply)
     return actT
 
 

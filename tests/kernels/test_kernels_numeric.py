@@ -156,7 +156,7 @@ def test_fused_svd_mlp(M, H, I, ranks, plan, dtype):
 @pytest.mark.parametrize("plan", [None, SMALL_DENSE_MLP, WIDE_DENSE_MLP],
                          ids=["planned", "small-blocks", "wide-blocks"])
 @pytest.mark.parametrize(("M", "H", "I", "activation"), [(1, 200, 300, "silu"), (37, 256, 700, "gelu"),
-                                                         (130, 300, 520, "gelu_tanh")])
+                                                         (130, 300, 520, "gelu_tanh"), (300, 200, 1100, "silu")])
 def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
     x, wg, wu, wd = arrays(8, dtype, (M, H), (H, I), (H, I), (I, H))
     X, WG, WU, WD = f64(x, wg, wu, wd)
