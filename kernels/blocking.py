@@ -51,6 +51,9 @@ SBUF_RESERVE_BYTES = 16384 + 8 + 256
 # Estimated times this close (relative) are a tie when choosing a plan: the overlapped time is an estimate.
 TIE = 0.005
 
+# SBUF needs this close (bytes per partition) are a tie when breaking a tie of estimated times
+SBUF_TIE_BYTES = 16 * 1024
+
 # Within a loop nest compute and DMA overlap as the 4-norm of their times rather than their max: of two plans
 # with the same bottleneck, the one whose other stream has more slack wins.
 CONTENTION_NORM = 4
@@ -133,6 +136,7 @@ class PlanEstimate:
     hbm_write_bytes: int
     sbuf_bytes: int  # per partition
     total_s: float
+    transfers: int  # DMAs
 
     @property
     def hbm_bytes(self) -> int:
@@ -238,7 +242,8 @@ def estimate_plan(kernel, shape, plan, dtype, target=None) -> PlanEstimate:
         followed = M > plan.token_block  # each block but the last loads the next one's rows
         # the first block of tokens, which ramps its blocks of I up, then the others
         first = min(plan.token_block, M)
-        token_blocks = [(1, first, True)] + [(count, tokens, False) for tokens, count in _spans(M - first, plan.token_block)]
+        later = _spans(M - first, plan.token_block)
+        token_blocks = [(1, first, True)] + [(count, tokens, False) for tokens, count in later]
         return _estimate([(count, [_dense_mlp_work(tokens, H, intermediate, gated, s, core, plan.k_tiles, plan.i_tiles,
                                                    followed, first_block)])
                           for count, tokens, first_block in token_blocks], core)
@@ -349,6 +354,7 @@ def _estimate(token_blocks, core):
         hbm_write_bytes=sum(count * work.hbm_write for count, nests in token_blocks for work in nests),
         sbuf_bytes=max(work.sbuf for _, nests in token_blocks for work in nests),
         total_s=2 * core.dma_fixed_latency_s + _overlapped_seconds(token_blocks, core.dma_issue_interval_s),
+        transfers=sum(count * (work.loads + work.stores).total() for count, nests in token_blocks for work in nests),
     )
 
 
@@ -834,8 +840,9 @@ def _row_tile_transfers(move, tensor, times, rows, cols, s):
 # -- choosing ----------------------------------------------------------------------------------------------
 def _fastest(kernel, shape, dtype, target):
     """The candidate plan that fits SBUF with the best estimated time; estimates within TIE of the best are
-    a tie, which the fewest HBM bytes and then the least SBUF break (a fuller SBUF reuses freed bytes
-    sooner, and a load into them waits for their last reader)."""
+    a tie, which the fewest HBM bytes, then the least SBUF in steps of SBUF_TIE_BYTES (a fuller SBUF reuses
+    freed bytes sooner, and a load into them waits for their last reader), then the fewest DMAs (each HBM
+    tensor's queue starts a transfer an issue interval after the one before) break."""
     core = neuron_core(target) if target is not None else kernel_core()
     budget = core.sbuf_partition_bytes - SBUF_RESERVE_BYTES
     fitting = []
@@ -846,8 +853,8 @@ def _fastest(kernel, shape, dtype, target):
     if not fitting:
         raise ValueError(f"{kernel}: no blocking of shape {shape} fits SBUF; reduce the rank or split the layer")
     fastest = min(estimate.total_s for estimate, _ in fitting)
-    tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting)
-            if e.total_s <= fastest * (1 + TIE)]
+    tied = [(e.hbm_bytes, e.sbuf_bytes // SBUF_TIE_BYTES, e.transfers, e.sbuf_bytes, e.total_s, i)
+            for i, (e, _) in enumerate(fitting) if e.total_s <= fastest * (1 + TIE)]
     return fitting[min(tied)[-1]][1]
 
 
