@@ -530,7 +530,9 @@ def _stripe_work(M, K, N, s, core, plan):
     t_max = max(t for _, _, t in blocks)
     m_stripe, m_block, n_block = min(plan.m_stripe, M), min(plan.m_block, M), min(plan.n_block, N)
     partials = cdiv(m_stripe, TILE_M) * n_block * 4 if len(blocks) > 1 else 0
-    work.sbuf = partials + 2 * t_max * (n_block + m_block) * s + 2 * n_block * s
+    # two w blocks in turn and room for a third: SBUF is handed out next-fit, and a w block needs one free range
+    # among the lhsT blocks and output rows around it
+    work.sbuf = partials + 3 * t_max * n_block * s + 2 * t_max * m_block * s + 2 * n_block * s
     return work
 
 
