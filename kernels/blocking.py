@@ -51,9 +51,6 @@ SBUF_RESERVE_BYTES = 16384 + 8 + 256
 # Estimated times this close (relative) are a tie when choosing a plan: the overlapped time is an estimate.
 TIE = 0.005
 
-# SBUF needs this close (bytes per partition) are a tie when breaking a tie of estimated times
-SBUF_TIE_BYTES = 16 * 1024
-
 # Within a loop nest compute and DMA overlap as the 4-norm of their times rather than their max: of two plans
 # with the same bottleneck, the one whose other stream has more slack wins.
 CONTENTION_NORM = 4
@@ -136,7 +133,6 @@ class PlanEstimate:
     hbm_write_bytes: int
     sbuf_bytes: int  # per partition
     total_s: float
-    transfers: int  # DMAs
 
     @property
     def hbm_bytes(self) -> int:
@@ -192,8 +188,12 @@ def candidate_plans(kernel, shape):
         larger = {(m, n) for m in _clipped(ROW_BLOCKS, M) for n in _clipped(COLUMN_BLOCKS + (N,), N)}
         return [OutputBlockPlan(m, n, k) for m, n in sorted(in_psum | larger) for k in _contraction_tiles(K)]
     if kernel in DENSE_MLP_KERNELS:
+        # above 128 tokens a block of I sums over all of H before its first activation, its gate and up columns
+        # all in SBUF at once: contraction blocks of one tile would only double their transfers (each tensor's
+        # an issue interval apart)
         M, H, intermediate = shape
         return [DenseMlpPlan(tokens, k, i) for tokens in _clipped(TOKEN_BLOCKS, M) for k in _contraction_tiles(H)
+                if k > 1 or tokens <= PMAX or H <= PMAX
                 for i in _clipped(BLOCK_TILES + (32, 64), max(1, intermediate // PMAX))]
     if kernel == "fused_xuv":
         M, K, _, N = shape
@@ -354,7 +354,6 @@ def _estimate(token_blocks, core):
         hbm_write_bytes=sum(count * work.hbm_write for count, nests in token_blocks for work in nests),
         sbuf_bytes=max(work.sbuf for _, nests in token_blocks for work in nests),
         total_s=2 * core.dma_fixed_latency_s + _overlapped_seconds(token_blocks, core.dma_issue_interval_s),
-        transfers=sum(count * (work.loads + work.stores).total() for count, nests in token_blocks for work in nests),
     )
 
 
@@ -668,14 +667,16 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles, f
                 _load_interleaved_rows(work, tensor, count * h_count, kp, kt, P * t, whole_rows=P * t == intermediate)
         if not gated:
             work.load("bias", count, P * t * s, t * s)
-        for cw, pieces in _spans(tokens, TILE_N):
-            work.group(count * t * pieces, work.matmuls(h_tiles, cw), act=work.scalar(cw))
-            if gated:
-                work.group(count * t * pieces, work.matmuls(h_tiles, cw), dve=work.vector(cw))
         _load_interleaved_rows(work, "wd", count, P, t, H, whole_rows=True)
+        for _ in range(count):  # one block after another: its down projection's evictions catch up during the next
+            for cw, pieces in _spans(tokens, TILE_N):  # block's gate and up
+                work.group(t * pieces, work.matmuls(h_tiles, cw), act=work.scalar(cw))
+                if gated:
+                    work.group(t * pieces, work.matmuls(h_tiles, cw), dve=work.vector(cw))
+            for _, token_tiles in _spans(tokens, TILE_M):
+                for nt, pieces in _spans(H, TILE_N):
+                    work.group(token_tiles * pieces, work.matmuls(t, nt), *work.evict(nt, first))
         for T, token_tiles in _spans(tokens, TILE_M):
-            for nt, pieces in _spans(H, TILE_N):
-                work.group(count * token_tiles * pieces, work.matmuls(t, nt), *work.evict(nt, first))
             if last:
                 work.store("y", count * token_tiles, T * H * s, H * s)
     work.steps = len(h_blocks) + len(i_blocks) * (len(projections) + 1)
@@ -842,9 +843,8 @@ def _row_tile_transfers(move, tensor, times, rows, cols, s):
 # -- choosing ----------------------------------------------------------------------------------------------
 def _fastest(kernel, shape, dtype, target):
     """The candidate plan that fits SBUF with the best estimated time; estimates within TIE of the best are
-    a tie, which the fewest HBM bytes, then the least SBUF in steps of SBUF_TIE_BYTES (a fuller SBUF reuses
-    freed bytes sooner, and a load into them waits for their last reader), then the fewest DMAs (each HBM
-    tensor's queue starts a transfer an issue interval after the one before) break."""
+    a tie, which the fewest HBM bytes and then the least SBUF break (a fuller SBUF reuses freed bytes
+    sooner, and a load into them waits for their last reader)."""
     core = neuron_core(target) if target is not None else kernel_core()
     budget = core.sbuf_partition_bytes - SBUF_RESERVE_BYTES
     fitting = []
@@ -855,8 +855,8 @@ def _fastest(kernel, shape, dtype, target):
     if not fitting:
         raise ValueError(f"{kernel}: no blocking of shape {shape} fits SBUF; reduce the rank or split the layer")
     fastest = min(estimate.total_s for estimate, _ in fitting)
-    tied = [(e.hbm_bytes, e.sbuf_bytes // SBUF_TIE_BYTES, e.transfers, e.sbuf_bytes, e.total_s, i)
-            for i, (e, _) in enumerate(fitting) if e.total_s <= fastest * (1 + TIE)]
+    tied = [(e.hbm_bytes, e.sbuf_bytes, e.total_s, i) for i, (e, _) in enumerate(fitting)
+            if e.total_s <= fastest * (1 + TIE)]
     return fitting[min(tied)[-1]][1]
 
 
