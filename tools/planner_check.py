@@ -10,7 +10,7 @@ prints for each shape:
 - how far the planner's overlapped-time estimate is from the traced time (the choice, and the worst
   candidate); its per-engine busy times and HBM bytes are equal by construction (see
   tests/kernels/test_planner_agrees_with_trace.py).
-Every time is modelled. A full run traces about 1,600 launches: three to four minutes on two cores.
+Every time is modelled. A full run traces about 1,400 launches: about four minutes on two cores.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ CASES = [
     ("dense_matmul", (512, 3072, 8192), "bfloat16", "trn2"),
     ("dense_matmul", (700, 300, 9000), "float32", "trn2"),
     ("dense_matmul_lhsT", (1024, 4096, 4096), "bfloat16", "trn1"),
+    ("dense_gated_mlp", (128, 2048, 8192), "bfloat16", "trn2"),  # Llama-3.2-1B's MLP, every sum in PSUM
+    ("dense_gated_mlp", (512, 2048, 6144), "bfloat16", "trn1"),  # Qwen3-1.7B's MLP
 ]
 
 
