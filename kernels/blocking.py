@@ -71,9 +71,11 @@ MIN_PIECE = 64
 # First w blocks from this size on are ramped up (contraction_blocks): 1 MiB takes 2.9 / 3.9 us on trn2 / trn1,
 # several times a transfer's 1.3 us issue interval
 RAMP_BYTES = 1 << 20
-# Bytes per partition of each load of Wd's rows in dense_mlp's streamed down projection: runs long enough for
-# the DMA's full rate (hardware.dma_efficiency), small enough to be loaded while TensorE still makes actᵀ
+# Loads of Wd's rows in dense_mlp's streamed down projection: at most this many bytes per partition (runs long
+# enough for the DMA's full rate, hardware.dma_efficiency, yet loaded while TensorE still makes actᵀ), and at
+# least DOWN_LOADS per block of I (down_tiles_per_load)
 DOWN_LOAD_BYTES = 16 * 1024
+DOWN_LOADS = 4
 
 KERNELS = ("dense_matmul", "dense_matmul_lhsT", "fused_xuv", "fused_svd_mlp", "fused_svd_ungated_mlp",
            "dense_gated_mlp", "dense_ungated_mlp")
@@ -754,8 +756,10 @@ def sums_in_psum(tokens, H, i_tiles, projections):
 
 def down_tiles_per_load(i_tiles, H, s):
     """Tiles of I whose Wd rows dense_mlp's streamed down projection loads at once: rows of H elements of
-    `s` bytes, consecutive per partition, up to DOWN_LOAD_BYTES a partition."""
-    return max(1, min(i_tiles, DOWN_LOAD_BYTES // (H * s)))
+    `s` bytes, consecutive per partition, up to DOWN_LOAD_BYTES a partition, and a block of I in at least
+    DOWN_LOADS loads (the matmuls of one load run while the next arrives, and only the last one's follow the
+    kernel's last weight bytes)."""
+    return max(1, min(cdiv(i_tiles, DOWN_LOADS), DOWN_LOAD_BYTES // (H * s)))
 
 
 def _psum_banks(sums, tokens):

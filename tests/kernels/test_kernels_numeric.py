@@ -167,11 +167,12 @@ def test_dense_gated_mlp(M, H, I, activation, plan, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dense_gated_mlp_loads_wd_rows_a_few_tiles_of_i_at_a_time(dtype):
-    """Up to 128 tokens, Wd's rows of a block of 6 I tiles come in loads of blocking.down_tiles_per_load tiles
-    (4 then 2 in bfloat16, 2 by 2 in float32), and a last partial I tile in its own block."""
-    M, H, I = 37, 2000, 800
-    plan = DenseMlpPlan(token_block=128, k_tiles=2, i_tiles=6)
-    assert down_tiles_per_load(6, H, 2) == 4 and down_tiles_per_load(6, H, 4) == 2
+    """Up to 128 tokens, Wd's rows of a block of 10 I tiles come in loads of blocking.down_tiles_per_load tiles
+    (3, 3, 3 and 1 in bfloat16, 2 by 2 in float32, whose rows are longer), and a last partial I tile in its own
+    block."""
+    M, H, I = 37, 2000, 1300
+    plan = DenseMlpPlan(token_block=128, k_tiles=2, i_tiles=10)
+    assert down_tiles_per_load(10, H, 2) == 3 and down_tiles_per_load(10, H, 4) == 2
     x, wg, wu, wd = arrays(10, dtype, (M, H), (H, I), (H, I), (I, H))
     X, WG, WU, WD = f64(x, wg, wu, wd)
     reference = (activated(X @ WG, "silu") * (X @ WU)) @ WD
