@@ -678,16 +678,15 @@ def _dense_mlp_work(tokens, H, intermediate, gated, s, core, k_tiles, i_tiles, f
             for _, token_tiles in _spans(tokens, TILE_M):
                 for nt, pieces in _spans(H, TILE_N):
                     work.group(token_tiles * pieces, work.matmuls(t, nt), *work.evict(nt, first))
-        for T, token_tiles in _spans(tokens, TILE_M):
-            if last:
+        if last:
+            for T, token_tiles in _spans(tokens, TILE_M):
                 work.store("y", count * token_tiles, T * H * s, H * s)
     work.steps = len(h_blocks) + len(i_blocks) * (len(projections) + 1)
 
     t_max = max(t for _, _, t in i_blocks)
     columns = t_max * PMAX
     x_T = h_tiles * tokens * s
-    # a block of I's gate and up columns over all of H, and the next block's first ones loading meanwhile; the
-    # Wd block, which the next block's gate and up outlive
+    # a block of I's gate and up columns over all of H, and the next block's first ones loading meanwhile
     kt_max = max(t for _, _, t in h_blocks)
     projected = len(projections) * (h_tiles + kt_max) * columns * s + (0 if gated else 2 * t_max * s)
     # the Wd block, loading while the gate and up blocks are used, and two output rows in turn at the end
