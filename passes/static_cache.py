@@ -15,8 +15,13 @@ exported graph still sizes its attention from the past's shape (the key count, t
 cache's first max-1 positions in a decode step, so that with the new token it counts max keys, and none in a
 prefill, which then attends to its own tokens causally. Which of the max keys a decode step reads is the
 attention_mask's part: 1 on the positions written so far and on the new one. A merged decoder appends inside
-the with-past branch of its If, which the caller takes out first; exports whose cache is not appended with a
-Concat (onnxruntime-genai's GroupQueryAttention) are refused with the reason.
+the with-past branch of its If, which the caller takes out first.
+
+onnxruntime-genai's exports need no rewrite: their GroupQueryAttention already takes the cache as one buffer as
+long as the context (onnxruntime-genai's past_present_share_buffer) and writes a step's keys and values into it
+at the positions the mask gives (seqlens_k, the mask's count less one). Their graphs only get static shapes:
+the mask [B, bucket] in a prefill, [B, max] in a decode step; there is no position input. Any other way of
+extending a cache is refused with the reason.
 """
 
 from __future__ import annotations
@@ -29,20 +34,35 @@ import onnx_ir as ir
 CACHE_POSITION = "cache_position"  # the decode graph's new input: where its token's keys and values go
 LENGTH_AXIS = 2  # the cache's [batch, heads, length, head_dim]
 _ALIASES = ("Identity", "Cast", "Concat")  # what may stand between a past input and its Concat (one input each)
+_WRITING_ATTENTION = ("com.microsoft", "GroupQueryAttention", (3, 4))  # reads the cache as inputs 3 and 4
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The graph's token, mask and position inputs, and its cache: (past input, present output) per tensor."""
+    """The graph's token, mask and position inputs, and its cache: (past input, present output) per tensor.
+    `write_position`: the decode step's input that says where it writes (CACHE_POSITION), or None where the
+    graph's attention writes the cache itself at the mask's count (attention_writes_cache)."""
 
     tokens: str
     mask: str
     positions: str | None
     cache: tuple[tuple[str, str], ...]
+    write_position: str | None = CACHE_POSITION
+
+
+def attention_writes_cache(graph: ir.Graph, past_name: str) -> bool:
+    """Whether the cache input `past_name` is read by an attention that writes the step into it in place
+    (onnxruntime-genai's GroupQueryAttention)."""
+    domain, op_type, slots = _WRITING_ATTENTION
+    past = next(value for value in graph.inputs if value.name == past_name)
+    return any(use.node.domain == domain and use.node.op_type == op_type and use.idx in slots
+               for use in past.uses())
 
 
 def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) -> ir.Model:
     """`model` (changed in place, and returned) as one decode step over a cache of `max_context` positions."""
+    if layout.write_position is None:
+        return _with_static_shapes(model, layout, new_tokens=1, mask_length=max_context, max_context=max_context)
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
     position = ir.Value(name=CACHE_POSITION, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
@@ -68,6 +88,8 @@ def static_prefill_graph(model: ir.Model, layout: CacheLayout, tokens: int, max_
     bucket) into a cache of `max_context` positions, written from position 0."""
     if tokens > max_context:
         raise ValueError(f"a prefill of {tokens} tokens does not fit a cache of {max_context} positions")
+    if layout.write_position is None:
+        return _with_static_shapes(model, layout, new_tokens=tokens, mask_length=tokens, max_context=max_context)
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
     batch = _set_batch_shapes(inputs, layout, new_tokens=tokens, mask_length=tokens)
@@ -82,6 +104,24 @@ def static_prefill_graph(model: ir.Model, layout: CacheLayout, tokens: int, max_
         indices = _node(graph, "Expand", [where, shape], f"{past_name}.indices")
         _write_in_place(graph, concat, past, indices, None, present_name)
     graph.sort()
+    model.metadata_props["onnx_nmm.cache_aliases"] = _aliases(layout)
+    return model
+
+
+def _with_static_shapes(model: ir.Model, layout: CacheLayout, new_tokens: int, mask_length: int,
+                        max_context: int) -> ir.Model:
+    """A graph whose attention writes its cache (attention_writes_cache) as a static step: only its shapes are
+    fixed, the cache in and out [B, H, max_context, D]."""
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    outputs = {value.name: value for value in graph.outputs}
+    batch = _set_batch_shapes(inputs, layout, new_tokens, mask_length)
+    for past_name, present_name in layout.cache:
+        if not attention_writes_cache(graph, past_name):
+            raise ValueError(f"the cache input '{past_name}' is not read by the GroupQueryAttention that writes the "
+                             "other cache inputs in place: a static cache needs one way of writing them all")
+        _static(inputs[past_name], batch, max_context)
+        outputs[present_name].shape = inputs[past_name].shape
     model.metadata_props["onnx_nmm.cache_aliases"] = _aliases(layout)
     return model
 
@@ -112,8 +152,8 @@ def _cache_concat(past: ir.Value) -> ir.Node:
                 return node
             if node.op_type in _ALIASES and len(node.inputs) == 1:
                 pending.extend(node.outputs)
-    raise ValueError(f"the cache input '{past.name}' is not appended to with a Concat on its length axis, which "
-                     "is the form a static cache is made from (onnxruntime-genai's GroupQueryAttention is not)")
+    raise ValueError(f"the cache input '{past.name}' is neither appended to with a Concat on its length axis nor "
+                     "written in place by a GroupQueryAttention, the two forms a static cache is made from")
 
 
 def _write_in_place(graph: ir.Graph, concat: ir.Node, cache: ir.Value, indices: ir.Value, new: ir.Value | None,

@@ -163,3 +163,18 @@ def test_bench_prices_a_compiled_folder_as_it_runs(compiled):
     assert model.generation_prefill_s == prefill[16] and model.generation_decode_s == 3 * model.decode[8].seconds
     with pytest.raises(OptionError, match="do not fit"):
         onnx_nmm.estimate_trainium([str(compiled)], onnx_nmm.TrainiumOptions("trn1", contexts=(128,)))
+
+
+def test_an_onnxruntime_genai_model_compiles_and_generates_its_own_tokens(tmp_path):
+    """onnxruntime-genai's export: GroupQueryAttention writes its one cache buffer in place, so the graphs take
+    no write position, and the compiled folder still gives the rewritten model's tokens on onnxruntime."""
+    rewritten = tmp_path / "model.onnx"
+    options = RewriteOptions(ranks=RankOptions(keep=0.9, align=16))
+    rewrite(FORMATS / "genai-fp32" / "model.onnx", options).save(rewritten)
+    folder = tmp_path / "model.neuron"
+    compile(rewritten, folder, CompileOptions(target="trn1", max_context=64, buckets=(48,), dry_run=True))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["cache"]["write_position"] is None
+    assert all(tensor["shape"] == [1, 2, 64, 16] for tensor in manifest["cache"]["tensors"])
+    expected = onnx_nmm.generate(rewritten, PROMPT, TOKENIZER, _greedy())
+    assert onnx_nmm.generate(folder, PROMPT, TOKENIZER, _greedy(backend="torch")).tokens == expected.tokens

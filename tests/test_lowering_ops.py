@@ -228,3 +228,33 @@ def _exists_at(op: str, opset: int) -> bool:
         return True
     except defs.SchemaError:  # introduced after this opset (Gelu before 20, Attention before 23)
         return False
+
+
+@pytest.mark.parametrize("sequence, written", [(4, [3, 4]), (1, [5, 7])])  # a padded prompt, a decode step
+def test_onnxruntime_group_query_attention_on_one_cache_buffer(sequence, written):
+    """The static cache onnxruntime-genai runs (past_present_share_buffer): the cache as long as the context
+    (total_sequence_length), the step written at each sequence's own position, the keys past it masked."""
+    heads, kv_heads, head, context = 4, 2, 16, 8
+    table = _random(32, head // 2)
+    lengths = np.array(written, np.int32)  # each sequence's keys after the step
+    past_key, past_value = _random(2, kv_heads, context, head), _random(2, kv_heads, context, head)
+    inputs = {"qkv": _random(2, sequence, (heads + 2 * kv_heads) * head), "key": None, "value": None,
+              "past_key": past_key, "past_value": past_value, "seqlens_k": lengths - 1,
+              "total": np.array(sequence if sequence > 1 else context, np.int32),
+              "cos": np.cos(table), "sin": np.sin(table)}
+    names = [name if value is not None else "" for name, value in inputs.items()]
+    node = helper.make_node("GroupQueryAttention", names, ["y", "present_key", "present_value"], domain=MS,
+                            num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, scale=0.25)
+    feeds = {name: value for name, value in inputs.items() if value is not None}
+    model = _node_model(node, feeds, 3, 23)
+    expected = _reference(model, feeds, MS)
+    import torch
+
+    got = [tensor.numpy() for tensor in call_lowered(lower(model), *(torch.from_numpy(v) for v in feeds.values()))]
+    assert got[1].shape == expected[1].shape == past_key.shape
+    for b, length in enumerate(written):  # the rows a sequence attends with: its first `length` positions
+        valid = min(length, sequence) if sequence > 1 else 1
+        np.testing.assert_allclose(got[0][b, :valid], expected[0][b, :valid], atol=2e-5, rtol=1e-4)
+        for index in (1, 2):
+            np.testing.assert_allclose(got[index][b, :, :length], expected[index][b, :, :length], atol=2e-5,
+                                       rtol=1e-4)

@@ -37,16 +37,19 @@ def _kv_model(name: str, export, tmp_path) -> Path:
     return FORMATS / name / "model.onnx"
 
 
-@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "optimum-merged", "rewritten"])
+@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "optimum-merged", "genai-fp32",
+                                  "genai-int4", "rewritten"])
 def test_static_graphs_generate_the_tokens_of_the_dynamic_cache(export, tmp_path, name):
     model = _kv_model(name, export, tmp_path)
     graphs = static_cache(model, max_context=64, buckets=(16, 64))
     assert graphs.generate_greedy(PROMPT, 12) == _greedy(model, PROMPT, 12)
 
 
-def test_the_static_graphs_lowered_to_pytorch_generate_the_same_tokens(export, tmp_path):
-    """What the Neuron trace takes: each graph lowered to PyTorch, the custom ops as torch math."""
-    model = _kv_model("rewritten", export, tmp_path)
+@pytest.mark.parametrize("name", ["rewritten", "genai-fp32"])
+def test_the_static_graphs_lowered_to_pytorch_generate_the_same_tokens(export, tmp_path, name):
+    """What the Neuron trace takes: each graph lowered to PyTorch, the custom ops as torch math (and
+    onnxruntime-genai's GroupQueryAttention writing its one cache buffer in place)."""
+    model = _kv_model(name, export, tmp_path)
     graphs = static_cache(model, max_context=32, buckets=(16,))
     assert graphs.generate_greedy(PROMPT, 6, backend="torch") == _greedy(model, PROMPT, 6)
 
@@ -75,14 +78,24 @@ def test_a_prompt_takes_the_smallest_bucket_that_holds_it_and_too_long_is_an_err
         static_cache(export("llama", "dynamo", cache=True), max_context=64, buckets=(128,))
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("genai-fp32", "not appended to with a Concat on its length axis"),
-    ("dynamo-no-cache", "has no KV cache"),
-])
-def test_a_model_a_static_cache_cannot_be_made_from_says_why(export, name, message):
-    model = export("llama", "dynamo") if name == "dynamo-no-cache" else FORMATS / name / "model.onnx"
-    with pytest.raises(ModelError, match=message):
-        static_cache(model, max_context=32)
+def test_an_onnxruntime_genai_cache_is_written_by_its_attention_without_a_position_input():
+    """GroupQueryAttention takes the cache as one buffer and writes where the mask ends: the graphs only get
+    static shapes, the cache [B, 2, 32, head size] in and out, and the decode step no cache_position."""
+    graphs = static_cache(FORMATS / "genai-fp32" / "model.onnx", max_context=32, buckets=(8,))
+    assert graphs.layout.write_position is None
+    for graph in (graphs.prefill[8], graphs.decode):
+        inputs = {value.name: value for value in graph.graph.inputs}
+        outputs = {value.name: value for value in graph.graph.outputs}
+        for past, present in graphs.layout.cache:
+            assert list(inputs[past].shape) == list(outputs[present].shape)
+            assert list(inputs[past].shape)[1:3] == [2, 32] and graphs.cache_shapes[past] == (1, 2, 32, 16)
+    assert "cache_position" not in {value.name for value in graphs.decode.graph.inputs}
+    assert list(graphs.decode.graph.inputs[1].shape)[1:] == [32]  # the mask over the whole cache
+
+
+def test_a_model_a_static_cache_cannot_be_made_from_says_why(export):
+    with pytest.raises(ModelError, match="has no KV cache"):
+        static_cache(export("llama", "dynamo"), max_context=32)
 
 
 def test_the_pass_takes_the_branch_a_merged_decoder_appends_in_from_its_caller():

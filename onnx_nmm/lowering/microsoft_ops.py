@@ -79,9 +79,11 @@ class GroupQueryAttention(nn.Module, _Onnx):
     token, rotary embedding inside when do_rotary, causal with an optional local window (a query sees its
     last local_window_size keys, itself included).
 
-    Positions: a first prompt (empty cache) is at 0..S−1 with keys past a sequence's length masked; a later
-    step's tokens are at seqlens_k + 1 − S onwards. The cache is appended to, not shared with the output
-    (onnxruntime-genai's default on CPU)."""
+    Positions: a first prompt (empty cache, or S equal to total_sequence_length) is at 0..S−1 with keys past
+    a sequence's length masked; a later step's tokens are at seqlens_k + 1 − S onwards. A cache shorter than
+    total_sequence_length is appended to; one at least as long is the buffer present shares with past
+    (onnxruntime-genai's past_present_share_buffer, a static cache): the step's keys and values are written
+    into it at their positions, and the keys past each sequence's length are masked."""
 
     def __init__(self, q_heads: int, kv_heads: int, scale: float, softcap: float, window: int, rotary: bool,
                  interleaved: bool, sink: bool):
@@ -100,19 +102,27 @@ class GroupQueryAttention(nn.Module, _Onnx):
         q, k, v = (x.reshape(batch, sequence, heads, -1) for x, heads in
                    ((query, self.q_heads), (key, self.kv_heads), (value, self.kv_heads)))
         cached = 0 if past_key is None else past_key.shape[2]
+        total = int(total_sequence_length) if total_sequence_length is not None else cached + sequence
+        in_place = cached >= total  # fixed for a traced graph: the shapes decide it
         lengths = seqlens_k.long() + 1
-        start = lengths - sequence if cached else torch.zeros_like(lengths)
+        first = not cached or (in_place and sequence == total)
+        start = torch.zeros_like(lengths) if first else lengths - sequence
         if self.rotary:
             positions = position_ids.long() if position_ids is not None else start.unsqueeze(1) + torch.arange(sequence)
             cos, sin = cos_cache[positions], sin_cache[positions]
             q, k = rotated(q, cos, sin, self.interleaved), rotated(k, cos, sin, self.interleaved)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if past_key is not None:
-            k, v = torch.cat((past_key, k), dim=2), torch.cat((past_value, v), dim=2)
-        keys = k.shape[2]
-        bias = band_bias(sequence, keys, cached, left=self.window - 1 if self.window > 0 else -1)
-        if not cached:  # a padded first prompt: keys past each sequence's length
-            bias = bias + length_bias(keys, lengths)
+        left = self.window - 1 if self.window > 0 else -1
+        if in_place:
+            at = (start.unsqueeze(1) + torch.arange(sequence)).reshape(batch, 1, sequence, 1).expand(k.shape)
+            k, v = past_key.scatter(2, at, k), past_value.scatter(2, at, v)
+            bias = band_bias(sequence, cached, start, left=left) + length_bias(cached, lengths)
+        else:
+            if past_key is not None:
+                k, v = torch.cat((past_key, k), dim=2), torch.cat((past_value, v), dim=2)
+            bias = band_bias(sequence, k.shape[2], cached, left=left)
+            if not cached:  # a padded first prompt: keys past each sequence's length
+                bias = bias + length_bias(k.shape[2], lengths)
         if attention_bias is not None:
             bias = bias + attention_bias
         scale = self.scale or 1.0 / math.sqrt(q.shape[-1])

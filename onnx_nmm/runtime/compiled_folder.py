@@ -21,7 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
-from onnx_nmm.passes.static_cache import CACHE_POSITION, CacheLayout
+from onnx_nmm.passes.static_cache import CacheLayout
 from onnx_nmm.runtime.static_cache import StaticCache
 
 MANIFEST, WEIGHTS = "manifest.json", "weights.data"
@@ -71,7 +71,8 @@ def read(folder) -> tuple[dict, StaticCache]:
                          "compile the model with {max_context} first", max_context="max_context")
     cache = manifest["cache"]
     layout = CacheLayout(cache["tokens"], cache["mask"], cache["positions"],
-                         tuple((entry["input"], entry["aliases_output"]) for entry in cache["tensors"]))
+                         tuple((entry["input"], entry["aliases_output"]) for entry in cache["tensors"]),
+                         cache["write_position"])
     graphs = {graph["name"]: folder / graph["file"] for graph in manifest["graphs"]}
     missing = [path.name for path in (*graphs.values(), folder / WEIGHTS) if not path.is_file()]
     if missing:
@@ -85,9 +86,10 @@ def read(folder) -> tuple[dict, StaticCache]:
 
 def cache_manifest(graphs: StaticCache) -> dict:
     """The manifest's "cache": which inputs are the tokens, mask and positions, the decode step's input saying
-    where it writes, and each cache tensor with its shape and the output that holds the same buffer after a step."""
+    where it writes (null: its attention writes at the end of the mask), and each cache tensor with its shape
+    and the output that holds the same buffer after a step."""
     layout = graphs.layout
     return {"tokens": layout.tokens, "mask": layout.mask, "positions": layout.positions,
-            "write_position": CACHE_POSITION, "max_context": graphs.max_context,
+            "write_position": layout.write_position, "max_context": graphs.max_context,
             "tensors": [{"input": past, "aliases_output": present, "shape": list(graphs.cache_shapes[past]),
                          "dtype": "float32"} for past, present in layout.cache]}

@@ -4,7 +4,8 @@ over a KV cache of `max_context` positions that stays where it is (passes/static
     prompt ─ padded to the smallest bucket that holds it ─ prefill[bucket] ─ cache, logits of its last token
     token  ─ decode(cache, cache_position) ─ cache, logits ─ token ─ ...           up to max_context positions
 
-A merged decoder (optimum's) is made from its with-past branch. `StaticDecoder` runs the graphs on the CPU,
+A merged decoder (optimum's) is made from its with-past branch; an onnxruntime-genai export's attention writes its
+cache itself, at the end of the mask, and takes no cache_position. `StaticDecoder` runs the graphs on the CPU,
 with onnxruntime or lowered to PyTorch as the Neuron trace takes them (`backend` "torch": the custom ops as
 torch math; "emulator": on the NKI kernels), and must give the exported model's own tokens; `compile` writes
 them to a folder (runtime/compiled_folder.py) that generate reads back.
@@ -20,7 +21,13 @@ import onnx_ir as ir
 
 from onnx_nmm.errors import DataError, ModelError, OptionError
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.passes.static_cache import CACHE_POSITION, CacheLayout, static_decode_graph, static_prefill_graph
+from onnx_nmm.passes.static_cache import (
+    CACHE_POSITION,
+    CacheLayout,
+    attention_writes_cache,
+    static_decode_graph,
+    static_prefill_graph,
+)
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import with_past_step
@@ -91,19 +98,25 @@ class StaticCache:
         layout = self.layout
         mask = np.zeros((tokens.shape[0], self.max_context), np.int64)
         mask[:, :position + 1] = 1
-        feeds = {layout.tokens: tokens, layout.mask: mask, CACHE_POSITION: np.array([position], np.int64), **cache}
+        feeds = {layout.tokens: tokens, layout.mask: mask, **cache}
+        if layout.write_position is not None:  # else the attention writes where the mask ends
+            feeds[layout.write_position] = np.array([position], np.int64)
         if layout.positions is not None:
             feeds[layout.positions] = np.full((tokens.shape[0], 1), position, np.int64)
         return feeds
 
     def example_feeds(self, graph: str) -> dict[str, np.ndarray]:
         """Feeds for one graph by name, as a check or a trace takes them: random tokens over an empty cache
-        (a prefill), or one token half way through a random cache (the decode step)."""
+        (a prefill), or one token half way through a cache written that far, random before it and zero after (the
+        decode step; onnxruntime leaves what an attention that writes its cache does not write as zeros)."""
         rng = np.random.default_rng(0)
         if graph != "decode":
             return self.prefill_feeds(rng.integers(0, 100, (self.batch, int(graph.removeprefix("prefill_")))))
+        position = self.max_context // 2
         cache = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in self.cache_shapes.items()}
-        return self.decode_feeds(rng.integers(0, 100, (self.batch, 1)), self.max_context // 2, cache)
+        for values in cache.values():
+            values[:, :, position:] = 0
+        return self.decode_feeds(rng.integers(0, 100, (self.batch, 1)), position, cache)
 
     def generate_greedy(self, ids: np.ndarray, new_tokens: int, backend: str = "ort") -> list[int]:
         """The greedy continuation of one prompt (token ids [1, n]) on these graphs, run by `backend` ("ort",
@@ -206,14 +219,16 @@ def static_cache(model: Model | ModelSource, max_context: int, buckets: tuple[in
     if not lm.cache or lm.tokens is None or lm.mask is None or any(entry.present is None for entry in lm.cache):
         raise ModelError(f"{source.label} has no KV cache with an attention mask (past inputs, present outputs): "
                          "a static cache is made from one; export it with its cache")
-    layout = CacheLayout(lm.tokens.name, lm.mask.name, lm.positions.name if lm.positions is not None else None,
-                         tuple((entry.input.name, entry.present) for entry in lm.cache if entry.present))
-    cache_shapes = {entry.input.name: (batch, _fixed(entry.input.shape[1], source.label), max_context,
-                                       _fixed(entry.input.shape[3], source.label, lm.head_size))
-                    for entry in lm.cache}
     # Read once (a merged decoder: its later-step branch, which reads the cache); each graph is a fresh onnx-ir
     # model over the same weight tensors, which the passes do not change.
     proto = with_past_step(source.full_proto())
+    in_place = attention_writes_cache(ir.from_proto(proto).graph, lm.cache[0].input.name)
+    layout = CacheLayout(lm.tokens.name, lm.mask.name, lm.positions.name if lm.positions is not None else None,
+                         tuple((entry.input.name, entry.present) for entry in lm.cache if entry.present),
+                         write_position=None if in_place else CACHE_POSITION)
+    cache_shapes = {entry.input.name: (batch, _fixed(entry.input.shape[1], source.label), max_context,
+                                       _fixed(entry.input.shape[3], source.label, lm.head_size))
+                    for entry in lm.cache}
     try:
         prefill = {bucket: static_prefill_graph(ir.from_proto(proto), layout, bucket, max_context)
                    for bucket in buckets}
