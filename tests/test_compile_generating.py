@@ -165,12 +165,15 @@ def test_bench_prices_a_compiled_folder_as_it_runs(compiled):
         onnx_nmm.estimate_trainium([str(compiled)], onnx_nmm.TrainiumOptions("trn1", contexts=(128,)))
 
 
-def test_an_onnxruntime_genai_model_compiles_and_generates_its_own_tokens(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_an_onnxruntime_genai_model_compiles_and_generates_its_own_tokens(tmp_path, precision):
     """onnxruntime-genai's export: GroupQueryAttention writes its one cache buffer in place, so the graphs take
-    no write position, and the compiled folder still gives the rewritten model's tokens on onnxruntime."""
+    no write position, and the compiled folder still gives the rewritten model's tokens on onnxruntime. Its int4
+    build's MatMulNBits quantize their activations on onnxruntime's CPU (accuracy_level 4); the lowering is
+    checked against them computing in float, as the lowered program does."""
     rewritten = tmp_path / "model.onnx"
     options = RewriteOptions(ranks=RankOptions(keep=0.9, align=16))
-    rewrite(FORMATS / "genai-fp32" / "model.onnx", options).save(rewritten)
+    rewrite(FORMATS / f"genai-{precision}" / "model.onnx", options).save(rewritten)
     folder = tmp_path / "model.neuron"
     compile(rewritten, folder, CompileOptions(target="trn1", max_context=64, buckets=(48,), dry_run=True))
     manifest = json.loads((folder / "manifest.json").read_text())

@@ -58,7 +58,9 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     from onnx_nmm.lowering import TorchMath, lower
 
     module = lower(proto, TorchMath())
-    reference = source.session()
+    reference_graph = source.graph_proto()
+    reference = (source.session_of(reference_graph) if compile_steps.float_reference(reference_graph)
+                 else source.session())
     inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
     check = compile_steps.check_lowering(module, reference, inputs)
     kernels = neuron.plan_kernels(proto, tokens, options.target, model_costs=USING_EMULATOR)

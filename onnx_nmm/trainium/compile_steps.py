@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from onnx_nmm.errors import LoweringMismatch, OptionError
 from onnx_nmm.kernel_table import kernel_spec
@@ -99,6 +100,27 @@ def fuse_mlps(model, tokens: int, target: str, fuse: bool) -> MlpKernels:
         if choice["densified"] and name not in densify.densified:  # its factors are not plain initializers
             choice.update(densified=False, chose=f"{choice['op']} (its factors cannot be multiplied back here)")
     return MlpKernels(fused, unfused, list(choices.values()))
+
+
+def float_reference(proto: onnx.ModelProto) -> bool:
+    """Sets every MatMulNBits of `proto` that computes at an accuracy_level above 0 to compute in float; whether
+    there was one. Above 0 onnxruntime's CPU kernel quantizes the activations to int8 (a CPU speed setting, the
+    default of onnxruntime-genai's int4 builds), which the lowered program does not do, nor the device: the
+    reference it is checked against must not either."""
+    levels = [attribute for node in proto.graph.node if node.op_type == "MatMulNBits"
+              for attribute in node.attribute if attribute.name == "accuracy_level" and attribute.i > 0]
+    for attribute in levels:
+        attribute.i = 0
+    return bool(levels)
+
+
+def reference_session(path: Path):
+    """onnxruntime on the graph at `path` as the lowering's reference (float_reference)."""
+    proto = onnx.load(path, load_external_data=False)
+    if not float_reference(proto):
+        return ort_runner.create_session(path)
+    return ort_runner.create_session(proto.SerializeToString(), label=path, extra_config={
+        "session.model_external_initializers_file_folder_path": str(path.parent)})
 
 
 def check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:

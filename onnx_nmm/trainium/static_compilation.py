@@ -25,7 +25,7 @@ import onnx
 from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.runtime import compiled_folder, ort_runner
+from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.static_cache import static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
@@ -78,7 +78,7 @@ def _lowered_and_checked(path: Path, feeds: dict[str, np.ndarray]):
     from onnx_nmm.lowering import TorchMath, lower
 
     module = lower(path, TorchMath())
-    check = compile_steps.check_lowering(module, ort_runner.create_session(path), feeds)
+    check = compile_steps.check_lowering(module, compile_steps.reference_session(path), feeds)
     return module, {key: value for key, value in check.items() if key != "shapes"}
 
 
