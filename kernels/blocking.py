@@ -27,16 +27,19 @@ made per shape and per target, not looked up from a table.
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from onnx_nmm.kernels.hardware import TRN1, TRN2, neuron_core
 from onnx_nmm.kernels.instruction_costs import dma_seconds, elementwise_seconds, takes_psum_port, tensor_engine_seconds
 from onnx_nmm.kernels.nki_api import nisa, nl
 from onnx_nmm.kernels.tiles import (
+    HALF_BANK,
     PMAX,
     PSUM_BANK_BYTES,
     TILE_M,
     TILE_N,
     cdiv,
+    column_pieces,
     dtype_bytes,
     k_blocks,
     ramped_k_blocks,
@@ -57,6 +60,7 @@ CONTENTION_NORM = 4
 
 BLOCK_TILES = (1, 2, 4, 8, 16)  # contraction tiles per block
 COLUMN_BLOCKS = (512, 1024, 2048, 4096, 8192)  # output columns per weight block
+W_PIECE = 1024  # dense_matmul_lhsT's columns of w per load when it loads a block in pieces (2 KiB runs in bf16)
 ROW_BLOCKS = (128, 256, 512, 1024, 2048)  # rows of x per lhsT block (dense)
 TOKEN_BLOCKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # tokens per cached strip / output stripe
 PSUM_BANKS = TRN1.psum_banks  # 16 KiB per partition in 2 KiB banks, on trn1 and trn2 alike
@@ -89,6 +93,8 @@ class OutputBlockPlan(nl.NKIObject):
     m_block: int  # output rows per block, whose x^T stays in SBUF for every column block
     n_block: int  # output columns per block: the block is m_block/128 x n_block/512 PSUM banks
     k_tiles: int  # 128-row contraction tiles per w block
+    # once a row block's x^T is made, its blocks sum in all of PSUM, the first narrowed (output_column_blocks)
+    all_psum: bool = False
 
 
 @dataclass
@@ -97,6 +103,7 @@ class DensePlan(nl.NKIObject):
     m_block: int  # rows of x^T per block (the tutorial's BLOCK_M)
     n_block: int  # output columns per w block (BLOCK_N)
     k_tiles: int  # 128-row contraction tiles per block (TILES_IN_BLOCK_K)
+    w_piece: int | None = None  # w columns per load within a contraction block (None: the whole block at once)
 
 
 @dataclass
@@ -188,7 +195,11 @@ def candidate_plans(kernel, shape):
         in_psum = {(min(rows * TILE_M, M), min(pieces * TILE_N, N)) for rows in range(1, OUTPUT_BANKS + 1)
                    for pieces in range(1, OUTPUT_BANKS // rows + 1)}
         larger = {(m, n) for m in _clipped(ROW_BLOCKS, M) for n in _clipped(COLUMN_BLOCKS + (N,), N)}
-        return [OutputBlockPlan(m, n, k) for m, n in sorted(in_psum | larger) for k in _contraction_tiles(K)]
+        # all of PSUM after the first block (output_column_blocks), in blocks of 2 tiles and more: one-tile blocks of
+        # w there move too few bytes per transfer for w's queue, whose transfers start an issue interval apart
+        return [OutputBlockPlan(m, n, k, all_psum) for m, n in sorted(in_psum | larger) for k in _contraction_tiles(K)
+                for all_psum in (False, *((True,) if k > 1 and psum_after_first(m, n, N, column_groups(m, n, N))
+                                          else ()))]
     if kernel in DENSE_MLP_KERNELS:
         # above 128 tokens a block of I sums over all of H before its first activation, its gate and up columns
         # all in SBUF at once: contraction blocks of one tile would only double their transfers (each tensor's
@@ -207,8 +218,14 @@ def candidate_plans(kernel, shape):
                 for i in _clipped(BLOCK_TILES + (32,), max(1, intermediate // PMAX)) for d in _clipped(BLOCK_TILES, i)
                 for n in _clipped(COLUMN_BLOCKS, H)]
     _check_kernel(kernel)  # dense_matmul_lhsT
+    # w whole per contraction block, or in pieces of W_PIECE columns; in pieces, blocks of 6 tiles besides (a
+    # smaller first load, at a VectorE pass over the stripe's partial sums per block, which 6 tiles' matmuls still
+    # cover on trn1; whole blocks of 6 leave VectorE too little slack)
     M, K, N = shape
-    return [DensePlan(stripe, m_block, n, k) for n in _clipped(COLUMN_BLOCKS, N) for k in _contraction_tiles(K)
+    pieces = [(k, None) for k in _contraction_tiles(K)] + [
+        (k, W_PIECE) for k in sorted({*_contraction_tiles(K), min(6, max(1, K // PMAX))})]
+    return [DensePlan(stripe, m_block, n, k, piece) for n in _clipped(COLUMN_BLOCKS, N) for k, piece in pieces
+            if piece is None or n > piece
             for m_block in _clipped(ROW_BLOCKS, M) for stripe in _clipped(TOKEN_BLOCKS, M)
             if stripe >= m_block and (stripe % m_block == 0 or stripe == M)]
 
@@ -275,6 +292,7 @@ class _Work:
         self.loads, self.stores = Counter(), Counter()
         self.sbuf = 0
         self.steps = 1  # blocks the nest streams through, each loaded then computed
+        self.first_load = None  # seconds of the loads the first matmul waits for (None: one step's share)
 
     def matmuls(self, count, moving):
         return count * tensor_engine_seconds(self.core, moving, fp32=self.s == 4)
@@ -338,7 +356,8 @@ class _Work:
         """The nest on its own: compute waits for its first block's loads and its last block's compute follows
         its last load. The two streams meet as a 4-norm rather than a max, since neither is smooth."""
         compute, dma = self.compute, self.busy["dma"]
-        return _contended(compute + dma / self.steps, dma + compute / self.steps)
+        first_load = dma / self.steps if self.first_load is None else self.first_load
+        return _contended(compute + first_load, dma + compute / self.steps)
 
 
 def _contended(*streams):
@@ -406,7 +425,8 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     x_width = groups * m_block + groups - 1
     x_T = sum(t for _, _, t in blocks) * x_width if n_block < N or m_block <= PMAX else 3 * t_max * x_width
     x_tiles = (x_T + x_rows) * s
-    in_sbuf = not block_in_psum(m_block, n_block, groups) and len(blocks) > 1
+    in_sbuf = len(blocks) > 1 and not all(
+        block.in_psum(m_block, groups) for block in output_column_blocks(m_block, n_block, N, groups, plan.all_psum))
     # two sets of fp32 sums, which a row block's column blocks take in turn
     partials = min(2, cdiv(N, n_block)) * cdiv(m_block, TILE_M) * n_block * 4 if in_sbuf else 0
     sbuf = x_tiles + partials + 2 * t_max * n_block * s + 2 * cdiv(m_block, TILE_M) * (n_block // groups) * s
@@ -427,14 +447,14 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
             _transposed_block(first, kinds, rows, P, t, loaded=whole_rows, groups=groups)
         # the first matmul waits for ScalarE's copy of the last PSUM bank of the first block's transposes
         first.wait(1, _last_transposes_copy(first, blocks[0][2], rows))
-        _output_block(first, 1, rows, n_block, blocks, N, groups)
+        first_columns, *later_columns = output_column_blocks(rows, n_block, N, groups, plan.all_psum)
+        _output_block(first, 1, rows, first_columns, blocks, N, groups)
         nests = [first]
-        later_columns = _spans(N - n_block, plan.n_block)
         if later_columns:
             later = _Work(core, s)
-            for cols, column_blocks in later_columns:
-                _output_block(later, column_blocks, rows, cols, blocks, N, groups)
-            later.steps = sum(column_blocks for _, column_blocks in later_columns) * len(blocks)
+            for column_block, column_blocks in Counter(block._replace(col0=0) for block in later_columns).items():
+                _output_block(later, column_blocks, rows, column_block, blocks, N, groups)
+            later.steps = len(later_columns) * len(blocks)
             nests.append(later)
         first.steps = len(blocks)
         for nest in nests:
@@ -443,12 +463,14 @@ def _accumulated_row_blocks(M, K, N, s, core, plan):
     return row_blocks
 
 
-def _output_block(work, times, rows, cols, blocks, N, groups):
+def _output_block(work, times, rows, column_block, blocks, N, groups):
     """dense_matmul.output_block after x^T: per contraction block the w block and its matmuls, the block summed
-    in PSUM, its columns in `groups` pieces (then dense_matmul.store_sums: every bank copied out by ScalarE)
-    or, larger, in SBUF as dense_matmul_lhsT's stripes are; every 128 partitions stored."""
+    in PSUM (ColumnBlock.in_psum), its columns in `groups` pieces (then dense_matmul.store_sums: every bank
+    copied out by ScalarE) or, larger, in SBUF as dense_matmul_lhsT's stripes are; every 128 partitions
+    stored."""
     s = work.s
-    if not block_in_psum(rows, cols, groups):
+    cols = column_block.cols
+    if not column_block.in_psum(rows, groups):
         _stripe_block(work, times, rows, cols, _kinds([(P, t) for _, P, t in blocks]), rows, N, rows, loads_lhsT=False)
         return
     for (P, t), count in Counter((P, t) for _, P, t in blocks).items():
@@ -456,11 +478,16 @@ def _output_block(work, times, rows, cols, blocks, N, groups):
     row_tiles = _spans(rows, TILE_M)
     tiles = sum(count for _, count in row_tiles)
     piece = cols // groups
-    banks = _spans(piece, TILE_N)
-    evictions = sum(count * tiles * work.scalar(nt) for nt, count in banks)
+    widths = _spans(piece, TILE_N)
+    evictions = sum(count * tiles * work.scalar(nt) for nt, count in widths)
     k_tiles = sum(t for _, _, t in blocks)
-    work.group(times, sum(count * work.matmuls(k_tiles * tiles * groups, nt) for nt, count in banks), act=evictions)
-    if 2 * tiles * cdiv(piece, TILE_N) > PSUM_BANKS - 1:
+    work.group(times, sum(count * work.matmuls(k_tiles * tiles * groups, nt) for nt, count in widths), act=evictions)
+    held = psum_banks(rows, cols, groups, column_block.halves)
+    if held > OUTPUT_BANKS:
+        # all of PSUM: the next block fills its banks in the order these are emptied, so its first matmuls wait
+        # for about one bank's eviction
+        work.wait(times, evictions / held)
+    elif 2 * held > PSUM_BANKS - 1:
         # no room for the next block's banks beside this one's (and a bank of transposes): the next block's
         # matmuls wait for these banks to be emptied
         work.wait(times, evictions)
@@ -470,11 +497,62 @@ def _output_block(work, times, rows, cols, blocks, N, groups):
         _store_row_tiles(work, "y", times, rows, cols)
 
 
-def block_in_psum(rows, cols, groups=1):
-    """Whether dense_matmul sums an output block of rows x cols, its columns in `groups` side by side (see
-    column_groups), over the whole contraction in PSUM (at most OUTPUT_BANKS banks of 128 partitions x 512
-    columns) rather than in SBUF."""
-    return cdiv(rows * groups, TILE_M) * cdiv(cols // groups, TILE_N) <= OUTPUT_BANKS
+def psum_banks(rows, cols, groups=1, halves=False):
+    """The PSUM banks dense_matmul's output block of rows x cols holds, its columns in `groups` side by side (see
+    column_groups): a bank per 128 partitions and 512 columns; with `halves`, a last piece of at most HALF_BANK
+    columns shares its bank with the next row tile's (tiles.psum_sums)."""
+    row_tiles, piece = cdiv(rows * groups, TILE_M), cols // groups
+    whole, rest = divmod(piece, TILE_N)
+    if halves and 0 < rest <= HALF_BANK:
+        return row_tiles * whole + cdiv(row_tiles, 2)
+    return row_tiles * cdiv(piece, TILE_N)
+
+
+def block_in_psum(rows, cols, groups=1, banks=OUTPUT_BANKS, halves=False):
+    """Whether dense_matmul sums an output block of rows x cols over the whole contraction in PSUM, in at most
+    `banks` banks (psum_banks), rather than in SBUF."""
+    return psum_banks(rows, cols, groups, halves) <= banks
+
+
+class ColumnBlock(NamedTuple):
+    """One of dense_matmul's column blocks of a row block: its columns, the PSUM banks it may sum in, and
+    whether two row tiles' last columns (at most HALF_BANK) share a bank."""
+
+    col0: int
+    cols: int
+    banks: int
+    halves: bool
+
+    def in_psum(self, rows, groups):
+        return block_in_psum(rows, self.cols, groups, self.banks, self.halves)
+
+
+def output_column_blocks(rows, n_block, N, groups=1, all_psum=False):
+    """dense_matmul's column blocks of a row block (ColumnBlock). A block takes OUTPUT_BANKS while the row
+    block's x^T is made (its transposes take turns in the other banks). With `all_psum`, where n_block fits all
+    of PSUM but not that, the first block is narrowed to the most columns OUTPUT_BANKS hold (512 tokens: 768,
+    two row tiles sharing a bank for their last 256) and the others, x^T made, sum in all PSUM_BANKS: no fp32
+    partial sums in SBUF, and w in longer runs than a block of OUTPUT_BANKS would take it in."""
+    if not (all_psum and psum_after_first(rows, n_block, N, groups)):
+        return [ColumnBlock(c, min(n_block, N - c), OUTPUT_BANKS, False) for c in range(0, N, n_block)]
+    first = _first_columns(rows, n_block, groups)
+    return [ColumnBlock(0, first, OUTPUT_BANKS, True),
+            *(ColumnBlock(c, min(n_block, N - c), PSUM_BANKS, False) for c in range(first, N, n_block))]
+
+
+def psum_after_first(rows, n_block, N, groups=1):
+    """Whether output_column_blocks(all_psum=True) changes dense_matmul's blocks of rows x n_block: they fit
+    all of PSUM but not OUTPUT_BANKS, a first block of at least a bank's 512 columns per group still fits (a
+    narrower one would take w in short runs), and there are blocks after it."""
+    return (n_block < N and _first_columns(rows, n_block, groups) >= TILE_N * groups
+            and not block_in_psum(rows, n_block, groups) and block_in_psum(rows, n_block, groups, PSUM_BANKS))
+
+
+def _first_columns(rows, n_block, groups):
+    """The most columns, in steps of HALF_BANK per group and below n_block, whose block fits OUTPUT_BANKS."""
+    step = HALF_BANK * groups
+    return max((cols for cols in range(step, n_block, step) if block_in_psum(rows, cols, groups, halves=True)),
+               default=0)
 
 
 def contraction_blocks(K, k_tiles, n_block, s, first_row_block):
@@ -524,12 +602,18 @@ def _stripe_work(M, K, N, s, core, plan):
     block_kinds = _kinds([(P, t) for _, P, t in blocks])
     for rows, stripes in _spans(M, plan.m_stripe):
         for cols, column_blocks in _spans(N, plan.n_block):
-            _stripe_block(work, stripes * column_blocks, rows, cols, block_kinds, M, N, plan.m_block, loads_lhsT=True)
-    row_blocks = cdiv(min(plan.m_stripe, M), plan.m_block)
-    work.steps = cdiv(M, plan.m_stripe) * cdiv(N, plan.n_block) * len(blocks) * row_blocks
-
+            _stripe_block(work, stripes * column_blocks, rows, cols, block_kinds, M, N, plan.m_block, loads_lhsT=True,
+                          w_piece=plan.w_piece)
     t_max = max(t for _, _, t in blocks)
     m_stripe, m_block, n_block = min(plan.m_stripe, M), min(plan.m_block, M), min(plan.n_block, N)
+    row_blocks = cdiv(m_stripe, m_block)
+    pieces = column_pieces(n_block, plan.w_piece, first_block=False)
+    work.steps = cdiv(M, plan.m_stripe) * cdiv(N, plan.n_block) * len(blocks) * len(pieces) * row_blocks
+    # the first matmul waits for the first load of w (a whole block, or its first piece) and the first lhsT block
+    _, P, t = blocks[0]
+    width = column_pieces(n_block, plan.w_piece, first_block=True)[0][1]
+    work.first_load = (dma_seconds(core, P * t * width * s, (t if width == N else 1) * width * s)
+                       + dma_seconds(core, P * t * m_block * s, (t if m_block == M else 1) * m_block * s))
     partials = cdiv(m_stripe, TILE_M) * n_block * 4 if len(blocks) > 1 else 0
     # two w blocks in turn and room for a third: SBUF is handed out next-fit, and a w block needs one free range
     # among the lhsT blocks and output rows around it
@@ -537,14 +621,17 @@ def _stripe_work(M, K, N, s, core, plan):
     return work
 
 
-def _stripe_block(work, times, rows, cols, block_kinds, M, N, m_block, loads_lhsT):
-    """dense_matmul.stripe_block: per contraction block the w block, then per row block its lhsT block (when
-    `loads_lhsT`; dense_matmul's larger output blocks hold x^T already) and the matmuls of each 128 x 512
-    output tile, summed in fp32 in SBUF across the blocks; the last contraction block stores the rows."""
+def _stripe_block(work, times, rows, cols, block_kinds, M, N, m_block, loads_lhsT, w_piece=None):
+    """dense_matmul.stripe_block: per contraction block the w block (in pieces of `w_piece` columns, if given),
+    then per row block its lhsT block (when `loads_lhsT`; dense_matmul's larger output blocks hold x^T already)
+    and the matmuls of each 128 x 512 output tile, summed in fp32 in SBUF across the blocks; the last
+    contraction block stores the rows, a piece at a time."""
     s = work.s
     for (P, t, first, last), count in block_kinds.items():
         blocks = times * count
-        _load_interleaved_rows(work, "w", blocks, P, t, cols, whole_rows=cols == N)
+        pieces = Counter(width for _, width in column_pieces(cols, w_piece, first))
+        for width, n in pieces.items():
+            _load_interleaved_rows(work, "w", blocks * n, P, t, width, whole_rows=width == N)
         for m_rows, row_blocks in _spans(rows, m_block):
             if loads_lhsT:
                 _load_interleaved_rows(work, "x", blocks * row_blocks, P, t, m_rows, whole_rows=m_rows == M)
@@ -552,8 +639,8 @@ def _stripe_block(work, times, rows, cols, block_kinds, M, N, m_block, loads_lhs
                 tiles = blocks * row_blocks * row_tiles
                 for nt, column_tiles in _spans(cols, TILE_N):
                     work.group(tiles * column_tiles, work.matmuls(t, nt), *work.evict(nt, first))
-                if last:
-                    work.store("y", tiles, mt * cols * s, cols * s)
+                for width, n in pieces.items() if last else ():
+                    work.store("y", tiles * n, mt * width * s, width * s)
 
 
 # The fused kernels' loop nests are cached: plan_mlp prices thousands of candidates that share them.

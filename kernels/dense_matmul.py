@@ -16,7 +16,11 @@ blocks of m_block rows and n_block columns, a row block's column blocks one afte
   3. a block of at most OUTPUT_BANKS banks accumulates over the whole contraction in PSUM, and after the
      last contraction block ScalarE copies each bank out in x's dtype; a larger block leaves PSUM after
      every contraction block and is summed in fp32 in SBUF; a PSUM-summed block's full 128-row tiles go to
-     HBM in one DMA, a larger block's rows 128 at a time;
+     HBM in one DMA, a larger block's rows 128 at a time. With plan.all_psum, blocks of up to all 8 banks
+     sum in PSUM once the row block's x^T is made, the first block narrowed to what OUTPUT_BANKS hold
+     (blocking.output_column_blocks; 512 tokens: 768 columns, two row tiles' last 256 sharing a bank,
+     tiles.psum_sums): at 512 tokens that keeps 512 x 1,024 blocks, w in 2 KiB runs, out of fp32 partial
+     sums, and the first block, which waits for x's rows, small;
   4. a row block of at most 64 tokens multiplies its output blocks' columns in groups side by side
      (blocking.column_groups): x^T is kept with zeros between its tokens, and each group's window of it
      sends the group's piece of the columns to its own partitions of the same PSUM banks. Four groups of 32
@@ -33,18 +37,27 @@ transposed; nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels
 `nki_matmul_fully_optimized_`): a stripe of output rows for one block of columns held in SBUF while the
 contraction streams in blocks, each block of w loaded once and reused by every row block of the stripe,
 TensorE accumulating one contraction block in PSUM before VectorE adds it onto the stripe. It is what the
-cost model's calibration anchor runs (tools/tutorial_matmuls.py), with two changes: the stripe's partial
-sums are float32 (the tutorial keeps them in the output dtype), and its block sizes come from
-blocking.plan_dense(transposed_input=True) unless given.
+cost model's calibration anchor runs (tools/tutorial_matmuls.py), with three changes: the stripe's partial
+sums are float32 (the tutorial keeps them in the output dtype), its block sizes come from
+blocking.plan_dense(transposed_input=True) unless given, and a plan may load each block of w in pieces of
+its columns (`w_piece`; the first block's one PSUM tile wide): where moving w takes the DMA about as long as
+TensorE takes to use it (512 tokens on trn1), TensorE then starts after a piece instead of a whole block of
+several MiB, and each later piece streams in behind the matmuls of the one before.
 """
 
-from onnx_nmm.kernels.blocking import block_in_psum, column_groups, contraction_blocks, plan_dense
+from onnx_nmm.kernels.blocking import (
+    column_groups,
+    contraction_blocks,
+    output_column_blocks,
+    plan_dense,
+)
 from onnx_nmm.kernels.nki_api import nisa, nki, nl
 from onnx_nmm.kernels.tiles import (
     PMAX,
     TILE_M,
     TILE_N,
     cdiv,
+    column_pieces,
     dtype_bytes,
     evict_partial_sum,
     k_blocks,
@@ -52,6 +65,7 @@ from onnx_nmm.kernels.tiles import (
     load_row_pieces,
     load_row_tiles,
     multiply_rows_into,
+    psum_sums,
     row_pieces,
     store_row_tiles,
     transpose_rows,
@@ -102,29 +116,30 @@ def dense_matmul(x, w, plan=None):
         # fp32 sums of output blocks too large for PSUM: two sets for the row block, its column blocks taking them
         # in turn (freed between blocks, their bytes would go to the next block's first w block, whose load would
         # then wait for the last additions; one set, the next block's first sums would wait for them)
+        column_blocks = output_column_blocks(rows, n_block, N, groups, plan.all_psum)
         partials = [None]
-        if not block_in_psum(rows, n_block, groups) and len(blocks) > 1:
+        if not all(block.in_psum(rows, groups) for block in column_blocks) and len(blocks) > 1:
             partials = [[nl.ndarray((PMAX, n_block), dtype=nl.float32, buffer=nl.sbuf)
                          for _ in range(cdiv(rows, TILE_M))] for _ in range(min(2, cdiv(N, n_block)))]
-        for c, col0 in enumerate(range(0, N, n_block)):
-            output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, col0, min(n_block, N - col0),
-                         partials[c % len(partials)], groups)
+        for c, column_block in enumerate(column_blocks):
+            output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, column_block, partials[c % len(partials)],
+                         groups)
     return y
 
 
-def output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, col0, cols, partials, groups):
-    """y[row0 : row0+rows, col0 : col0+cols] = x · w. The row block's x^T tiles (`xT`, one per contraction
-    block) are made here where they are first used, in the `reserved` tiles if any, from `x_rows` if its rows
-    are loaded already.
+def output_block(x, x_rows, xT, reserved, w, y, blocks, row0, rows, column_block, partials, groups):
+    """y[row0 : row0+rows, col0 : col0+cols] = x · w for the columns of `column_block`. The row block's x^T tiles
+    (`xT`, one per contraction block) are made here where they are first used, in the `reserved` tiles if any,
+    from `x_rows` if its rows are loaded already.
 
-    A block of at most blocking.OUTPUT_BANKS PSUM banks (blocking.block_in_psum) accumulates over the whole
-    contraction in PSUM and leaves it once, its columns in `groups` pieces side by side
+    A block that fits its PSUM banks (blocking.ColumnBlock.in_psum, blocking.output_column_blocks) accumulates
+    over the whole contraction in PSUM and leaves it once, its columns in `groups` pieces side by side
     (blocking.column_groups); a larger one leaves PSUM after every contraction block, summed in fp32 in SBUF
     (the tutorial's partial sums), and a single contraction block needs no sums at all.
     """
-    in_psum = block_in_psum(rows, cols, groups)
-    acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(0, cols // groups, TILE_N)]
-           for _ in range(0, rows * groups, TILE_M)] if in_psum else None
+    col0, cols = column_block.col0, column_block.cols
+    in_psum = column_block.in_psum(rows, groups)
+    acc = psum_sums(rows * groups, cols // groups, column_block.halves) if in_psum else None
     for b, (k0, P, t) in enumerate(blocks):
         # x^T a contraction block ahead, so that ScalarE copies the next block's transposes out of PSUM while
         # TensorE multiplies this one
@@ -252,7 +267,8 @@ def dense_matmul_lhsT(lhsT, w, plan=None):
 
 
 def stripe_block(lhsT, w, y, row0, rows, col0, cols, plan):
-    """y[row0:row0+rows, col0:col0+cols], streaming the contraction in blocks of plan.k_tiles tiles."""
+    """y[row0:row0+rows, col0:col0+cols], streaming the contraction in blocks of plan.k_tiles tiles, each
+    block's w in pieces of plan.w_piece columns if given (tiles.column_pieces)."""
     K = w.shape[0]
     blocks = k_blocks(K, plan.k_tiles)
     # fp32 partial sums of the stripe, one [128, cols] tile per 128 output rows; a single block needs none.
@@ -262,13 +278,16 @@ def stripe_block(lhsT, w, y, row0, rows, col0, cols, plan):
 
     for b, (k0, P, t) in enumerate(blocks):
         first, last = b == 0, b == len(blocks) - 1
-        # The w block is loaded once and reused by every row block of the stripe.
-        w_block = nl.ndarray((PMAX, t, cols), dtype=w.dtype, buffer=nl.sbuf)
-        load_interleaved_rows(w_block, w, k0, P, t, col0, col0 + cols)
-
-        for m0 in range(0, rows, plan.m_block):
-            m_rows = min(plan.m_block, rows - m0)
-            block = nl.ndarray((PMAX, t, m_rows), dtype=lhsT.dtype, buffer=nl.sbuf)
-            load_interleaved_rows(block, lhsT, k0, P, t, row0 + m0, row0 + m0 + m_rows)
-            multiply_rows_into(y, row0 + m0, col0, block, w_block, partials, m0 // TILE_M, m_rows, cols, P, t,
-                               first, last)
+        lhsT_blocks = []  # the row blocks' lhsT, loaded with the first piece of w and used by every piece
+        for c0, width in column_pieces(cols, plan.w_piece, first):
+            # each piece of w is loaded once and reused by every row block of the stripe
+            w_block = nl.ndarray((PMAX, t, width), dtype=w.dtype, buffer=nl.sbuf)
+            load_interleaved_rows(w_block, w, k0, P, t, col0 + c0, col0 + c0 + width)
+            piece_partials = None if partials is None else [tile[:, c0 : c0 + width] for tile in partials]
+            for i, m0 in enumerate(range(0, rows, plan.m_block)):
+                m_rows = min(plan.m_block, rows - m0)
+                if c0 == 0:
+                    lhsT_blocks.append(nl.ndarray((PMAX, t, m_rows), dtype=lhsT.dtype, buffer=nl.sbuf))
+                    load_interleaved_rows(lhsT_blocks[i], lhsT, k0, P, t, row0 + m0, row0 + m0 + m_rows)
+                multiply_rows_into(y, row0 + m0, col0 + c0, lhsT_blocks[i], w_block, piece_partials, m0 // TILE_M,
+                                   m_rows, width, P, t, first, last)

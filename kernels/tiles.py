@@ -11,6 +11,7 @@ from onnx_nmm.kernels.nki_api import nisa, nl
 PMAX = nl.tile_size.pmax  # 128 partitions: the contraction tile and the largest on-chip tile
 TILE_M = nl.tile_size.gemm_stationary_fmax  # 128: stationary free size = result partitions
 TILE_N = nl.tile_size.gemm_moving_fmax  # 512: moving free size = fp32 elements in one PSUM bank
+HALF_BANK = TILE_N // 2  # two row tiles' sums of at most 256 columns share a PSUM bank (psum_sums)
 PSUM_BANK_BYTES = nl.tile_size.psum_bank_fmax_bytes  # 2 KiB per partition per bank
 RAMP_TILES = 2  # tiles of a ramped first contraction block (ramped_k_blocks)
 
@@ -25,6 +26,35 @@ def dtype_bytes(dtype):
         return 4
     assert dtype == nl.bfloat16 or dtype == nl.float16, f"kernels take float32, bfloat16 or float16, not {dtype}"
     return 2
+
+
+def psum_sums(rows, cols, halves):
+    """acc[r][n]: the fp32 PSUM sum of row tile r (128 partitions of `rows`) and column tile n (512 of `cols`),
+    a bank each; with `halves`, a last column tile of at most HALF_BANK columns shares its bank with the next
+    row tile's (blocking.psum_banks counts them)."""
+    row_tiles = cdiv(rows, TILE_M)
+    whole, rest = divmod(cols, TILE_N)
+    acc = [[nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum) for _ in range(whole)]
+           for _ in range(row_tiles)]
+    if halves and 0 < rest <= HALF_BANK:
+        for r in range(0, row_tiles, 2):
+            bank = nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum)
+            for half, sums in enumerate(acc[r : r + 2]):
+                sums.append(bank[:, half * HALF_BANK : (half + 1) * HALF_BANK])
+    elif rest:
+        for sums in acc:
+            sums.append(nl.ndarray((PMAX, TILE_N), dtype=nl.float32, buffer=nl.psum))
+    return acc
+
+
+def column_pieces(cols, piece, first_block):
+    """(c0, width) of the loads a contraction block's `cols` columns of w come in: pieces of `piece` columns
+    (None: the block whole), the first contraction block's TILE_N wide, so that TensorE starts after a small
+    load and the rest of the block streams in behind its matmuls."""
+    if piece is None or piece >= cols:
+        return [(0, cols)]
+    width = TILE_N if first_block else piece
+    return [(c0, min(width, cols - c0)) for c0 in range(0, cols, width)]
 
 
 def k_blocks(rows, tiles):

@@ -30,6 +30,7 @@ from onnx_nmm.kernels.blocking import (
     column_groups,
     contraction_blocks,
     down_tiles_per_load,
+    output_column_blocks,
 )
 from onnx_nmm.kernels.tiles import k_blocks
 
@@ -38,8 +39,12 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # (2^-9 each), fp32 only sums in a different order.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-5}
 SMALL_DENSE = DensePlan(m_stripe=128, m_block=128, n_block=512, k_tiles=1)
+# w in pieces: the first contraction block's 512 columns wide, the others' 1024 (tiles.column_pieces); two row blocks
+DENSE_PIECES = DensePlan(m_stripe=256, m_block=128, n_block=2048, k_tiles=1, w_piece=1024)
 PSUM_BLOCKS = OutputBlockPlan(m_block=128, n_block=512, k_tiles=1)  # one bank per block, summed in PSUM
 SBUF_BLOCKS = OutputBlockPlan(m_block=256, n_block=2048, k_tiles=1)  # up to 8 banks: summed in SBUF
+# 8 banks summed in all of PSUM once x^T is made, the first column block narrowed (blocking.output_column_blocks)
+ALL_PSUM_BLOCKS = OutputBlockPlan(m_block=512, n_block=1024, k_tiles=2, all_psum=True)
 SMALL_XUV = XuvPlan(token_block=128, k_tiles=1, n_block=512)
 SMALL_MLP = MlpPlan(token_block=128, k_tiles=1, i_tiles=2, down_tiles=1, n_block=512)
 SMALL_DENSE_MLP = DenseMlpPlan(token_block=128, k_tiles=1, i_tiles=2)  # up to 128 tokens: every sum in PSUM
@@ -77,6 +82,19 @@ def test_dense_matmul(M, K, N, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "K", "N"), [(400, 300, 2048), (700, 384, 1600)])
+def test_dense_matmul_summing_in_all_of_psum(M, K, N, dtype):
+    """Row blocks of 4 tiles, the last partial: a first column block of 768 in 6 banks (two row tiles share one
+    for their last 256 columns), then blocks of 1,024 in all 8 banks, and a partial last one (the first shape's
+    256 columns, again in shared banks); the second shape's last row block is 188 rows."""
+    blocks = output_column_blocks(min(512, M), 1024, N, 1, all_psum=True)
+    assert blocks[0] == (0, 768, 6, True) and blocks[1][::2] == (768, 8)
+    x, w = arrays(0, dtype, (M, K), (K, N))
+    X, W = f64(x, w)
+    check(run(dense_matmul, x, w, target="trn1", plan=ALL_PSUM_BLOCKS), X @ W, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("plan", [OutputBlockPlan(128, 1024, 8), OutputBlockPlan(256, 2048, 4)],
                          ids=["summed-in-psum", "summed-in-sbuf"])
 def test_dense_matmul_ramps_the_first_row_blocks_contraction(plan, dtype):
@@ -110,7 +128,7 @@ def test_dense_matmul_with_column_groups(M, K, N, plan, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", [None, SMALL_DENSE], ids=["planned", "small-blocks"])
+@pytest.mark.parametrize("plan", [None, SMALL_DENSE, DENSE_PIECES], ids=["planned", "small-blocks", "w-in-pieces"])
 @pytest.mark.parametrize(("M", "K", "N"), [(1, 200, 300), (37, 300, 700), (130, 384, 1030)])
 def test_the_tutorials_dense_matmul_lhsT(M, K, N, plan, dtype):
     x, w = arrays(0, dtype, (M, K), (K, N))
