@@ -97,11 +97,13 @@ def test_generate_dir_from_the_command_line_prints_the_models_text(compiled, rew
 
 def test_the_neuron_backend_runs_the_trace_the_manifest_names_for_each_graph(compiled, rewritten, tmp_path):
     """On a device each graph's torch_neuronx trace runs; here a torch.jit trace of the same lowered program
-    (what torch_neuronx.trace makes is one, the NEFF inside), written where compile writes the traces. It also
-    checks that every static-shape graph traces."""
+    (what torch_neuronx.trace makes is one, the NEFF inside), written where compile writes the traces, the decode
+    step as compile traces it: a CacheState holding the cache, filled from the prefill's and, with no aliasing on
+    the CPU, from each step's present outputs. It also checks that every static-shape graph traces."""
     import torch
 
     from onnx_nmm.lowering import TorchMath, call_lowered, lower
+    from onnx_nmm.trainium.cache_state import CacheState
 
     folder = tmp_path / "traced"
     shutil.copytree(compiled, folder)
@@ -113,14 +115,51 @@ def test_the_neuron_backend_runs_the_trace_the_manifest_names_for_each_graph(com
         feeds = graphs.example_feeds(graph["name"])
         names = [value.name for value in onnx.load(folder / graph["file"], load_external_data=False).graph.input]
         module = lower(folder / graph["file"], TorchMath())
-        traced = torch.jit.trace(lambda *inputs, module=module: call_lowered(module, *inputs),
-                                 tuple(torch.from_numpy(feeds[name]) for name in names), check_trace=False)
+        if graph["name"] == "decode":
+            module = CacheState(module, names, graphs.layout, graphs.cache_shapes)
+            names = module.step_inputs
+            graph["cache_state"] = {"step_inputs": names, "aliased": False}
+        example = tuple(torch.from_numpy(feeds[name]) for name in names)
+        traced = (torch.jit.trace(module, example, check_trace=False) if graph["name"] == "decode" else
+                  torch.jit.trace(lambda *inputs, module=module: call_lowered(module, *inputs), example,
+                                  check_trace=False))
         (folder / graph["name"]).mkdir()
         traced.save(str(folder / graph["name"] / "model.pt"))
         graph["torchscript"] = f"{graph['name']}/model.pt"
     (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert "past_key_values.0.key" not in manifest["graphs"][-1]["cache_state"]["step_inputs"]
     expected = onnx_nmm.generate(rewritten, PROMPT, TOKENIZER, _greedy())
     assert onnx_nmm.generate(folder, PROMPT, TOKENIZER, _greedy(backend="neuron")).tokens == expected.tokens
+
+
+def test_compile_traces_the_decode_step_with_its_cache_aliased_on_the_device(rewritten, tmp_path, monkeypatch):
+    """With the Neuron SDK, compile hands torch_neuronx.trace the decode step as a CacheState: called with the
+    step's other inputs only, each cache parameter aliased to the present output that updates it. The SDK is
+    stood in for here: the call is recorded, and a scripted stand-in saved where the trace goes."""
+    import torch
+
+    from onnx_nmm.trainium import neuron
+
+    calls = {}
+
+    def trace_for_neuron(module, example_inputs, workdir, target, separate_weights=False, input_output_aliases=None):
+        calls[workdir.parent.name] = (module, example_inputs, input_output_aliases)
+        return torch.jit.script(torch.nn.Identity())
+
+    monkeypatch.setattr(neuron, "missing_neuron_packages", lambda: [])
+    monkeypatch.setattr(neuron, "trace_for_neuron", trace_for_neuron)
+    folder = tmp_path / "model.neuron"
+    compile(rewritten, folder, CompileOptions(target="trn1", max_context=32, buckets=(16,)))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    decode = next(graph for graph in manifest["graphs"] if graph["name"] == "decode")
+    assert decode["cache_state"] == {"step_inputs": ["input_ids", "attention_mask", "position_ids", "cache_position"],
+                                     "aliased": True}
+    state, example, aliases = calls["decode"]
+    outputs = [value.name for value in onnx.load(folder / "decode.onnx", load_external_data=False).graph.output]
+    assert len(example) == 4 and {outputs[index] for index in aliases.values()} == {
+        f"present.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")}
+    assert set(map(id, aliases)) == set(map(id, state.cache))  # the aliased tensors are the trace's own state
+    assert calls["prefill_16"][2] is None and len(calls["prefill_16"][1]) == 7  # the prefill: the cache as inputs
 
 
 def test_a_prompt_or_a_generation_that_does_not_fit_is_a_one_line_error(compiled, capsys):

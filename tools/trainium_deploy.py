@@ -151,25 +151,33 @@ onnx-nmm bench small.neuron model.onnx --target trn1       # modelled: the compi
 
 - `prefill_<B>.onnx`: a prefill of B tokens, one per bucket (default 128, 512, 2048 below N, and N;
   `--buckets` to choose);
-- `decode.onnx`: one decode step over the cache of N positions, written at its `cache_position` input;
+- `decode.onnx`: one decode step over the cache of N positions, written at its `cache_position` input (an
+  onnxruntime-genai export has none: its GroupQueryAttention already takes the cache as one buffer of N
+  positions and writes the step where the attention mask ends, so its graphs only get static shapes);
 - `weights.data`: the weights of every graph, each written once: the graphs share them;
 - `manifest.json`: the buckets; the cache, each tensor's shape and the output that aliases its input; every
   graph's custom ops with their kernel, block sizes and modelled time; every MLP's kernel choice with the times
   it compared; the lowering check;
 - `<graph>/model.pt`, `<graph>/compiler/`: with the Neuron SDK, each graph's `torch_neuronx` trace and its NEFF
-  (the weights kept out of the NEFF).
+  (the weights kept out of the NEFF). The decode step is traced with its cache as the module's state, each
+  cache tensor aliased to the present output that updates it (`input_output_aliases`), so the cache stays on
+  the device between steps; the manifest says so under the decode graph's `cache_state`.
 
 Each graph chooses its own MLP kernels: at a prefill of 512 tokens and at a decode step of one the fastest of
 the fused MLP kernel, the projections launched one by one and (a factorized MLP) the dense MLP kernel on its
 factors multiplied back is not the same (modelled), so each graph takes the fastest at its shape. Each graph is
-lowered to PyTorch and checked against onnxruntime before the folder is put in place. Without the Neuron SDK
+lowered to PyTorch and checked against onnxruntime before the folder is put in place (a `MatMulNBits` that
+onnxruntime's CPU runs at `accuracy_level` 4, int8 activations, as onnxruntime-genai's int4 builds ask, is
+checked computing in float, as the lowered program and the device do). Without the Neuron SDK
 the whole folder is still written (the trace is the only step missing) and `compile` exits 3 saying what to
 install; `--dry-run` stops there on purpose.
 
 `generate DIR` runs the folder: the prompt padded to the smallest bucket that holds it, then one decode step
 per token. `--backend ort` and `--backend torch` run the very graphs on the CPU (torch: lowered to PyTorch as
 the trace takes them), `--backend emulator` with the NKI kernels on the emulator, `--backend neuron` the
-traces. A prompt longer than the largest bucket, or more tokens than the cache holds, is a one-line error.
+traces: after a prefill, its cache is copied into the decode trace's state once, and every step then passes
+only the token, the mask and the position. A prompt longer than the largest bucket, or more tokens than the
+cache holds, is a one-line error.
 `bench DIR --target trn1` prices the folder as it runs (modelled): a prompt costs its bucket's prefill, and
 every decode step attends over the whole cache, which is what a static cache costs.
 
@@ -205,10 +213,12 @@ torch-neuronx neuronx-cc nki`) and compile without `--dry-run`: each graph is tr
 the emulator runs, and `generate DIR --backend neuron` runs the traces. `bench-kernels --device` measures the
 kernels themselves on the NeuronCore ([kernels.md](kernels.md)).
 
-Not done yet, and not hidden: the traces take the cache as plain inputs and outputs, so on a device each step
-still moves the cache between host and device; keeping it on the device needs the cache held as the traced
-module's state with `torch_neuronx.trace(..., input_output_aliases=...)`, which the manifest's aliasing pairs
-are written for. None of the device path has been run on a device.
+Not run yet, and not hidden: none of the device path has run on a device. The decode trace's cache state
+follows torch-neuronx's documented aliasing (the pattern of AWS's T5 inference tutorial: state tensors as
+parameters, `input_output_aliases` from each to its output, the state filled with `copy_` after the prefill);
+here it is tested with a torch.jit trace of the same module on the CPU, where nothing aliases and the runtime
+copies each step's present outputs back into the state instead, and the call to `torch_neuronx.trace` is
+checked with the SDK stood in for (`tests/test_compile_generating.py`).
 
 ## Commands
 

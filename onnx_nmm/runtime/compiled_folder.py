@@ -79,9 +79,10 @@ def read(folder) -> tuple[dict, StaticCache]:
         raise ModelError(f"{folder} lacks {', '.join(missing)}: compile it again")
     prefill = {graph["tokens"]: graphs[graph["name"]] for graph in manifest["graphs"] if graph["kind"] == "prefill"}
     traced = {graph["name"]: folder / graph["torchscript"] for graph in manifest["graphs"] if "torchscript" in graph}
+    state = {graph["name"]: graph["cache_state"] for graph in manifest["graphs"] if "cache_state" in graph}
     return manifest, StaticCache(manifest["model"], layout,
                                  {entry["input"]: tuple(entry["shape"]) for entry in cache["tensors"]},
-                                 manifest["max_context"], prefill, graphs["decode"], traced)
+                                 manifest["max_context"], prefill, graphs["decode"], traced, state)
 
 
 def cache_manifest(graphs: StaticCache) -> dict:

@@ -52,6 +52,8 @@ class StaticCache:
     prefill: dict[int, Model]
     decode: Model
     traced: dict[str, Path] = field(default_factory=dict)  # graph name → its Neuron trace (a compiled folder's)
+    # graph name → how its trace holds the cache as state (trainium/cache_state.py): {"step_inputs", "aliased"}
+    state: dict[str, dict] = field(default_factory=dict)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -147,6 +149,7 @@ class StaticDecoder:
         self.vocabulary = self._runner("decode", graphs.decode).vocabulary
         self.position = 0
         self.cache: dict[str, np.ndarray] = {}
+        self._holding: set[str] = set()  # graphs whose traces hold this sequence's cache as their state
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Start a sequence with token ids [1, n]; the logits of its last position [1, vocabulary]."""
@@ -169,15 +172,25 @@ class StaticDecoder:
 
     def _runner(self, name: str, graph: Model) -> ModelRunner | TracedRunner:
         if name not in self._runners:
-            self._runners[name] = (TracedRunner(self.graphs.traced[name], ModelSource.of(graph))
-                                   if self.backend == "neuron" else
-                                   ModelRunner(graph, self.backend, self.target, self.threads))
+            if self.backend != "neuron":
+                self._runners[name] = ModelRunner(graph, self.backend, self.target, self.threads)
+            elif name in self.graphs.state:
+                self._runners[name] = StateRunner(self.graphs.traced[name], ModelSource.of(graph), self.graphs.layout,
+                                                  **self.graphs.state[name])
+            else:
+                self._runners[name] = TracedRunner(self.graphs.traced[name], ModelSource.of(graph))
         return self._runners[name]
 
     def _run(self, name: str, graph: Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
         runner = self._runner(name, graph)
+        if isinstance(runner, StateRunner):
+            if name not in self._holding:  # the first step after a prefill: its cache becomes the trace's state
+                runner.hold(self.cache)
+                self._holding.add(name)
+            return runner(feeds)[runner.output_names[0]]
         outputs = runner(feeds)
         self.cache = {past: outputs[present] for past, present in self.graphs.layout.cache}
+        self._holding.clear()
         return outputs[runner.output_names[0]]
 
 
@@ -202,6 +215,44 @@ class TracedRunner:
 
         outputs = self.module(*(torch.from_numpy(np.ascontiguousarray(inputs[name])) for name in self.input_names))
         return {name: output.numpy() for name, output in zip(self.output_names, outputs)}
+
+
+class StateRunner(TracedRunner):
+    """A decode trace that holds the cache as its state (trainium/cache_state.CacheState), called with the step's
+    other inputs only. `hold` puts a prefill's cache in; with `aliased` (torch-neuronx's input/output aliasing)
+    each call updates it in place on the device, and without (a trace for the CPU) the runner copies the
+    present outputs back in."""
+
+    def __init__(self, trace: Path, graph: ModelSource, layout: CacheLayout, step_inputs: list[str], aliased: bool):
+        super().__init__(trace, graph)
+        from onnx_nmm.trainium.cache_state import state_parameters
+
+        self.input_names = step_inputs
+        self.state = state_parameters(self.module)
+        self.presents = [present for _, present in layout.cache]
+        self.layout, self.aliased = layout, aliased
+
+    def hold(self, cache: dict[str, np.ndarray]) -> None:
+        import torch
+
+        self._hold([torch.from_numpy(np.ascontiguousarray(cache[past])) for past, _ in self.layout.cache])
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The step's first output (the logits); the cache stays in the trace."""
+        import torch
+
+        outputs = dict(zip(self.output_names, self.module(
+            *(torch.from_numpy(np.ascontiguousarray(inputs[name])) for name in self.input_names))))
+        if not self.aliased:
+            self._hold([outputs[present] for present in self.presents])
+        return {self.output_names[0]: outputs[self.output_names[0]].numpy()}
+
+    def _hold(self, tensors) -> None:
+        import torch
+
+        with torch.no_grad():
+            for parameter, tensor in zip(self.state, tensors, strict=True):
+                parameter.copy_(tensor)
 
 
 def static_cache(model: Model | ModelSource, max_context: int, buckets: tuple[int, ...] | None = None,

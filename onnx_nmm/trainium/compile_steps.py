@@ -147,10 +147,10 @@ def check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:
 
 
 def trace(module, inputs: dict[str, np.ndarray], folder: Path, target: str, subfolder: str = "",
-          separate_weights: bool = False) -> dict:
-    """The Neuron trace on `inputs` (in the graph's input order): custom ops on the @nki.jit kernels; NEFF and
+          separate_weights: bool = False, input_output_aliases: dict | None = None) -> dict:
+    """The Neuron trace on `inputs` (in the module's input order): custom ops on the @nki.jit kernels; NEFF and
     TorchScript into `folder`/`subfolder`; `separate_weights` keeps the weights out of the NEFF (graphs that
-    share them)."""
+    share them); `input_output_aliases` keeps state on the device (cache_state.CacheState)."""
     import torch
 
     from onnx_nmm.lowering import NeuronKernels, set_backend
@@ -159,7 +159,8 @@ def trace(module, inputs: dict[str, np.ndarray], folder: Path, target: str, subf
     example = tuple(torch.from_numpy(array) for array in inputs.values())
     workdir = folder / subfolder
     workdir.mkdir(parents=True, exist_ok=True)
-    traced = neuron.trace_for_neuron(module, example, workdir / "compiler", target, separate_weights)
+    traced = neuron.trace_for_neuron(module, example, workdir / "compiler", target, separate_weights,
+                                     input_output_aliases)
     torch.jit.save(traced, str(workdir / "model.pt"))
     neffs = sorted(str(path.relative_to(folder)) for path in (workdir / "compiler").rglob("*.neff"))
     return {"torchscript": str((workdir / "model.pt").relative_to(folder)), "neff": neffs}

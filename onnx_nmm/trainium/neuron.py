@@ -113,11 +113,14 @@ def _modelled(spec: KernelSpec, tokens: int, dims: dict[str, int], target: str) 
     return fused[0] * 1e6, dense[0] * 1e6, fused[1] / 1e6, dense[1] / 1e6
 
 
-def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str, separate_weights: bool = False):
+def trace_for_neuron(module, example_inputs: tuple, workdir: Path, target: str, separate_weights: bool = False,
+                     input_output_aliases: dict | None = None):
     """torch_neuronx.trace of the lowered module (custom ops already on NeuronKernels): graph + NKI → NEFF; with
-    `separate_weights`, the weights stay out of the NEFF (inline_weights_to_neff=False)."""
+    `separate_weights`, the weights stay out of the NEFF (inline_weights_to_neff=False); `input_output_aliases`
+    ({module parameter: output index}) keeps those parameters on the device, updated in place from the outputs."""
     import torch_neuronx
 
     os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", target)
-    return torch_neuronx.trace(module, example_inputs, compiler_workdir=str(workdir),
-                               compiler_args=["--target", target], inline_weights_to_neff=not separate_weights)
+    return torch_neuronx.trace(module, example_inputs, input_output_aliases=input_output_aliases or {},
+                               compiler_workdir=str(workdir), compiler_args=["--target", target],
+                               inline_weights_to_neff=not separate_weights)

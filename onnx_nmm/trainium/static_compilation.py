@@ -5,7 +5,8 @@ fast for its own shape.
       └ per graph: each MLP on its fastest kernel at the graph's tokens
     folder (runtime/compiled_folder.py): the graphs sharing one weights file
       └ per graph, read back: plan kernels ─ lower ─ check against onnxruntime; then the manifest
-      └ with the Neuron SDK: each graph traced (custom ops as @nki.jit kernels), weights kept out of the NEFFs
+      └ with the Neuron SDK: each graph traced (custom ops as @nki.jit kernels), weights kept out of the NEFFs,
+        the decode step's cache kept on the device as its state (trainium/cache_state.py)
 
 A prefill of 512 tokens and a decode step of one are different shapes, and the fastest MLP kernel differs
 between them, so each graph chooses its own (launch_costs.choose_mlp_kernel); the manifest keeps, per graph,
@@ -58,8 +59,7 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
                      "tokens": tokens, "fused_mlps": mlps[name].fused, "unfused_mlps": mlps[name].unfused,
                      "mlp_kernels": mlps[name].chosen, "lowering_check": check, **summaries[name].to_dict()}
             if traced:
-                entry |= compile_steps.trace(module, {value.name: feeds[value.name] for value in model.graph.inputs},
-                                             folder, options.target, name, separate_weights=True)
+                entry |= _traced(module, model, feeds, graphs, folder, options.target, name)
             entries.append(entry)
         manifest = {"model": source.label, "target": options.target, "batch": options.batch,
                     "max_context": options.max_context, "buckets": list(graphs.buckets),
@@ -70,6 +70,22 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
         raise NeuronSdkMissing(neuron.missing_sdk_message(missing) + f"; {output}/ holds every graph, which "
                                "`onnx-nmm generate` runs on the CPU", dry_run="dry_run")
     return Compilation(output, manifest, summaries["decode"], summaries)
+
+
+def _traced(module, model, feeds: dict[str, np.ndarray], graphs, folder: Path, target: str, name: str) -> dict:
+    """The graph's Neuron trace, weights kept out of the NEFF (the graphs share them). The decode step is traced
+    as a CacheState: its cache stays on the device, aliased to the present outputs that update it."""
+    from onnx_nmm.trainium.cache_state import CacheState
+
+    inputs = [value.name for value in model.graph.inputs]
+    if name != "decode":
+        return compile_steps.trace(module, {input_name: feeds[input_name] for input_name in inputs}, folder, target,
+                                   name, separate_weights=True)
+    state = CacheState(module, inputs, graphs.layout, graphs.cache_shapes)
+    aliases = state.aliases([value.name for value in model.graph.outputs], graphs.layout)
+    return {**compile_steps.trace(state, {input_name: feeds[input_name] for input_name in state.step_inputs}, folder,
+                                  target, name, separate_weights=True, input_output_aliases=aliases),
+            "cache_state": {"step_inputs": state.step_inputs, "aliased": True}}
 
 
 def _lowered_and_checked(path: Path, feeds: dict[str, np.ndarray]):
