@@ -33,6 +33,7 @@ from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import with_past_step
 
 USUAL_BUCKETS = (128, 512, 2048)  # prompt lengths a prefill is compiled for, capped at max_context
+STATE_PREFIX = "cache."  # a decode trace's cache parameters (trainium/cache_state.CacheState.cache)
 
 
 def default_buckets(max_context: int) -> tuple[int, ...]:
@@ -225,10 +226,9 @@ class StateRunner(TracedRunner):
 
     def __init__(self, trace: Path, graph: ModelSource, layout: CacheLayout, step_inputs: list[str], aliased: bool):
         super().__init__(trace, graph)
-        from onnx_nmm.trainium.cache_state import state_parameters
-
         self.input_names = step_inputs
-        self.state = state_parameters(self.module)
+        named = dict(self.module.named_parameters())  # CacheState's cache.0, cache.1, ... in the layout's order
+        self.state = [named[f"{STATE_PREFIX}{index}"] for index in range(len(layout.cache))]
         self.presents = [present for _, present in layout.cache]
         self.layout, self.aliased = layout, aliased
 

@@ -20,8 +20,6 @@ from torch import nn
 from onnx_nmm.lowering import call_lowered
 from onnx_nmm.passes.static_cache import CacheLayout
 
-STATE_PREFIX = "cache."  # the state's parameter names: cache.0, cache.1, ... in the layout's order
-
 
 class CacheState(nn.Module):
     """`module` (a lowered graph) with the cache inputs of `layout` held as parameters of `shapes` (per past
@@ -33,6 +31,7 @@ class CacheState(nn.Module):
         self.module = module
         self.input_names = input_names
         self.past = [past for past, _ in layout.cache]
+        # named cache.0, cache.1, ... in the layout's order: what runtime/static_cache.StateRunner reads back
         self.cache = nn.ParameterList(nn.Parameter(torch.zeros(shapes[past]), requires_grad=False)
                                       for past in self.past)
         self.step_inputs = [name for name in input_names if name not in self.past]
@@ -48,9 +47,3 @@ class CacheState(nn.Module):
         that updates it."""
         presents = dict(layout.cache)
         return {parameter: output_names.index(presents[past]) for past, parameter in zip(self.past, self.cache)}
-
-
-def state_parameters(trace) -> list[torch.Tensor]:
-    """The cache parameters of a traced CacheState (a torch.jit.load'ed trace), in the layout's order."""
-    named = dict(trace.named_parameters())
-    return [named[f"{STATE_PREFIX}{index}"] for index in range(sum(name.startswith(STATE_PREFIX) for name in named))]
