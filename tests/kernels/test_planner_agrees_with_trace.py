@@ -66,6 +66,23 @@ def test_the_planners_estimate_of_a_plan_is_the_traced_cost_of_the_kernel_run_wi
         assert planner.total_s == pytest.approx(trace.total_s, rel=TOTAL_TOLERANCE), plan
 
 
+@pytest.mark.parametrize(("kernel", "shape", "option"), [("dense_matmul", (600, 1100, 3100), "all_psum"),
+                                                          ("dense_matmul_lhsT", (520, 3000, 2300), "w_piece")])
+def test_the_planner_prices_blocks_summed_in_all_of_psum_and_w_in_pieces_as_the_trace_does(kernel, shape, option):
+    """The candidates the choices at 512 tokens come from: dense_matmul's blocks summed in all of PSUM after a
+    narrowed first block, dense_matmul_lhsT's w in pieces; partial tiles and blocks in every dimension."""
+    candidates = [plan for plan in fitting_plans(kernel, shape, "bfloat16", "trn1") if getattr(plan, option)]
+    assert len(candidates) >= 4
+    for plan in candidates[:2] + candidates[-2:]:
+        planner = estimate_plan(kernel, shape, plan, "bfloat16", "trn1")
+        trace = traced_cost(kernel, shape, plan, "bfloat16", "trn1")
+        for engine in ENGINES:
+            assert planner.busy_s[engine] == pytest.approx(trace.busy_s[engine], rel=1e-9, abs=1e-15), (plan, engine)
+        assert (planner.hbm_read_bytes, planner.hbm_write_bytes) == (trace.hbm_read_bytes, trace.hbm_write_bytes)
+        assert planner.sbuf_bytes >= trace.sbuf_peak_bytes, plan
+        assert planner.total_s == pytest.approx(trace.total_s, rel=TOTAL_TOLERANCE), plan
+
+
 @pytest.mark.parametrize(("kernel", "shape", "dtype", "target"), CASES)
 def test_the_planner_picks_the_fewest_hbm_bytes_among_the_candidates_it_estimates_fastest(kernel, shape, dtype, target):
     chosen = estimate_plan(kernel, shape, planned(kernel, shape, dtype, target), dtype, target)
