@@ -150,7 +150,6 @@ class StaticDecoder:
         self.vocabulary = self._runner("decode", graphs.decode).vocabulary
         self.position = 0
         self.cache: dict[str, np.ndarray] = {}
-        self._holding: set[str] = set()  # graphs whose traces hold this sequence's cache as their state
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Start a sequence with token ids [1, n]; the logits of its last position [1, vocabulary]."""
@@ -158,6 +157,9 @@ class StaticDecoder:
         bucket = self.graphs.bucket_for(tokens.shape[1])
         logits = self._run(f"prefill_{bucket}", self.graphs.prefill[bucket], self.graphs.prefill_feeds(
             np.repeat(tokens, self.graphs.batch, axis=0)))
+        decode = self._runner("decode", self.graphs.decode)
+        if isinstance(decode, StateRunner):  # the decode trace holds the cache as its state from here on
+            decode.hold(self.cache)
         self.position = tokens.shape[1]
         return logits[:1, self.position - 1]
 
@@ -184,14 +186,9 @@ class StaticDecoder:
 
     def _run(self, name: str, graph: Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
         runner = self._runner(name, graph)
-        if isinstance(runner, StateRunner):
-            if name not in self._holding:  # the first step after a prefill: its cache becomes the trace's state
-                runner.hold(self.cache)
-                self._holding.add(name)
-            return runner(feeds)[runner.output_names[0]]
         outputs = runner(feeds)
-        self.cache = {past: outputs[present] for past, present in self.graphs.layout.cache}
-        self._holding.clear()
+        if not isinstance(runner, StateRunner):  # a state runner keeps the cache in its trace
+            self.cache = {past: outputs[present] for past, present in self.graphs.layout.cache}
         return outputs[runner.output_names[0]]
 
 
