@@ -20,6 +20,7 @@ from onnx_nmm.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.errors import (
     DataError,
     ExecutionError,
+    GenerationMismatch,
     LoweringMismatch,
     MissingDependencyError,
     ModelError,
@@ -57,8 +58,8 @@ __all__ = [
     "DecoderShape", "DecoderState", "Dense", "describe_machine", "Diff", "diff", "diff_on_text", "DiffOptions",
     "estimate_trainium", "evaluate", "Evaluation", "ExecutionError", "export_causal_lm", "export_checkpoint",
     "external_data_path", "FactorizationOptions", "factorized", "finetune", "FinetuneOptions", "FinetuneResult",
-    "generate", "GeneratedText", "GenerateOptions", "Generation", "inspect", "Inspection", "is_compiled_folder",
-    "LayerInfo",
+    "generate", "GeneratedText", "GenerateOptions", "Generation", "GenerationMismatch", "inspect", "Inspection",
+    "is_compiled_folder", "LayerInfo",
     "LayerOutcome", "load_gguf_causal_lm", "load_tokenizer", "LoweringMismatch", "MissingDependencyError",
     "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing", "OnnxNmmError", "OptionError", "OutputError",
     "Phase", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite", "rewrite_streamed", "RewriteOptions",

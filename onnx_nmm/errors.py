@@ -58,5 +58,9 @@ class LoweringMismatch(OnnxNmmError):
     """The model lowered to PyTorch computes something else than onnxruntime does (a bug of the lowering)."""
 
 
+class GenerationMismatch(OnnxNmmError):
+    """A compiled folder's graphs generate something else than the model they were compiled from."""
+
+
 class TrainingDiverged(OnnxNmmError):
     """Fine-tuning made the loss or the factors NaN or Inf."""

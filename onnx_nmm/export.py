@@ -18,6 +18,7 @@ every parameter so that neither happens and the export looks like a trained mode
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -144,23 +145,31 @@ def _logits_forward(model):
 
 
 @contextlib.contextmanager
-def _cached_forward(model):
+def _cached_forward(model, positions: bool = True):
     """`model` called as forward(input_ids, attention_mask, position_ids, past) -> (logits, *present) for the
-    duration, `past` and `present` the cache as flat tensors, each layer's key then value."""
+    duration, `past` and `present` the cache as flat tensors, each layer's key then value. Without `positions`,
+    forward(input_ids, attention_mask, past): the model derives the positions from the cache's length, as
+    transformers does when given a DynamicCache alone."""
     from transformers import DynamicCache
 
     original = model.forward
 
-    def forward(input_ids, attention_mask, position_ids, past):
+    def with_cache(input_ids, attention_mask, past, **position_ids):
         cache = DynamicCache(config=model.config)
         for layer in range(len(past) // 2):
             cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        output = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True)
+        output = original(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                          **position_ids)
         present = [tensor for layer in output.past_key_values.layers for tensor in (layer.keys, layer.values)]
         return output.logits, *present
 
-    model.forward = forward
+    def forward(input_ids, attention_mask, position_ids, past):
+        return with_cache(input_ids, attention_mask, past, position_ids=position_ids)
+
+    def forward_without_positions(input_ids, attention_mask, past):
+        return with_cache(input_ids, attention_mask, past)
+
+    model.forward = forward if positions else forward_without_positions
     try:
         yield model
     finally:
@@ -207,6 +216,12 @@ class _ExportInputs:
                 **{name: {0: "batch", 2: "past_sequence + sequence"} for name in present}}
         return cls(args, ["input_ids", "attention_mask", "position_ids", *cache], ["logits", *present], axes)
 
+    def without(self, name: str) -> _ExportInputs:
+        """These inputs less the one called `name`."""
+        index = self.input_names.index(name)
+        return _ExportInputs(self.args[:index] + self.args[index + 1:], [n for n in self.input_names if n != name],
+                             self.output_names, {key: axes for key, axes in self.axes.items() if key != name})
+
     def dynamic_shapes(self) -> tuple:
         """torch.export's form of `axes`: one dict per argument, a tuple of them for the cache."""
         import torch
@@ -225,9 +240,12 @@ class _ExportInputs:
 
 
 def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", external_data: bool = False,
-                     batch: int = 2, seq_len: int = 8, cache: bool = False, opset: int | None = None) -> Path:
+                     batch: int = 2, seq_len: int = 8, cache: bool = False, opset: int | None = None,
+                     positions: bool = True) -> Path:
     """Export `model` to `path` with dynamic batch and sequence axes, with a KV cache if `cache`; returns the
-    path.
+    path. With a cache and not `positions`, the graph has no position_ids input and derives the positions, and
+    its causal and padding masks, from the length of its past inputs (transformers' forward with a DynamicCache
+    and nothing else, as `torch.onnx.export` of a model called that way writes it).
 
     exporter: "dynamo" (torch.onnx.export(dynamo=True), optimized), "dynamo-noopt" (optimize=False,
     which leaves `MatMul(X, Transpose(W))`), or "torchscript" (dynamo=False). `opset`: the ONNX opset to
@@ -241,8 +259,10 @@ def export_causal_lm(model, path: str | os.PathLike, exporter: str = "dynamo", e
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     inputs = (_ExportInputs.with_cache if cache else _ExportInputs.logits_only)(model, batch, seq_len)
+    if cache and not positions:
+        inputs = inputs.without("position_ids")
     names = dict(input_names=inputs.input_names, output_names=inputs.output_names)
-    forward = _cached_forward if cache else _logits_forward
+    forward = functools.partial(_cached_forward, positions=positions) if cache else _logits_forward
     # torch.onnx logs a line for every torchvision op it cannot register when torchvision is absent
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad(), forward(model.eval()) as exported:
@@ -301,9 +321,11 @@ EXTERNAL_DATA_BYTES = 2**30
 
 
 def export_checkpoint(source: str | os.PathLike, output: str | os.PathLike, exporter: str = "dynamo",
-                      external_data: bool | None = None, overwrite: bool = False, cache: bool = True) -> Path:
+                      external_data: bool | None = None, overwrite: bool = False, cache: bool = True,
+                      positions: bool = True) -> Path:
     """Export the causal LM of a Hugging Face folder or a GGUF file to `output`, with a KV cache unless not
-    `cache` (weights to `<output>.data` with `external_data`; None: when they pass EXTERNAL_DATA_BYTES).
+    `cache` (weights to `<output>.data` with `external_data`; None: when they pass EXTERNAL_DATA_BYTES), and
+    with a position_ids input unless not `positions` (export_causal_lm).
     Written under a temporary name and moved into place once complete; refused over an existing file unless
     `overwrite`."""
     from onnx_nmm.model_io import external_data_path
@@ -320,7 +342,8 @@ def export_checkpoint(source: str | os.PathLike, output: str | os.PathLike, expo
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".onnx-nmm-", dir=output.parent))
     try:
-        staged = export_causal_lm(model, staging / output.name, exporter, external_data=external_data, cache=cache)
+        staged = export_causal_lm(model, staging / output.name, exporter, external_data=external_data, cache=cache,
+                                  positions=positions)
         if external_data_path(staged).exists():
             os.replace(external_data_path(staged), external_data_path(output))
         os.replace(staged, output)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from onnx_nmm.passes.cache_length import LengthSource, derive_from_lengths
+
 CACHE_POSITION = "cache_position"  # the decode graph's new input: where its token's keys and values go
 LENGTH_AXIS = 2  # the cache's [batch, heads, length, head_dim]
 _ALIASES = ("Identity", "Cast", "Concat")  # what may stand between a past input and its Concat (one input each)
@@ -70,14 +72,17 @@ def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) 
     batch = _set_batch_shapes(inputs, layout, new_tokens=1, mask_length=max_context)
     where_shape = _constant(graph, "cache.where_shape", np.array([1, 1, 1, 1], np.int64))
     where = _node(graph, "Reshape", [position, where_shape], "cache.where")  # one position, every cache tensor's
+    lengths = [LengthSource(inputs[layout.mask], axis=1, beyond=1)]  # the mask covers the step's token too
     for past_name, present_name in layout.cache:
         past = inputs[past_name]
         concat = _cache_concat(past)
         _static(past, batch, max_context)
-        _seen_as(graph, past, max_context - 1)  # so that the keys the step reads number max_context
+        seen = _seen_as(graph, past, max_context - 1)  # so that the keys the step reads number max_context
+        lengths.append(LengthSource(seen, LENGTH_AXIS))
         shape = _node(graph, "Shape", [concat.inputs[1]], f"{past_name}.new_shape")
         indices = _node(graph, "Expand", [where, shape], f"{past_name}.indices")
         _write_in_place(graph, concat, past, indices, concat.inputs[1], present_name)
+    derive_from_lengths(graph, lengths, position)  # positions and masks where the step writes, not at max - 1
     graph.sort()
     model.metadata_props["onnx_nmm.cache_aliases"] = _aliases(layout)
     return model
@@ -126,15 +131,16 @@ def _with_static_shapes(model: ir.Model, layout: CacheLayout, new_tokens: int, m
     return model
 
 
-def _seen_as(graph: ir.Graph, past: ir.Value, length: int) -> None:
-    """Every reader of the cache input reads its first `length` positions instead: the past the exported graph
-    computes its key count and causal mask from (the write in place reads the whole cache)."""
+def _seen_as(graph: ir.Graph, past: ir.Value, length: int) -> ir.Value:
+    """Every reader of the cache input reads its first `length` positions instead (returned): the past the
+    exported graph computes its key count and causal mask from (the write in place reads the whole cache)."""
     readers = list(past.uses())
     bounds = [_constant(graph, f"{past.name}.seen_{name}", np.array([value], np.int64))
               for name, value in (("start", 0), ("end", length), ("axis", LENGTH_AXIS))]
     seen = _node(graph, "Slice", [past, *bounds], f"{past.name}.seen")
     for reader, index in readers:
         reader.replace_input_with(index, seen)
+    return seen
 
 
 def _cache_concat(past: ir.Value) -> ir.Node:

@@ -18,8 +18,8 @@ def pytest_configure(config):
 
 @pytest.fixture
 def export():
-    """export(architecture, exporter, external_data=False, seed=0, cache=False, opset=None) -> path of a cached
-    export."""
+    """export(architecture, exporter, external_data=False, seed=0, cache=False, opset=None, positions=True) -> path
+    of a cached export."""
     return exported_model
 
 

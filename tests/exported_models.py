@@ -19,15 +19,17 @@ CACHE = Path(os.environ.get("ONNX_NMM_TEST_CACHE", Path(__file__).resolve().pare
 
 
 def exported_model(architecture: str, exporter: str, external_data: bool = False, seed: int = 0,
-                   cache: bool = False, opset: int | None = None) -> Path:
-    """The path of `architecture` exported with `exporter` (see onnx_nmm.export), with a KV cache if `cache`,
-    at `opset` (None: the exporter's default), exporting on first use."""
+                   cache: bool = False, opset: int | None = None, positions: bool = True) -> Path:
+    """The path of `architecture` exported with `exporter` (see onnx_nmm.export), with a KV cache if `cache`
+    (without a position_ids input unless `positions`), at `opset` (None: the exporter's default), exporting on
+    first use."""
     import torch
     import transformers
 
     from onnx_nmm import build_model, export_causal_lm
 
     key = (f"{architecture}-{exporter}{f'-opset{opset}' if opset else ''}{'-kv' if cache else ''}"
+           f"{'' if positions else '-without-positions'}"
            f"{'-external' if external_data else ''}-s{seed}"
            f"-e{EXPORT_FORMAT}"
            f"-torch{torch.__version__}-tf{transformers.__version__}")
@@ -40,6 +42,6 @@ def exported_model(architecture: str, exporter: str, external_data: bool = False
                 for leftover in staging.iterdir():
                     leftover.unlink()
             export_causal_lm(build_model(architecture, seed=seed), staging / "model.onnx", exporter,
-                             external_data=external_data, cache=cache, opset=opset)
+                             external_data=external_data, cache=cache, opset=opset, positions=positions)
             staging.rename(folder)
     return path

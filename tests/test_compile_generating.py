@@ -220,3 +220,55 @@ def test_an_onnxruntime_genai_model_compiles_and_generates_its_own_tokens(tmp_pa
     assert all(tensor["shape"] == [1, 2, 64, 16] for tensor in manifest["cache"]["tensors"])
     expected = onnx_nmm.generate(rewritten, PROMPT, TOKENIZER, _greedy())
     assert onnx_nmm.generate(folder, PROMPT, TOKENIZER, _greedy(backend="torch")).tokens == expected.tokens
+
+
+def test_compile_refuses_graphs_that_generate_other_text_than_the_model_and_leaves_no_folder(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """The static pass made wrong on purpose (positions left where a full cache puts them): the lowering check
+    compares each graph with itself and passes; the check against the model as given refuses, in one line."""
+    from onnx_nmm.passes import static_cache as static_pass
+
+    model = exported_model("llama", "dynamo", cache=True, positions=False)
+    monkeypatch.setattr(static_pass, "derive_from_lengths", lambda graph, sources, position: 0)
+    folder = tmp_path / "model.neuron"
+    with pytest.raises(onnx_nmm.GenerationMismatch, match=r"at decode step \d \(position \d+\) .* differ by"):
+        compile(model, folder, CompileOptions(target="trn1", max_context=32, buckets=(16,), dry_run=True))
+    assert main(["compile", str(model), "--max-context", "32", "--buckets", "16", "--dry-run", "-o",
+                 str(folder)]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "generate other text" in error and len(error.splitlines()) == 1
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_records_the_check_against_the_model_as_given(compiled):
+    check = json.loads((compiled / "manifest.json").read_text())["generation_check"]
+    assert check["prompt_tokens"] == 14 and check["steps"] == 4  # from 2 short of bucket 16 to 2 past it
+    assert check["max_abs"] <= check["tolerance"] and check["tokens_agree"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gigabytes")
+@pytest.mark.parametrize("rewritten", [False, True], ids=["dense", "rewritten"])
+def test_smollm2_exported_without_positions_generates_onnxruntimes_text_once_compiled(tmp_path, capsys, rewritten):
+    """SmolLM2 as torch.onnx.export(dynamo=True) writes it when called with a DynamicCache: no position input,
+    positions and masks from the cache's length. Compiled over 256 positions, it writes onnxruntime's text."""
+    import assets
+    from filelock import FileLock
+
+    assets.CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(assets.CACHE / "smollm2.lock")):
+        model, tokenizer = assets.smollm2_kv_without_positions_onnx(), assets.smollm2_gguf()
+    if rewritten:  # full rank: SvdMatMul ops on every projection, and still an answering model
+        rewrite(model, RewriteOptions(ranks=RankOptions(rank="full"))).save(tmp_path / "model.onnx")
+        model = tmp_path / "model.onnx"
+    folder = tmp_path / "model.neuron"
+    assert main(["compile", str(model), "--target", "trn1", "--max-context", "256", "--dry-run", "-o",
+                 str(folder)]) == 0
+    prompt = ["--prompt", "Write a short story about a dragon who learns to bake bread.", "--tokenizer",
+              str(tokenizer), "--max-new-tokens", "24", "--json"]
+    capsys.readouterr()
+    texts = []
+    for argv in ([str(model)], [str(folder), "--backend", "torch"]):
+        assert main(["generate", *argv, *prompt]) == 0
+        texts.append(json.loads(capsys.readouterr().out))
+    assert texts[1]["tokens"] == texts[0]["tokens"] and len(texts[0]["tokens"]) == 24

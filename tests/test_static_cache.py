@@ -9,8 +9,10 @@ import pytest
 
 from onnx_nmm import DataError, ModelError, OptionError, RankOptions, RewriteOptions, rewrite
 from onnx_nmm.generation.decoding import Decoder
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.static_cache import CacheLayout, static_decode_graph
 from onnx_nmm.runtime.static_cache import default_buckets, static_cache
+from onnx_nmm.trainium.generation_check import check_generation
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 PROMPT = np.random.default_rng(0).integers(0, 300, (1, 11))
@@ -27,31 +29,46 @@ def _greedy(model, ids: np.ndarray, new_tokens: int) -> list[int]:
     return tokens
 
 
+WITHOUT_POSITIONS = "-without-positions"  # the graph derives positions and masks from the cache's length
+# Every KV form, each for two architectures: onnx-nmm's exports (dynamo and TorchScript, with position_ids and
+# without, as torch.onnx.export writes a model called with a DynamicCache alone), optimum's (with past, merged),
+# onnxruntime-genai's (fp32, int4), and a rewritten model.
+FORMS = [f"{architecture}-{exporter}{positions}" for architecture in ("llama", "qwen2")
+         for exporter in ("dynamo", "torchscript") for positions in ("", WITHOUT_POSITIONS)] + [
+    "optimum-past", "optimum-past-qwen2", "optimum-merged", "optimum-merged-qwen2", "genai-fp32", "genai-fp32-qwen2",
+    "genai-int4", "genai-int4-qwen2", "rewritten", "rewritten" + WITHOUT_POSITIONS]
+
+
 def _kv_model(name: str, export, tmp_path) -> Path:
-    if name.startswith("llama"):
-        return export("llama", name.removeprefix("llama-"), cache=True)
-    if name == "rewritten":  # the custom ops run as their function bodies
+    positions = not name.endswith(WITHOUT_POSITIONS)
+    if name.startswith("rewritten"):  # the custom ops run as their function bodies
         path = tmp_path / "rewritten.onnx"
-        rewrite(export("llama", "dynamo", cache=True), RewriteOptions(ranks=RankOptions(keep=0.9, align=32))).save(path)
+        rewrite(export("llama", "dynamo", cache=True, positions=positions),
+                RewriteOptions(ranks=RankOptions(keep=0.9, align=32))).save(path)
         return path
+    if name.startswith(("llama-", "qwen2-")):
+        architecture, exporter = name.removesuffix(WITHOUT_POSITIONS).split("-")
+        return export(architecture, exporter, cache=True, positions=positions)
     return FORMATS / name / "model.onnx"
 
 
-@pytest.mark.parametrize("name", ["llama-dynamo", "llama-torchscript", "optimum-past", "optimum-merged", "genai-fp32",
-                                  "genai-int4", "rewritten"])
+@pytest.mark.parametrize("name", FORMS)
 def test_static_graphs_generate_the_tokens_of_the_dynamic_cache(export, tmp_path, name):
     model = _kv_model(name, export, tmp_path)
     graphs = static_cache(model, max_context=64, buckets=(16, 64))
     assert graphs.generate_greedy(PROMPT, 12) == _greedy(model, PROMPT, 12)
 
 
-@pytest.mark.parametrize("name", ["rewritten", "genai-fp32"])
-def test_the_static_graphs_lowered_to_pytorch_generate_the_same_tokens(export, tmp_path, name):
-    """What the Neuron trace takes: each graph lowered to PyTorch, the custom ops as torch math (and
-    onnxruntime-genai's GroupQueryAttention writing its one cache buffer in place)."""
+@pytest.mark.parametrize("name", FORMS)
+def test_static_graphs_lowered_to_pytorch_give_the_logits_of_the_dynamic_cache_step_by_step(export, tmp_path, name):
+    """compile's check against the model as given (trainium/generation_check.py), on every form: each graph
+    lowered to PyTorch as the Neuron trace takes it (the custom ops as torch math, onnxruntime-genai's
+    GroupQueryAttention writing its one cache buffer in place), the prefill and decode steps past the first
+    bucket, each step's logits within 1e-3 of their range."""
     model = _kv_model(name, export, tmp_path)
-    graphs = static_cache(model, max_context=32, buckets=(16,))
-    assert graphs.generate_greedy(PROMPT, 6, backend="torch") == _greedy(model, PROMPT, 6)
+    check = check_generation(ModelSource.of(model), static_cache(model, max_context=32, buckets=(8, 32)))
+    assert check.prompt_tokens == 6 and len(check.max_abs) == 5
+    assert max(check.max_abs) <= check.tolerance and check.reference_tokens == check.compiled_tokens
 
 
 def test_the_cache_is_one_buffer_in_and_out(export):

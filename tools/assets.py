@@ -59,14 +59,14 @@ def qwen25_gguf() -> Path:
     return target
 
 
-def _exported(gguf: Path, name: str, cache: bool = False) -> Path:
+def _exported(gguf: Path, name: str, cache: bool = False, positions: bool = True) -> Path:
     """The GGUF exported with the dynamo exporter; cache-free unless `cache` (the quality studies' form)."""
     path = CACHE / name / "model.onnx"
     if not path.exists():
         from onnx_nmm import export_checkpoint
 
         print(f"exporting {gguf.name} to {path} (dynamo; a few minutes) ...", flush=True)
-        export_checkpoint(gguf, path, "dynamo", external_data=True, cache=cache)
+        export_checkpoint(gguf, path, "dynamo", external_data=True, cache=cache, positions=positions)
     return path
 
 
@@ -77,6 +77,13 @@ def smollm2_onnx() -> Path:
 def smollm2_kv_onnx() -> Path:
     """SmolLM2 with a KV cache, as `onnx-nmm export` writes it by default."""
     return _exported(smollm2_gguf(), "smollm2-135m-instruct-kv", cache=True)
+
+
+def smollm2_kv_without_positions_onnx() -> Path:
+    """SmolLM2 with a KV cache and no position_ids, as `torch.onnx.export(..., dynamo=True)` writes a
+    transformers model called with a DynamicCache: the graph derives positions and masks from the cache's
+    length."""
+    return _exported(smollm2_gguf(), "smollm2-135m-instruct-kv-without-positions", cache=True, positions=False)
 
 
 def qwen25_onnx() -> Path:

@@ -5,16 +5,19 @@
                                           later one, both branches reading the same weights
     tests/data/formats/genai-fp32/        onnxruntime-genai's model builder, fp32 and int4 (MatMulNBits):
     tests/data/formats/genai-int4/        GroupQueryAttention, fused qkv, genai_config.json and a tokenizer
+    tests/data/formats/*-qwen2/           the same four of a Qwen2 (`--architecture qwen2`), whose q, k and v
+                                          projections have biases: optimum-past-qwen2, optimum-merged-qwen2,
+                                          genai-fp32-qwen2 and genai-int4-qwen2
 
-The model is one random-weight Llama (hidden 64, 2 layers, vocabulary 300, with a byte-level BPE tokenizer
-of 300 tokens; small enough to commit), built from a config here so that this script needs nothing of
-onnx-nmm. optimum-onnx pins transformers below the project's and the genai builder wants a newer one, so
+Each model is a random-weight Llama or Qwen2 (hidden 64, 2 layers, vocabulary 300, with a byte-level BPE
+tokenizer of 300 tokens; small enough to commit), built from a config here so that this script needs nothing
+of onnx-nmm. optimum-onnx pins transformers below the project's and the genai builder wants a newer one, so
 each part runs in an environment of its own:
 
-    python -m venv /tmp/optimum && /tmp/optimum/bin/pip install torch==2.13.0 optimum-onnx==0.1.0
-    /tmp/optimum/bin/python tools/format_fixtures.py optimum
+    python -m venv /tmp/optimum && /tmp/optimum/bin/pip install torch==2.13.0 "optimum-onnx[onnxruntime]==0.1.0"
+    /tmp/optimum/bin/python tools/format_fixtures.py optimum [--architecture qwen2]
     python -m venv /tmp/genai && /tmp/genai/bin/pip install torch==2.13.0 transformers onnxruntime-genai onnx-ir
-    /tmp/genai/bin/python tools/format_fixtures.py genai
+    /tmp/genai/bin/python tools/format_fixtures.py genai [--architecture qwen2]
 
 `--checkpoint` exports a real model instead (a Hugging Face folder or a .gguf file, which needs `gguf` in
 that environment); tools/formats_study.py does so for SmolLM2.
@@ -30,23 +33,32 @@ import tempfile
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "formats"
+ARCHITECTURES = {"llama": "Llama", "qwen2": "Qwen2"}  # transformers' {prefix}Config and {prefix}ForCausalLM
 
 
 TOKENIZER_TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
                   "and darkness was upon the face of the deep.")
 
 
-def tiny_llama(folder: Path) -> Path:
-    """A random-weight Llama checkpoint, every parameter perturbed so that no weight is zero or repeated, with
-    a byte-level BPE tokenizer of its vocabulary's size (the genai builder and generator want one)."""
+def folder_suffix(architecture: str) -> str:
+    """The fixture folders' names end: nothing for the Llama, "-qwen2" for the Qwen2."""
+    return "" if architecture == "llama" else f"-{architecture}"
+
+
+def tiny_model(folder: Path, architecture: str) -> Path:
+    """A random-weight checkpoint of `architecture`, every parameter (biases too) perturbed so that no weight is
+    zero or repeated, with a byte-level BPE tokenizer of its vocabulary's size (the genai builder and generator
+    want one)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(config).eval()
+    prefix = ARCHITECTURES[architecture]
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape) * 0.02)
@@ -111,21 +123,22 @@ def first_step_decoder(with_past: Path, target: Path) -> Path:
     return target
 
 
-def optimum_fixtures(checkpoint: Path, work: Path, out: Path) -> None:
+def optimum_fixtures(checkpoint: Path, work: Path, out: Path, suffix: str) -> None:
     from optimum.onnx.graph_transformations import merge_decoders
 
     with_past = optimum_export(checkpoint, "text-generation-with-past", work / "past")
     first_step = first_step_decoder(with_past, work / "first-step.onnx")
-    for name in ("optimum-past", "optimum-merged"):
-        shutil.rmtree(out / name, ignore_errors=True)
-        (out / name).mkdir(parents=True)
-    shutil.copy(with_past, out / "optimum-past" / "model.onnx")
-    merge_decoders(first_step, with_past, strict=False, save_path=out / "optimum-merged" / "model.onnx")
+    past, merged = out / f"optimum-past{suffix}", out / f"optimum-merged{suffix}"
+    for folder in (past, merged):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    shutil.copy(with_past, past / "model.onnx")
+    merge_decoders(first_step, with_past, strict=False, save_path=merged / "model.onnx")
 
 
-def genai_fixtures(checkpoint: Path, work: Path, out: Path) -> None:
+def genai_fixtures(checkpoint: Path, work: Path, out: Path, suffix: str) -> None:
     for precision in ("fp32", "int4"):
-        target = out / f"genai-{precision}"
+        target = out / f"genai-{precision}{suffix}"
         shutil.rmtree(target, ignore_errors=True)
         # run away from this repository: `python -m` puts the working folder first on the path, and transformers
         # would take the repository's kernels/ for the PyPI package of that name
@@ -138,14 +151,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("optimum", "genai"))
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--checkpoint", type=Path, help="a Hugging Face folder or a .gguf file to export instead "
-                                                       "of the tiny random Llama (docs/formats.md's study)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--architecture", choices=tuple(ARCHITECTURES), default="llama",
+                        help="the tiny random model's; folders other than the Llama's end in -ARCHITECTURE")
+    source.add_argument("--checkpoint", type=Path, help="a Hugging Face folder or a .gguf file to export instead "
+                                                       "of a tiny random model (docs/formats.md's study)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.out.parent if args.checkpoint else None) as work:
         work = Path(work)
         checkpoint = (checkpoint_folder(args.checkpoint.resolve(), work / "checkpoint") if args.checkpoint
-                      else tiny_llama(work / "checkpoint"))
-        (optimum_fixtures if args.part == "optimum" else genai_fixtures)(checkpoint, work, args.out)
+                      else tiny_model(work / "checkpoint", args.architecture))
+        (optimum_fixtures if args.part == "optimum" else genai_fixtures)(checkpoint, work, args.out,
+                                                                         folder_suffix(args.architecture))
     for model in sorted(args.out.glob("*/model.onnx")):
         print(f"wrote {model} ({model.stat().st_size / 1e6:.2f} MB)")
     return 0

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from onnx_nmm import LoweringMismatch, NeuronSdkMissing, OnnxNmmError, TrainingDiverged, __version__
+from onnx_nmm import GenerationMismatch, LoweringMismatch, NeuronSdkMissing, OnnxNmmError, TrainingDiverged, __version__
 from onnx_nmm.cli import _common
 
 # Order is the order of `onnx-nmm --help`.
@@ -33,7 +33,7 @@ COMMAND_MODULES = [
 ]
 
 # 2 for bad input (argparse's own code for bad usage); these kinds have their own.
-EXIT_CODES = {LoweringMismatch: 1, TrainingDiverged: 1, NeuronSdkMissing: 3}
+EXIT_CODES = {LoweringMismatch: 1, GenerationMismatch: 1, TrainingDiverged: 1, NeuronSdkMissing: 3}
 EXIT_BAD_INPUT = 2
 
 

@@ -4,6 +4,8 @@ fast for its own shape.
     static cache (runtime/static_cache.py): a prefill per bucket, one decode step, over max_context positions
       └ per graph: each MLP on its fastest kernel at the graph's tokens
     folder (runtime/compiled_folder.py): the graphs sharing one weights file
+      └ generation checked against the model as given (generation_check.py): refused, and nothing left, if it
+        differs
       └ per graph, read back: plan kernels ─ lower ─ check against onnxruntime; then the manifest
       └ with the Neuron SDK: each graph traced (custom ops as @nki.jit kernels), weights kept out of the NEFFs,
         the decode step's cache kept on the device as its state (trainium/cache_state.py)
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +30,10 @@ from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder
-from onnx_nmm.runtime.static_cache import static_cache
+from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
+from onnx_nmm.trainium.generation_check import check_generation
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "config.json")
@@ -49,6 +53,7 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     with compile_steps.staged_folder(output) as folder:
         compiled_folder.write_graphs(folder, {name: model for name, model, _ in graphs.graphs()})
         _copy_tokenizer(source, folder)
+        generation = check_generation(source, _as_written(graphs, folder))
         for name, model, tokens in graphs.graphs():  # each graph read back from the folder: any size runs
             path, rows = folder / f"{name}.onnx", options.batch * tokens
             summaries[name] = neuron.plan_kernels(onnx.load(path, load_external_data=False), rows, options.target,
@@ -64,12 +69,20 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
         manifest = {"model": source.label, "target": options.target, "batch": options.batch,
                     "max_context": options.max_context, "buckets": list(graphs.buckets),
                     "cache": compiled_folder.cache_manifest(graphs), "weights": compiled_folder.WEIGHTS,
-                    "graphs": entries, "dry_run": options.dry_run, "traced": traced}
+                    "graphs": entries, "generation_check": generation.to_dict(), "dry_run": options.dry_run,
+                    "traced": traced}
         write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
     if missing:
         raise NeuronSdkMissing(neuron.missing_sdk_message(missing) + f"; {output}/ holds every graph, which "
                                "`onnx-nmm generate` runs on the CPU", dry_run="dry_run")
     return Compilation(output, manifest, summaries["decode"], summaries)
+
+
+def _as_written(graphs: StaticCache, folder: Path) -> StaticCache:
+    """`graphs` as the folder holds them (each MLP on its kernel, weights in one file), read by path."""
+    written = {name: (folder / f"{name}.onnx", tokens) for name, _, tokens in graphs.graphs()}
+    return replace(graphs, prefill={tokens: path for name, (path, tokens) in written.items() if name != "decode"},
+                   decode=written["decode"][0])
 
 
 def _traced(module, model, feeds: dict[str, np.ndarray], graphs, folder: Path, target: str, name: str) -> dict:
