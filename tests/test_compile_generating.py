@@ -272,3 +272,14 @@ def test_smollm2_exported_without_positions_generates_onnxruntimes_text_once_com
         assert main(["generate", *argv, *prompt]) == 0
         texts.append(json.loads(capsys.readouterr().out))
     assert texts[1]["tokens"] == texts[0]["tokens"] and len(texts[0]["tokens"]) == 24
+
+
+def test_a_cache_that_cannot_be_made_static_is_refused_in_one_line_before_anything_is_written(export, tmp_path,
+                                                                                               capsys):
+    """Gemma 2's sliding-window layers keep a window of the cache, not an appended whole."""
+    folder = tmp_path / "model.neuron"
+    assert main(["compile", str(export("gemma2", "dynamo", cache=True)), "--max-context", "32", "--dry-run", "-o",
+                 str(folder)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "neither appended to with a Concat" in error and len(error.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
