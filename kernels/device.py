@@ -233,7 +233,7 @@ def missing_neuron() -> str | None:
 class NeuronDevice:
     """One NeuronCore of the Trainium machine this runs on. UNTESTED ON HARDWARE (no device or SDK here).
 
-    Written from the Neuron SDK 2.32 / NKI 0.6 docs (/work/notes/benchmark_research.md):
+    Written from the Neuron SDK 2.32 / NKI 0.6 documentation (the NKI guide's profiling and benchmarking pages):
     - run: a child Python imports the real NKI with NKI_ARTIFACTS_DIR set (NKI reads it when it is imported,
       hence the child) and NEURON_PLATFORM_TARGET_OVERRIDE the target, and calls the kernel on NumPy arrays:
       NKI compiles it, runs it on the device, returns the output and keeps the NEFF in that directory;

@@ -134,9 +134,10 @@ def _imported_names(path: Path) -> set[str]:
 
 
 def test_no_module_imports_itself_round_a_circle():
-    """Imports inside functions count too: a circle broken only by importing late is still a circle."""
-    files = {_module_name(path): path for folder in (LIBRARY, ROOT / "passes")
-             for path in _python_files(folder) if "cli" not in path.parts}
+    """Every module of the package (cli/, passes/ and kernels/ included); imports inside functions count too: a
+    circle broken only by importing late is still a circle."""
+    files = {_module_name(path): path for folder in (LIBRARY, ROOT / "passes", ROOT / "kernels")
+             for path in _python_files(folder)}
     graph = {}
     for name, path in files.items():
         imported = set()
@@ -180,6 +181,18 @@ def test_the_repository_explains_itself():
     for path in [*files, ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]:
         named = [name for name in outside if name in path.read_text()]
         assert not named, f"{path.relative_to(ROOT)} names {named}"
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(tmp|work|home|root|Users|mnt)/")
+
+
+def test_no_file_names_a_path_of_one_machine():
+    """Commands and citations are written as a user would type them: relative paths, a file's own folder."""
+    files = [path for folder in ("onnx_nmm", "passes", "kernels", "tests", "tools", "docs")
+             for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".md") and path.is_file()]
+    for path in [*files, ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / ".ci" / "run"]:
+        named = MACHINE_PATH.search(path.read_text())
+        assert named is None or path == Path(__file__), f"{path.relative_to(ROOT)} names {named.group(0)}…"
 
 
 def _code_names(path: Path) -> set[str]:

@@ -14,10 +14,10 @@ tokenizer of 300 tokens; small enough to commit), built from a config here so th
 of onnx-nmm. optimum-onnx pins transformers below the project's and the genai builder wants a newer one, so
 each part runs in an environment of its own:
 
-    python -m venv /tmp/optimum && /tmp/optimum/bin/pip install torch==2.13.0 "optimum-onnx[onnxruntime]==0.1.0"
-    /tmp/optimum/bin/python tools/format_fixtures.py optimum [--architecture qwen2]
-    python -m venv /tmp/genai && /tmp/genai/bin/pip install torch==2.13.0 transformers onnxruntime-genai onnx-ir
-    /tmp/genai/bin/python tools/format_fixtures.py genai [--architecture qwen2]
+    python -m venv .venv-optimum && .venv-optimum/bin/pip install torch==2.13.0 "optimum-onnx[onnxruntime]==0.1.0"
+    .venv-optimum/bin/python tools/format_fixtures.py optimum [--architecture qwen2]
+    python -m venv .venv-genai && .venv-genai/bin/pip install torch==2.13.0 transformers onnxruntime-genai onnx-ir
+    .venv-genai/bin/python tools/format_fixtures.py genai [--architecture qwen2]
 
 `--checkpoint` exports a real model instead (a Hugging Face folder or a .gguf file, which needs `gguf` in
 that environment); tools/formats_study.py does so for SmolLM2.

@@ -1,6 +1,6 @@
 """docs/formats.md's study: SmolLM2 in the formats people deploy, rewritten, and measured.
 
-    python tools/formats_study.py [--optimum-python /tmp/optimum/bin/python] [--work out/formats]
+    python tools/formats_study.py [--optimum-python .venv-optimum/bin/python] [--work out/formats]
 
 The models, all with a KV cache:
 
