@@ -22,4 +22,6 @@ class Progress:
 
     @contextlib.contextmanager
     def phase(self, description: str, total: int | None = None) -> Iterator[Phase]:
+        """A phase for the block it opens; one the block leaves by an exception (an error, ^C) did not finish,
+        and a listener does not report it done."""
         yield Phase()

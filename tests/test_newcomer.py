@@ -275,6 +275,26 @@ def test_a_long_command_on_a_non_terminal_says_how_far_it_is(capsys, export, tmp
     assert "onnx-nmm: " not in capsys.readouterr().err
 
 
+def test_a_phase_interrupted_in_a_log_does_not_say_it_is_done(capsys, export, tmp_path, monkeypatch):
+    """^C during a rewrite: the phase it stopped says how far it got, then "interrupted", never "done"."""
+    import time
+
+    from onnx_nmm.cli import _common
+
+    def interrupted_rewrite(source, options, progress):
+        with progress.phase("measuring sensitivity", total=4) as phase:
+            phase.advance()
+            time.sleep(0.2)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_common, "LOG_INTERVAL", 0.05)
+    monkeypatch.setattr(onnx_nmm, "rewrite", interrupted_rewrite)
+    code, _, err = _cli(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--keep", "0.5")
+    assert code == 130 and "onnx-nmm: measuring sensitivity: 1/4 (25%)" in err, err
+    assert "done in" not in err and err.strip().splitlines()[-1].endswith("interrupted; no output was written")
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_an_output_that_is_a_folder_is_refused_before_any_work(capsys, export, tmp_path):
     folder = tmp_path / "adir"
     folder.mkdir()

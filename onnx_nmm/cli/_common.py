@@ -181,7 +181,7 @@ class _Bar(onnx_nmm.Phase):
 class LogProgress(onnx_nmm.Progress):
     """The API's progress as plain lines on stderr, for a log, CI or nohup: every `interval` seconds while a
     phase runs, how far it is (how long, about how long to go), and when such a phase ends. A phase shorter
-    than the interval says nothing."""
+    than the interval says nothing, and one that ends by an error or an interrupt says no "done"."""
 
     def __init__(self, interval: float):
         self.interval = interval
@@ -197,8 +197,8 @@ class LogProgress(onnx_nmm.Progress):
         finally:
             stop.set()
             ticker.join()
-            if line.elapsed() >= self.interval:
-                _log(line.text(f"done in {line.elapsed():.0f} s"))
+        if line.elapsed() >= self.interval:
+            _log(line.text(f"done in {line.elapsed():.0f} s"))
 
     def _tick(self, line: _LogLine, stop: threading.Event) -> None:
         while not stop.wait(self.interval):
