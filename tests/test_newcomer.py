@@ -424,6 +424,23 @@ def test_no_command_writes_over_an_existing_output_without_force(capsys, export,
     assert code == 0 and json.loads(existing.read_text())["layers"]
 
 
+def test_run_keeps_an_existing_output_unless_force(capsys, export, tmp_path):
+    """run -o is refused in one line before the run when the file exists; --force replaces it, through a
+    temporary file (nothing else is left in the folder), at the name given."""
+    source, existing = export("llama", "dynamo"), tmp_path / "outputs"
+    existing.write_bytes(b"keep me")
+    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", existing)
+    _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
+    assert existing.read_bytes() == b"keep me"
+    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", tmp_path)
+    _one_line_error(code, err, "is a folder: give -o a file name in it")
+    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", existing, "--force")
+    assert code == 0, err
+    with np.load(existing) as saved:
+        assert saved["logits"].shape[:2] == (1, 4)
+    assert [path.name for path in tmp_path.iterdir()] == ["outputs"]
+
+
 def test_every_command_with_a_progress_bar_takes_quiet(capsys, export, tmp_path):
     source = export("llama", "dynamo")
     np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 1000, (2, 16)))

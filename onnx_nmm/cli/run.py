@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
 import onnx_nmm
 from onnx_nmm.cli import _common
+from onnx_nmm.model_io import check_new_output
 
 
 def register(subparsers) -> None:
@@ -23,15 +24,18 @@ def register(subparsers) -> None:
                         help="sequence length of the random token ids (default %(default)s: one quick forward pass)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("-o", "--output", metavar="FILE.npz", help="save the outputs")
+    parser.add_argument("--force", action="store_true", help="replace an existing output")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    if args.output:
+        _refuse_output(Path(args.output), args.force)  # before the run, not after
     result = onnx_nmm.run_model(args.model, args.inputs, args.backend, args.target, args.batch, args.seq_len,
                                 args.seed)
     if args.output:
-        np.savez(args.output, **result.outputs)
+        result.save(args.output)
     summary = {name: {"shape": list(array.shape), "dtype": str(array.dtype),
                       "min": float(array.min()), "max": float(array.max()), "mean": float(array.mean())}
                for name, array in result.outputs.items()}
@@ -51,3 +55,11 @@ def run(args) -> int:
         kernels = sorted({call["kernel"] for call in calls})
         _common.stdout.print(f"{len(calls)} kernel launches on the emulator ({', '.join(kernels)})")
     return 0
+
+
+def _refuse_output(output: Path, force: bool) -> None:
+    """-o names a file: a folder is refused, and a file that exists unless --force."""
+    if output.is_dir():
+        raise onnx_nmm.OutputError(f"{output} is a folder: give {{output}} a file name in it, e.g. "
+                                   f"{output / 'outputs.npz'}", output="output")
+    check_new_output(output, force)

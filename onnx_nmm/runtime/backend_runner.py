@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +18,7 @@ import onnx_ir as ir
 
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.model_io import make_public
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import ort_runner
 from onnx_nmm.runtime.causal_lm import CausalLm
@@ -122,6 +125,22 @@ def check_backend(backend: str, target: str) -> None:
 class RunResult:
     outputs: dict[str, np.ndarray]
     kernel_calls: list = field(default_factory=list)  # lowering.KernelCall per launch (emulator backend)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """The outputs as an .npz (keys = output names) at `path`, named as given, through a temporary file renamed
+        into place: an interrupted save leaves no partial file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".onnx-nmm-", suffix=".npz", delete=False) as file:
+            staged = Path(file.name)
+            try:
+                np.savez(file, **self.outputs)
+            except BaseException:
+                staged.unlink()
+                raise
+        make_public(staged)
+        staged.replace(path)
+        return path
 
 
 def run_model(model: Model, inputs: str | os.PathLike | dict[str, np.ndarray] | None = None, backend: str = "ort",
