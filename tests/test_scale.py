@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from scale_model import write_llama_shaped
@@ -223,3 +224,14 @@ def test_calibration_split_over_ray_workers_sums_to_the_serial_grams(export, tmp
             np.testing.assert_allclose(distributed[key], serial[key], rtol=1e-9, atol=1e-9)
     losses = [[row.whitened_loss for row in result.report.factorized] for result in results.values()]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+
+
+def test_a_streamed_rewrite_of_a_dynamo_export_keeps_its_small_constants_in_the_graph(export, tmp_path):
+    """Shapes and axes the checker's shape inference reads stay in the graph; the weights go to the data file."""
+    output = tmp_path / "out.onnx"
+    onnx_nmm.rewrite_streamed(export("llama", "dynamo", cache=True), output, OPTIONS, ONE_THREAD)
+    graph = onnx.load(str(output), load_external_data=False).graph
+    external = [tensor for tensor in graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL]
+    inline = [tensor for tensor in graph.initializer if tensor.data_location != onnx.TensorProto.EXTERNAL]
+    assert external and inline and all(len(tensor.raw_data) < 1024 for tensor in inline)
+    assert ort.InferenceSession(str(output)).get_outputs()[0].name == "logits"

@@ -18,19 +18,25 @@ import onnx_ir as ir
 from onnx_nmm.model_io import external_data_path
 
 ALIGNMENT = 4096  # offsets of the tensors in the data file: page-aligned, so they memory-map cheaply
+# Smaller tensors stay in the graph (onnx.save's default threshold): shapes and axes that onnx.checker's shape
+# inference must read, which it cannot from external data.
+INLINE_BYTES = 1024
 CHUNK = 64 * 2**20  # bytes copied per read
 
 
 def write_streamed(model: ir.Model, output: Path, staging: Path,
                    validate: Callable[[Path], None] | None = None) -> Path:
-    """Write `model` to `output` with every initializer of its main graph in `<output>.data`; on return the
-    model's initializers reference that file."""
+    """Write `model` to `output` with every initializer of its main graph of INLINE_BYTES or more in
+    `<output>.data`, the smaller ones in the graph; on return the model's initializers reference that file."""
     data_name = external_data_path(output).name
     staged_data, staged_model = staging / data_name, staging / output.name
     placed: dict[str, tuple[int, int]] = {}
     with staged_data.open("wb") as out:
         for name, value in model.graph.initializers.items():
             if value.const_value is None:
+                continue
+            if value.const_value.nbytes < INLINE_BYTES:
+                value.const_value = ir.tensor(value.const_value.numpy(), name=name)
                 continue
             out.write(b"\0" * (-out.tell() % ALIGNMENT))
             offset = out.tell()
