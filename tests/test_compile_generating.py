@@ -181,6 +181,18 @@ def test_without_the_neuron_sdk_compile_writes_every_graph_then_exits_3(rewritte
     assert compiled_folder.is_compiled_folder(folder) and (folder / "decode.onnx").is_file()
 
 
+def test_force_replaces_a_compiled_folder_but_nothing_compile_did_not_write(compiled, tmp_path):
+    from onnx_nmm.trainium.compile_steps import refuse_to_replace
+
+    folder = shutil.copytree(compiled, tmp_path / "model.neuron")
+    refuse_to_replace(folder, overwrite=True)  # every file in it is one compile wrote
+    with pytest.raises(onnx_nmm.OutputError, match="exists and is not empty; choose another"):
+        refuse_to_replace(folder, overwrite=False)
+    (folder / "important.txt").write_text("mine")
+    with pytest.raises(onnx_nmm.OutputError, match="compile did not write important.txt"):
+        refuse_to_replace(folder, overwrite=True)
+
+
 def test_buckets_without_a_max_context_are_refused():
     with pytest.raises(OptionError, match="max_context"):
         CompileOptions(buckets=(128,))

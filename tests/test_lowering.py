@@ -141,6 +141,27 @@ def test_compile_refuses_to_replace_a_folder(capsys, export, tmp_path):
     assert code == 2 and "not empty" in err and (tmp_path / "compiled" / "keep.txt").read_text() == "mine"
 
 
+def test_compile_force_replaces_only_a_folder_compile_wrote(capsys, export, tmp_path):
+    """--force replaces a folder compile wrote; a file compile did not write is never deleted, --force or not."""
+    rewritten, folder = _rewritten(capsys, export("llama", "dynamo"), tmp_path), tmp_path / "compiled"
+    folder.mkdir()
+    (folder / "important.txt").write_text("mine")
+    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run", "--force")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "compile did not write important.txt" in err and "--force replaces only a folder compile wrote" in err
+    assert (folder / "important.txt").read_text() == "mine"
+    (folder / "important.txt").unlink()
+    assert _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run")[0] == 0
+    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "8", "-o", folder, "--dry-run")
+    assert code == 2 and "set --force to replace it" in err
+    assert _cli(capsys, "compile", rewritten, "--seq-len", "8", "-o", folder, "--dry-run", "--force")[0] == 0
+    assert json.loads((folder / "manifest.json").read_text())["seq_len"] == 8
+    (folder / "important.txt").write_text("mine")
+    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run", "--force")
+    assert code == 2 and (folder / "important.txt").read_text() == "mine"
+    assert json.loads((folder / "manifest.json").read_text())["seq_len"] == 8
+
+
 def test_an_op_the_lowering_does_not_cover_is_named(tmp_path):
     nodes = [helper.make_node("Frobnicate", ["X"], ["Y"], domain="com.example", name="the_strange_node")]
     model = graphs.model(nodes, {})

@@ -25,6 +25,9 @@ from onnx_nmm.passes.static_cache import CacheLayout
 from onnx_nmm.runtime.static_cache import StaticCache
 
 MANIFEST, WEIGHTS = "manifest.json", "weights.data"
+# The tokenizer files compile copies from beside the model, so that `generate DIR` needs no --tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "config.json")
 _EXTERNAL_BYTES = 1024  # smaller tensors (shapes, positions) stay in their graph
 
 

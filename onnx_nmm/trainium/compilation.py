@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.errors import NeuronSdkMissing, OutputError
+from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime.backend_runner import Model
@@ -33,15 +33,11 @@ from onnx_nmm.trainium.static_compilation import compile_for_generation
 
 def compile(model: Model, output: str | os.PathLike, options: CompileOptions | None = None,
             overwrite: bool = False) -> Compilation:
-    """Lower `model` for Trainium into the folder `output` (refused when it holds files, unless `overwrite`)."""
+    """Lower `model` for Trainium into the folder `output` (refused when it holds files, unless it is a folder
+    compile wrote and `overwrite` is set)."""
     options = options or CompileOptions()
     output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise OutputError(f"{output} is a file, and compile writes a folder (graphs, NEFFs, manifest); choose a "
-                          "folder name for {output}", output="output")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
-                          "replace it", output="output", overwrite="overwrite")
+    compile_steps.refuse_to_replace(output, overwrite)
     if options.max_context is not None:
         return compile_for_generation(ModelSource.of(model), output, options)
     from onnx_nmm.kernels.nki_api import USING_EMULATOR

@@ -4,6 +4,7 @@ all."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -12,19 +13,21 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnx_nmm.errors import LoweringMismatch, OptionError
+from onnx_nmm.errors import LoweringMismatch, OptionError, OutputError
 from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public
 from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.passes.mlp_densify import DensifyMlpPass
 from onnx_nmm.quality import metrics
-from onnx_nmm.runtime import ort_runner
+from onnx_nmm.runtime import compiled_folder, ort_runner
 from onnx_nmm.trainium import neuron
 from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
 
 # A lowering error shows as a logits difference far above fp32 rounding (a 30-layer graph: ~1e-4).
 LOWERING_ATOL_SCALE, LOWERING_RTOL = 1e-4, 1e-3
+# What a trace writes into its folder: the TorchScript module, and the Neuron compiler's work folder (the NEFF).
+TORCHSCRIPT, NEURON_WORKDIR = "model.pt", "compiler"
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,51 @@ def trace(module, inputs: dict[str, np.ndarray], folder: Path, target: str, subf
     example = tuple(torch.from_numpy(array) for array in inputs.values())
     workdir = folder / subfolder
     workdir.mkdir(parents=True, exist_ok=True)
-    traced = neuron.trace_for_neuron(module, example, workdir / "compiler", target, separate_weights,
+    traced = neuron.trace_for_neuron(module, example, workdir / NEURON_WORKDIR, target, separate_weights,
                                      input_output_aliases)
-    torch.jit.save(traced, str(workdir / "model.pt"))
-    neffs = sorted(str(path.relative_to(folder)) for path in (workdir / "compiler").rglob("*.neff"))
-    return {"torchscript": str((workdir / "model.pt").relative_to(folder)), "neff": neffs}
+    torch.jit.save(traced, str(workdir / TORCHSCRIPT))
+    neffs = sorted(str(path.relative_to(folder)) for path in (workdir / NEURON_WORKDIR).rglob("*.neff"))
+    return {"torchscript": str((workdir / TORCHSCRIPT).relative_to(folder)), "neff": neffs}
+
+
+def refuse_to_replace(output: Path, overwrite: bool) -> None:
+    """compile writes a folder, and replacing one deletes it: a file is refused, and so is a folder holding
+    anything compile did not write, even with `overwrite`; a folder compile wrote is replaced only with
+    `overwrite`."""
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"{output} is a file, and compile writes a folder (graphs, NEFFs, manifest); choose a "
+                          "folder name for {output}", output="output")
+    present = sorted(path.name for path in output.iterdir()) if output.is_dir() else []
+    if not present:
+        return
+    foreign = [name for name in present if name not in _entries_compile_wrote(output)]
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputError(f"{output} exists and is not empty, and compile did not write {names}: choose another "
+                          "{output} or an empty folder ({overwrite} replaces only a folder compile wrote)",
+                          output="output", overwrite="overwrite")
+    if not overwrite:
+        raise OutputError(f"{output} exists and is not empty; choose another {{output}} or set {{overwrite}} to "
+                          "replace it", output="output", overwrite="overwrite")
+
+
+def _entries_compile_wrote(folder: Path) -> set[str]:
+    """The names a compile writes into `folder`, by the manifest it left there (none without one): with
+    max_context the graphs, their weights, the tokenizer files and a trace folder per graph; at one static shape
+    the trace."""
+    try:
+        manifest = json.loads((folder / compiled_folder.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(manifest, dict):
+        return set()
+    if "cache" in manifest and isinstance(manifest.get("graphs"), list):
+        graphs = [graph for graph in manifest["graphs"] if isinstance(graph, dict)]
+        return {compiled_folder.MANIFEST, compiled_folder.WEIGHTS, *compiled_folder.TOKENIZER_FILES,
+                *(str(graph.get("file")) for graph in graphs), *(str(graph.get("name")) for graph in graphs)}
+    if "lowering_check" in manifest and "seq_len" in manifest:
+        return {compiled_folder.MANIFEST, TORCHSCRIPT, NEURON_WORKDIR}
+    return set()
 
 
 class staged_folder:

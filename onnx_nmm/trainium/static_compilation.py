@@ -35,9 +35,6 @@ from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.generation_check import check_generation
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json", "config.json")
-
 
 def compile_for_generation(source: ModelSource, output: Path, options: CompileOptions) -> Compilation:
     """The static-cache graphs of `source` for `options.max_context` positions, compiled into `output`."""
@@ -115,6 +112,6 @@ def _copy_tokenizer(source: ModelSource, folder: Path) -> None:
     """The tokenizer files beside the model, so that `generate DIR` finds them as it does beside a model."""
     if source.path is None:
         return
-    for name in TOKENIZER_FILES:
+    for name in compiled_folder.TOKENIZER_FILES:
         if (source.path.parent / name).is_file():
             shutil.copy2(source.path.parent / name, folder / name)
