@@ -12,7 +12,9 @@ from exported_models import exported_model
 import onnx_nmm
 from onnx_nmm import CompileOptions, DataError, OptionError, RankOptions, RewriteOptions, compile, rewrite
 from onnx_nmm.cli import main
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder
+from onnx_nmm.trainium import neuron
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 TOKENIZER = FORMATS / "genai-fp32"  # a 300-token BPE, below every test model's vocabulary
@@ -138,8 +140,6 @@ def test_compile_traces_the_decode_step_with_its_cache_aliased_on_the_device(rew
     stood in for here: the call is recorded, and a scripted stand-in saved where the trace goes."""
     import torch
 
-    from onnx_nmm.trainium import neuron
-
     calls = {}
 
     def trace_for_neuron(module, example_inputs, workdir, target, separate_weights=False, input_output_aliases=None):
@@ -174,11 +174,22 @@ def test_a_prompt_or_a_generation_that_does_not_fit_is_a_one_line_error(compiled
     assert "--max-context" in error and len(error.splitlines()) == 1
 
 
-def test_without_the_neuron_sdk_compile_writes_every_graph_then_exits_3(rewritten, tmp_path, capsys):
-    folder = tmp_path / "out"
-    assert main(["compile", str(rewritten), "--max-context", "32", "--buckets", "16", "-o", str(folder)]) == 3
-    assert "neuronx-cc" in capsys.readouterr().err
-    assert compiled_folder.is_compiled_folder(folder) and (folder / "decode.onnx").is_file()
+def test_without_the_neuron_sdk_compile_exits_3_before_any_work_and_writes_nothing(rewritten, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Not a result: said at once (the model is never loaded), and no folder is left; --dry-run is the way to
+    the graphs without the SDK."""
+    if not neuron.missing_neuron_packages():
+        pytest.skip("the Neuron SDK is installed here: compile traces for real")
+
+    def never(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ModelSource, "of", never)
+    assert main(["compile", str(rewritten), "--max-context", "32", "--buckets", "16", "-o",
+                 str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "neuronx-cc" in err and "nothing was written" in err and "set --dry-run" in err
+    assert len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_force_replaces_a_compiled_folder_but_nothing_compile_did_not_write(compiled, tmp_path):

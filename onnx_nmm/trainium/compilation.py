@@ -6,9 +6,9 @@
 Shapes are static on Neuron, so the batch and sequence length are fixed here. Each MLP runs on the kernel
 modelled fastest at this shape (launch_costs.choose_mlp_kernel): its fused kernel, its projections launched one
 by one, or for a factorized MLP the dense MLP kernel on its factors multiplied back; the manifest keeps the
-times compared. Without the Neuron SDK every
-step up to the trace runs, then NeuronSdkMissing says what to install; `dry_run` stops there on purpose and
-writes the manifest. The folder is written under a temporary name and renamed when complete.
+times compared. Without the Neuron SDK, NeuronSdkMissing says what to install before any work, and nothing is
+written; `dry_run` does every step but the trace and writes the manifest. The folder is written under a
+temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime.backend_runner import Model
@@ -38,6 +37,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     options = options or CompileOptions()
     output = Path(output)
     compile_steps.refuse_to_replace(output, overwrite)
+    neuron.refuse_without_sdk(options.dry_run)
     if options.max_context is not None:
         return compile_for_generation(ModelSource.of(model), output, options)
     from onnx_nmm.kernels.nki_api import USING_EMULATOR
@@ -60,10 +60,6 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
     check = compile_steps.check_lowering(module, reference, inputs)
     kernels = neuron.plan_kernels(proto, tokens, options.target, model_costs=USING_EMULATOR)
-    missing = [] if options.dry_run else neuron.missing_neuron_packages()
-    if missing:
-        raise NeuronSdkMissing(neuron.missing_sdk_message(missing), dry_run="dry_run")
-
     manifest = {
         "model": source.label, "target": options.target, "batch": options.batch, "seq_len": options.seq_len,
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)}

@@ -1,8 +1,8 @@
 """What `onnx-nmm compile` needs around the lowering: the Neuron SDK, kernel plans per node, the trace.
 
 The Neuron SDK (torch-neuronx, neuronx-cc, nki) is distributed only from AWS's package repository;
-PyPI's packages of those names are placeholders. Where it is missing, compile does every step up to
-the trace and says so (errors.NeuronSdkMissing).
+PyPI's packages of those names are placeholders. Where it is missing, compile says so before any work and
+writes nothing (errors.NeuronSdkMissing); a dry run, which stops before the trace, needs none.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 
-from onnx_nmm.errors import ModelError
+from onnx_nmm.errors import ModelError, NeuronSdkMissing
 from onnx_nmm.kernel_table import KernelSpec, kernel_spec
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.trainium.launch_costs import best_dense_cost, kernel_cost
@@ -34,10 +34,14 @@ def missing_neuron_packages() -> list[str]:
     return missing
 
 
-def missing_sdk_message(missing: list[str]) -> str:
-    return (f"the Neuron SDK is not installed (missing: {', '.join(missing)}); everything up to the trace ran. "
-            f"On a Trainium machine: pip install --extra-index-url {NEURON_INDEX} {' '.join(missing)}; "
-            "or set {dry_run} to write the manifest without tracing")
+def refuse_without_sdk(dry_run: bool) -> None:
+    """A compile that traces needs the Neuron SDK: without it, NeuronSdkMissing before any work is done."""
+    missing = [] if dry_run else missing_neuron_packages()
+    if missing:
+        raise NeuronSdkMissing(f"the Neuron SDK is not installed (missing: {', '.join(missing)}), so nothing can be "
+                               f"traced and nothing was written. On a Trainium machine: pip install --extra-index-url "
+                               f"{NEURON_INDEX} {' '.join(missing)}; here, set {{dry_run}} to do every step but the "
+                               "trace", dry_run="dry_run")
 
 
 @dataclass

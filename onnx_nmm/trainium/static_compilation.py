@@ -12,8 +12,8 @@ fast for its own shape.
 
 A prefill of 512 tokens and a decode step of one are different shapes, and the fastest MLP kernel differs
 between them, so each graph chooses its own (launch_costs.choose_mlp_kernel); the manifest keeps, per graph,
-every choice and the modelled times it compared. Without the SDK the whole folder is written before
-NeuronSdkMissing says what to install (`generate DIR` runs it on the CPU); `dry_run` stops there on purpose.
+every choice and the modelled times it compared. Without the SDK compile stops before any of this
+(compilation.compile); `dry_run` writes the whole folder but the traces, which `generate DIR` runs on the CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnx_nmm.errors import NeuronSdkMissing
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder
@@ -42,8 +41,7 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
 
     assert options.max_context is not None
     graphs = static_cache(source, options.max_context, options.buckets, options.batch)
-    missing = [] if options.dry_run else neuron.missing_neuron_packages()
-    traced = not options.dry_run and not missing
+    traced = not options.dry_run
     mlps = {name: compile_steps.fuse_mlps(model, options.batch * tokens, options.target, options.fuse_mlp)
             for name, model, tokens in graphs.graphs()}
     entries, summaries = [], {}
@@ -69,9 +67,6 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
                     "graphs": entries, "generation_check": generation.to_dict(), "dry_run": options.dry_run,
                     "traced": traced}
         write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
-    if missing:
-        raise NeuronSdkMissing(neuron.missing_sdk_message(missing) + f"; {output}/ holds every graph, which "
-                               "`onnx-nmm generate` runs on the CPU", dry_run="dry_run")
     return Compilation(output, manifest, summaries["decode"], summaries)
 
 
