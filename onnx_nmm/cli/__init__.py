@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from onnx_nmm import GenerationMismatch, LoweringMismatch, NeuronSdkMissing, OnnxNmmError, TrainingDiverged, __version__
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 
 # Order is the order of `onnx-nmm --help`.
 COMMAND_MODULES = [
@@ -38,10 +38,11 @@ EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _parsing.Parser(
         prog="onnx-nmm",
-        description="Factorize the linear layers of an exported LLM into SVD custom ops, "
-        "measure what it cost, and lower them to fused NKI kernels for AWS Trainium.",
+        description="Compress the linear layers of an exported LLM: narrow its MLPs to the neurons that matter "
+        "(plain, narrower MatMuls; the default with calibration text) or factorize them into SvdMatMul custom ops; "
+        "measure what it cost, and lower the result to fused NKI kernels for AWS Trainium.",
     )
     parser.add_argument("--version", action="version", version=f"onnx-nmm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _parsing.format_warning("onnx-nmm")  # a renamed flag's note, while parsing
     args = build_parser().parse_args(argv)
-    warnings.formatwarning = lambda message, *_, **__: f"onnx-nmm {args.command}: warning: {message}\n"
+    warnings.formatwarning = _parsing.format_warning(f"onnx-nmm {args.command}")
     try:
         return args.handler(args)
     except OnnxNmmError as error:

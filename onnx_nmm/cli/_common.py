@@ -31,6 +31,7 @@ stderr = Console(stderr=True, highlight=False)
 FLAGS = {
     "calibration.source": "--calib",
     "calibration.samples": "--calib-samples",
+    "calibration.seq_len": "--calib-window",
     "calibration.spread": "--calib-spread",
     "calibration.batch": "--calib-batch",
     "calibration.mode": "--calib-mode",
@@ -256,12 +257,42 @@ def progress(quiet: bool = False) -> Iterator[onnx_nmm.Progress]:
 
 
 # -- flags shared by several commands, and the options they make --------------------------------------------
-def add_rank_options(parser) -> None:
-    """--keep / --rank / --energy and --align, shared by inspect and rewrite."""
+# --force, --quiet and --target mean one thing everywhere; each command's help names only what differs.
+def force_help(replaced: str) -> str:
+    """--force's help: what it lets the command replace ("-o file", "--plot file")."""
+    return f"replace an existing {replaced}; without --force, one that exists is refused before any work"
+
+
+def quiet_help(silenced: str = "") -> str:
+    """--quiet's help: no progress bar, and what else it silences ("table and summary"); when nothing else, the
+    results still print."""
+    if silenced:
+        return f"no progress bar and no {silenced}; warnings and errors still print"
+    return "no progress bar; the results still print"
+
+
+def target_help(use: str) -> str:
+    """--target's help: which Trainium generation, and what the command does with it."""
+    return f"the Trainium generation {use}"
+
+
+EMULATED_TARGET = target_help("the emulator backend emulates (default trn2; read only with --backend emulator)")
+
+
+def add_rank_options(parser, calibrates: bool = False) -> None:
+    """--keep / --rank / --energy and --align, shared by inspect and rewrite (which `calibrates`: there no rule
+    and calibration tokens mean a quality budget, not --keep's default)."""
+    options = onnx_nmm.options
+    default_rule = f"default {options.DEFAULT_KEEP}"
+    if calibrates:
+        budget = options.DEFAULT_PPL_INCREASE
+        default_rule = (f"default {options.DEFAULT_KEEP} without --calib; with --calib tokens and no other rule, "
+                        f"--max-ppl-increase {budget:g} instead: as much as fits within +{budget * 100:g} %% "
+                        "perplexity on held-out windows")
     rule = parser.add_mutually_exclusive_group()
     rule.add_argument("--keep", type=float, metavar="F",
                       help="fraction of each matrix's parameters to keep, in (0, 1]; the rank is "
-                           f"align·round(F·K·N/((K+N)·align)) (default {onnx_nmm.options.DEFAULT_KEEP})")
+                           f"align·round(F·K·N/((K+N)·align)) ({default_rule})")
     rule.add_argument("--rank", type=_rank, metavar="R",
                       help="one explicit rank for every target, or 'full' for min(K, N)")
     rule.add_argument("--energy", type=float, metavar="E",

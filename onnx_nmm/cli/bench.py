@@ -32,11 +32,11 @@ def register(subparsers) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: onnxruntime's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids fed (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help())
     parser.add_argument("--plot", metavar="FILE.png", help="write decode tokens/s against context length")
-    parser.add_argument("--force", action="store_true", help="replace an existing --plot file")
+    parser.add_argument("--force", action="store_true", help=_common.force_help("--plot file"))
     bench_trainium.add_options(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, flags={"ranks.keep": "--factorized-keep"})
 
 
 def run(args) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from onnx_nmm import NeuronSdkMissing, OptionError
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.kernels import USING_EMULATOR, benchmark, device, device_fit
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public, write_text_atomically
@@ -29,10 +29,13 @@ def register(subparsers) -> None:
         description="Trace every kernel on the NKI emulator (no arithmetic) and model its time on Trainium "
         "with AWS's published engine numbers. Every number it prints is modelled, not measured.",
     )
-    parser.add_argument("--target", choices=("trn1", "trn2", "both"), default="both", help="default: both")
-    parser.add_argument("--out", type=Path,
-                        help=f"directory for bench-kernels.md, .json, .png and -roofline.png, or -device.json with "
-                             f"--device (default: {DEFAULT_OUT}); with --fit, for fit.json (default: beside FILE)")
+    parser.add_argument("--target", choices=("trn1", "trn2", "both"), default="both",
+                        help=_common.target_help("to model, or both (default both)"))
+    output = parser.add_argument("-o", "--output", dest="out", type=Path, metavar="DIR",
+                                 help="directory for bench-kernels.md, .json, .png and -roofline.png, or -device.json "
+                                      f"with --device (default: {DEFAULT_OUT}); with --fit, for fit.json (default: "
+                                      "beside FILE); formerly --out")
+    _parsing.add_former_name(parser, "--out", output)
     parser.add_argument("--tokens", default=",".join(map(str, benchmark.TOKENS)),
                         help="comma-separated token counts, 1 to 8192 (default: %(default)s)")
     parser.add_argument("--models", default="all",
@@ -145,7 +148,7 @@ def _require_emulator_kernels() -> None:
 def _command(args) -> str:
     """The command line that reproduces this run, recorded with the results."""
     options = [("--target", args.target), ("--tokens", args.tokens), ("--models", args.models),
-               ("--dtype", args.dtype), ("--out", str(args.out))]
+               ("--dtype", args.dtype), ("-o", str(args.out))]
     if args.device:
         options += [("--device", args.device), ("--samples", str(args.samples))]
         options += [("--nrtpy-python", args.nrtpy_python)] if args.nrtpy_python else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.options import DEFAULT_ALIGN
 from onnx_nmm.plots.bench import plot_trainium
 
@@ -13,14 +13,18 @@ from onnx_nmm.plots.bench import plot_trainium
 def add_options(parser) -> None:
     group = parser.add_argument_group("Trainium, modelled")
     group.add_argument("--target", choices=onnx_nmm.TrainiumOptions.targets,
-                       help="price the models on one NeuronCore of this Trainium (modelled) instead of measuring them")
-    group.add_argument("--keep", type=float, action="append", metavar="K",
-                       help="after each MODEL, the same model with its --targets layers factorized at keep K: shapes "
-                            "only, no weights read (what a rewrite at --keep K would run); may be repeated")
+                       help=_common.target_help("to price the models on, one NeuronCore of it (modelled: nothing "
+                                                "runs); without --target, bench measures them on onnxruntime CPU"))
+    keep = group.add_argument("--factorized-keep", dest="keep", type=float, action="append", metavar="K",
+                              help="add, after each MODEL, the same model with its --targets layers factorized at "
+                                   "keep K, priced from shapes alone, no weights read (what `rewrite --keep K` would "
+                                   "run); may be repeated; formerly --keep")
+    _parsing.add_former_name(group, "--keep", keep)
     group.add_argument("--targets", choices=onnx_nmm.options.TARGETS,
                        default=_common.default(onnx_nmm.Selection, "targets"),
-                       help="the layers --keep factorizes (default %(default)s)")
-    group.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="--keep's rank alignment (default %(default)s)")
+                       help="the layers --factorized-keep factorizes (default %(default)s)")
+    group.add_argument("--align", type=int, default=DEFAULT_ALIGN,
+                       help="--factorized-keep's rank alignment (default %(default)s)")
     group.add_argument("--no-fuse-mlp", action="store_true",
                        help="price factorized gated MLPs as three fused_xuv launches, not one fused_svd_mlp "
                             "(what compile --no-fuse-mlp runs)")
@@ -30,10 +34,10 @@ def add_options(parser) -> None:
 
 
 def refuse_modelled_options(args) -> None:
-    """--keep, --no-fuse-mlp and config.json models only mean something when pricing (--target)."""
+    """--factorized-keep, --no-fuse-mlp and config.json models only mean something when pricing (--target)."""
     if args.keep is not None or args.no_fuse_mlp or any(_is_config(model) for model in args.models):
-        raise onnx_nmm.OptionError("--keep, --no-fuse-mlp and config.json models are priced, not measured: add "
-                                   "--target trn1 or trn2")
+        raise onnx_nmm.OptionError("--factorized-keep, --no-fuse-mlp and config.json models are priced, not "
+                                   "measured: add --target trn1 or trn2")
 
 
 def run(args) -> int:

@@ -1,4 +1,4 @@
-"""`onnx-nmm compile MODEL --target trn2 --batch B --seq-len S -o DIR`: lower a rewritten model for Trainium
+"""`onnx-nmm compile MODEL --target trn2 --batch B --trace-tokens S -o DIR`: lower a rewritten model for Trainium
 (onnx_nmm.compile); with `--max-context N [--buckets 128,512]`, a model that generates: prefill graphs per bucket
 and a decode step over a KV cache of N positions."""
 
@@ -7,20 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 
 
 def register(subparsers) -> None:
     C = onnx_nmm.CompileOptions
-    parser = subparsers.add_parser("compile", help="lower a rewritten model for Trainium: fused NKI kernels for the "
-                                                   "SVD ops, torch-neuronx for the rest")
+    parser = subparsers.add_parser("compile", help="lower a model for Trainium: fused NKI kernels for its MLPs "
+                                                   "(narrowed, factorized or dense) and SvdMatMul ops, torch-neuronx "
+                                                   "for the rest")
     parser.add_argument("model", help="a rewritten .onnx model (see `onnx-nmm rewrite`)")
     parser.add_argument("--target", choices=("trn1", "trn2"),
-                        help=f"Trainium generation (default {_common.default(C, 'target')})")
+                        help=_common.target_help(f"to compile for (default {_common.default(C, 'target')})"))
     parser.add_argument("--batch", type=int, help=f"static batch size (default {_common.default(C, 'batch')})")
-    parser.add_argument("--seq-len", type=int, help="the static sequence length the graph is traced at (default "
-                                                    f"{_common.default(C, 'seq_len')}, "
-                                                    "a prompt bucket Neuron often uses)")
+    tokens = parser.add_argument("--trace-tokens", dest="seq_len", type=int, metavar="N",
+                                 help="tokens per sequence of the one static graph traced without --max-context "
+                                      f"(default {_common.default(C, 'seq_len')}, a prompt bucket Neuron often uses; "
+                                      "with --max-context, --buckets instead; formerly --seq-len)")
+    _parsing.add_former_name(parser, "--seq-len", tokens)
     parser.add_argument("--max-context", type=int, metavar="N",
                         help="compile a model that generates: prefill graphs per prompt bucket and one decode step "
                              "over a KV cache of N positions (the model needs a KV cache); `onnx-nmm generate DIR` "
@@ -31,8 +34,9 @@ def register(subparsers) -> None:
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
-    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
-    parser.set_defaults(handler=run)
+    parser.add_argument("--force", action="store_true",
+                        help=_common.force_help("-o folder (a file there is refused even so)"))
+    parser.set_defaults(handler=run, flags={"seq_len": "--trace-tokens"})
 
 
 def run(args) -> int:

@@ -4,7 +4,7 @@ onnx_nmm.diff_on_text)."""
 from __future__ import annotations
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 
 
 def register(subparsers) -> None:
@@ -14,11 +14,13 @@ def register(subparsers) -> None:
     parser.add_argument("candidate", help="the model to judge, e.g. the rewritten one")
     parser.add_argument("--batch", type=int,
                         help=f"batch size of the random inputs (default {_common.default(D, 'batch')})")
-    parser.add_argument("--seq-len", type=int,
-                        help="sequence length of the random inputs (default "
-                             f"{_common.default(D, 'seq_len')}: enough positions to compare, quick on any model)")
+    tokens = parser.add_argument("--tokens", dest="seq_len", type=int, metavar="N",
+                                 help="tokens per sequence of the random inputs (default "
+                                      f"{_common.default(D, 'seq_len')}: enough positions to compare, quick on any "
+                                      "model; formerly --seq-len)")
+    _parsing.add_former_name(parser, "--seq-len", tokens)
     parser.add_argument("--past-len", type=int,
-                        help="compare a decode step of --seq-len tokens after a KV cache each model fills with its "
+                        help="compare a decode step of --tokens tokens after a KV cache each model fills with its "
                              "own prefill of this many tokens (default 0: a prefill over an empty cache)")
     parser.add_argument("--seed", type=int, help=f"seed of the random token ids (default {_common.default(D, 'seed')})")
     parser.add_argument("--inputs", metavar="FILE.npz", help="use these inputs (keys = input names) instead")
@@ -29,11 +31,11 @@ def register(subparsers) -> None:
                              "or its PyTorch lowering with the custom ops "
                              "as torch math or on the NKI kernels on the emulator; "
                              "the reference always runs in onnxruntime")
-    parser.add_argument("--target", choices=("trn1", "trn2"), help="emulated target (emulator backend; default trn2)")
+    parser.add_argument("--target", choices=("trn1", "trn2"), help=_common.EMULATED_TARGET)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help())
     _common.add_text_options(parser, required=False)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, flags={"seq_len": "--tokens"})
 
 
 def run(args) -> int:

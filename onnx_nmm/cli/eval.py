@@ -13,9 +13,9 @@ def register(subparsers) -> None:
     parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS, default="ort",
                         help="ort (default), or the PyTorch lowering with the custom ops as torch math or on the "
                              "NKI kernels on the emulator")
-    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
+    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help=_common.EMULATED_TARGET)
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help())
     parser.set_defaults(handler=run)
 
 

@@ -22,8 +22,8 @@ def register(subparsers) -> None:
                              "limit, so that a rewrite that grows a model still fits)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="no KV cache: input_ids and attention_mask in, logits out")
-    parser.add_argument("--force", action="store_true", help="replace an existing output")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--force", action="store_true", help=_common.force_help("-o file"))
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help())
     parser.set_defaults(handler=run)
 
 

@@ -1,12 +1,12 @@
-"""`onnx-nmm finetune REWRITTEN --text FILE --tokenizer T -o OUT`: train the SVD factors, write them back
-(onnx_nmm.finetune)."""
+"""`onnx-nmm finetune REWRITTEN --text FILE --tokenizer T -o OUT`: train the SVD factors and narrowed MLP
+weights, write them back (onnx_nmm.finetune)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.model_io import check_new_output
 from onnx_nmm.training.schedule import LOSSES
 
@@ -14,23 +14,28 @@ from onnx_nmm.training.schedule import LOSSES
 def register(subparsers) -> None:
     T, D = onnx_nmm.TrainingOptions, onnx_nmm.TrainingData
     default = _common.default
-    parser = subparsers.add_parser("finetune", help="train the SVD factors of a rewritten model (CPU, PyTorch) "
-                                                    "and write them back into the ONNX model")
+    parser = subparsers.add_parser("finetune", help="train a rewritten model's SVD factors and narrowed MLP weights "
+                                                    "(CPU, PyTorch) and write them back into the ONNX model")
     parser.add_argument("model", help="a model written by `onnx-nmm rewrite` (float32)")
     parser.add_argument("-o", "--output", help="where to write the tuned model (default: MODEL.tuned.onnx)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output (the input model too)")
-    data = parser.add_argument_group("training data")
-    data.add_argument("--text", metavar="SOURCE", action="append",
+    parser.add_argument("--force", action="store_true",
+                        help=_common.force_help("-o file (even the input model itself), --report or --plot file"))
+    data = parser.add_argument_group("training data (rewrite's --calib, --calib-generator, --calib-samples and "
+                                     "--calib-window spellings work too)")
+    data.add_argument("--text", "--calib", dest="text", metavar="SOURCE", action="append",
                       help="a UTF-8 text file (with --tokenizer), an .npz with input_ids [samples, seq_len], or "
                            "'generated[:N]' (N windows sampled from the dense model, default 64); repeat to mix "
                            f"(default {D.text}: text the model writes itself teaches no corpus's style)")
-    data.add_argument("--generator", metavar="MODEL.onnx",
+    data.add_argument("--generator", "--calib-generator", dest="generator", metavar="MODEL.onnx",
                       help="sample generated windows from this export of the dense model (e.g. one with a KV cache, "
                            "much faster) instead of the teacher")
     data.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
-    data.add_argument("--seq-len", type=int, help="tokens per training window, cut from the text (default "
-                                                  f"{default(D, 'seq_len')}; an .npz sets its own)")
-    data.add_argument("--samples", type=int, help="use only the first N windows (default: all of them)")
+    window = data.add_argument("--train-window", "--calib-window", dest="seq_len", type=int, metavar="TOKENS",
+                               help="tokens per training window, cut from the text (default "
+                                    f"{default(D, 'seq_len')}; an .npz sets its own; formerly --seq-len)")
+    _parsing.add_former_name(data, "--seq-len", window)
+    data.add_argument("--samples", "--calib-samples", dest="samples", type=int,
+                      help="use only the first N windows (default: all of them)")
     _common.add_bos_option(data)
     training = parser.add_argument_group("training")
     training.add_argument("--loss", choices=LOSSES,
@@ -40,8 +45,11 @@ def register(subparsers) -> None:
     training.add_argument("--teacher", metavar="ORIGINAL.onnx",
                           help="the dense model to distil from, run in onnxruntime (default: the one the rewrite "
                                "recorded in the model)")
-    training.add_argument("--temperature", type=float,
-                          help=f"distillation temperature (default {default(T, 'temperature')})")
+    temperature = training.add_argument("--distill-temperature", dest="temperature", type=float, metavar="T",
+                                        help="temperature of the teacher's and the student's softmax in the "
+                                             f"distillation loss (default {default(T, 'temperature')}; formerly "
+                                             "--temperature, which in generate means sampling)")
+    _parsing.add_former_name(training, "--temperature", temperature)
     training.add_argument("--steps", type=int, help=f"optimizer steps at most (default {default(T, 'steps')})")
     training.add_argument("--time-budget", type=float, metavar="SECONDS",
                           help="stop training before it would run longer than this (lowering, evaluation and "
@@ -64,13 +72,14 @@ def register(subparsers) -> None:
     evaluation.add_argument("--eval-text", metavar="FILE",
                             help="perplexity of the model before and after, on this text (with --tokenizer) or "
                                  "the input_ids of this .npz read as one sequence")
-    evaluation.add_argument("--eval-window", type=int, help="tokens per perplexity window (default: --seq-len)")
+    evaluation.add_argument("--eval-window", type=int, help="tokens per perplexity window (default: --train-window)")
     evaluation.add_argument("--eval-windows", type=int, default=16, help="disjoint windows to score (default 16)")
     parser.add_argument("--report", metavar="FILE.json", help="write the loss curve and the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the loss curve")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help("summary"))
     parser.set_defaults(handler=run, flags={"window": "--eval-window", "max_windows": "--eval-windows",
-                                            "data.seq_len": "--seq-len", "data.samples": "--samples"})
+                                            "data.seq_len": "--train-window", "data.samples": "--samples",
+                                            "training.temperature": "--distill-temperature"})
 
 
 def run(args) -> int:

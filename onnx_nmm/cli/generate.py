@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     parser.add_argument("--backend", choices=(*onnx_nmm.RUN_BACKENDS, "neuron"), default="ort",
                         help="ort (default), or the PyTorch lowering with the custom ops as torch math or on the "
                              "NKI kernels on the emulator; neuron: a compiled folder's traces, on a NeuronCore")
-    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
+    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help=_common.EMULATED_TARGET)
     parser.add_argument("--threads", type=int, help="CPU threads (default: onnxruntime's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")
     parser.set_defaults(handler=run)

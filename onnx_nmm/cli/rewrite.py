@@ -1,11 +1,12 @@
-"""`onnx-nmm rewrite MODEL -o OUT`: factorize linear layers into ai.onnx_nmm::SvdMatMul ops (onnx_nmm.rewrite)."""
+"""`onnx-nmm rewrite MODEL -o OUT`: narrow the MLPs to plain, narrower MatMuls (the default with --calib), or
+factorize linear layers into ai.onnx_nmm::SvdMatMul ops (onnx_nmm.rewrite)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.cli import _common, _scale
+from onnx_nmm.cli import _common, _parsing, _scale
 from onnx_nmm.cli._common import default
 from onnx_nmm.model_io import check_new_output
 from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS, NEURON_SCORES, SVD_METHODS
@@ -15,11 +16,15 @@ EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
 
 def register(subparsers) -> None:
     C, R, F = onnx_nmm.CalibrationOptions, onnx_nmm.RankOptions, onnx_nmm.FactorizationOptions
-    parser = subparsers.add_parser("rewrite", help="replace linear layers by SVD-factorized SvdMatMul custom ops")
+    parser = subparsers.add_parser(
+        "rewrite", help="compress linear layers: with --calib, by default narrow each MLP to the neurons that "
+        "matter (plain, narrower MatMuls); otherwise factorize them into SvdMatMul custom ops (--method says which)")
     parser.add_argument("model", help="an .onnx model (external data is read from beside it)")
     parser.add_argument("-o", "--output", help="where to write the rewritten model (default: MODEL.nmm.onnx)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output (the input model too)")
-    _common.add_rank_options(parser)
+    parser.add_argument("--force", action="store_true",
+                        help=_common.force_help("-o file (even the input model itself), --report, --plot or "
+                                                "--save-calib-stats file"))
+    _common.add_rank_options(parser, calibrates=True)
     _common.add_selection_options(parser)
     parser.add_argument("--method", choices=METHODS,
                         help="svd: truncated SVD of W; whiten: SVD-LLM activation-aware SVD, minimising the error of "
@@ -54,9 +59,10 @@ def register(subparsers) -> None:
     calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
     calibration.add_argument("--calib-samples", type=int,
                              help=f"sequences to use (default {default(C, 'samples')})")
-    calibration.add_argument("--seq-len", type=int, help=f"tokens per calibration window (default "
-                                                         f"{default(C, 'seq_len')}: long enough for the activations "
-                                                         "of a real context)")
+    window = calibration.add_argument("--calib-window", dest="seq_len", type=int, metavar="TOKENS",
+                                      help=f"tokens per calibration window (default {default(C, 'seq_len')}: long "
+                                           "enough for the activations of a real context; formerly --seq-len)")
+    _parsing.add_former_name(calibration, "--seq-len", window)
     calibration.add_argument("--calib-spread", action="store_true",
                              help="take the --calib-samples windows evenly spaced over the whole text, not from its "
                                   "start (better when the text's opening is not like the rest)")
@@ -113,7 +119,7 @@ def register(subparsers) -> None:
                              "2 GiB limit (export, writing a new model, moves them out at 1 GiB already)")
     parser.add_argument("--report", metavar="FILE.json", help="write the per-layer report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot rank and error of every targeted layer")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    parser.add_argument("--quiet", action="store_true", help=_common.quiet_help("table or summary"))
     _scale.add_scale_options(parser)
     parser.set_defaults(handler=run)
 

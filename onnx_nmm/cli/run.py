@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.cli import _common
+from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.model_io import check_new_output
 
 
@@ -17,16 +17,18 @@ def register(subparsers) -> None:
     parser.add_argument("--backend", choices=onnx_nmm.RUN_BACKENDS, default="ort",
                         help="ort: onnxruntime; torch: the PyTorch lowering, custom ops as torch math; emulator: the "
                              "lowering with the custom ops on the NKI kernels, emulated in bfloat16")
-    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help="emulated target (emulator backend)")
+    parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help=_common.EMULATED_TARGET)
     parser.add_argument("--inputs", metavar="FILE.npz", help="inputs (keys = input names); default: random token ids")
     parser.add_argument("--batch", type=int, default=1, help="batch size of the random token ids (default 1)")
-    parser.add_argument("--seq-len", type=int, default=16,
-                        help="sequence length of the random token ids (default %(default)s: one quick forward pass)")
+    tokens = parser.add_argument("--tokens", dest="seq_len", type=int, default=16, metavar="N",
+                                 help="tokens per sequence of the random token ids (default %(default)s: one quick "
+                                      "forward pass; formerly --seq-len)")
+    _parsing.add_former_name(parser, "--seq-len", tokens)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("-o", "--output", metavar="FILE.npz", help="save the outputs")
-    parser.add_argument("--force", action="store_true", help="replace an existing output")
+    parser.add_argument("--force", action="store_true", help=_common.force_help("-o file"))
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, flags={"seq_len": "--tokens"})
 
 
 def run(args) -> int:
