@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from onnx_nmm.calibration.sources import GeneratedText, is_text, parse_generated, source_kind
+from onnx_nmm.decomposition import methods
 from onnx_nmm.decomposition.lowrank import SVD_METHODS
 from onnx_nmm.decomposition.nystrom import DEFAULT_SCORE, NEURON_SCORES
 from onnx_nmm.errors import OptionError
@@ -35,8 +36,7 @@ DEFAULT_MIXED_GENERATED = 32
 DEFAULT_WINDOW = 512  # tokens per perplexity window
 DEFAULT_ALIGN = 128  # the TensorE tile
 FULL_RANK = "full"
-METHODS = ("svd", "whiten", "fisher", "nystrom")
-CALIBRATED_METHODS = ("whiten", "fisher", "nystrom")
+METHODS = tuple(methods.METHODS)  # svd, whiten, fisher, nystrom
 BUDGETS = ("uniform", "global", "sensitivity")
 CALIBRATION_MODES = ("independent", "sequential")
 FACTOR_DTYPES = ("float16", "float32")
@@ -338,10 +338,10 @@ class RewriteOptions:
                 mixed = (*self.calibration.sources, GeneratedText(samples=DEFAULT_MIXED_GENERATED))
                 object.__setattr__(self, "calibration", replace(self.calibration, source=mixed))
         method, calibration, ranks = self.method, self.calibration, self.ranks
-        if method in CALIBRATED_METHODS and calibration is None:
+        if self.strategy.calibrated and calibration is None:
             raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",
                               method="factorization.method", calibration="calibration.source")
-        if calibration is not None and calibration.mode == "sequential" and method in ("svd", "nystrom"):
+        if calibration is not None and calibration.mode == "sequential" and not self.strategy.fits_sequentially:
             raise OptionError("sequential calibration fits whitened factors: use it with {method} whiten or fisher",
                               method="factorization.method")
         if ranks.measures_damage and (calibration is None or calibration.source is None):
@@ -361,6 +361,11 @@ class RewriteOptions:
         method = self.factorization.method
         assert method is not None, "__post_init__ resolves the default method"
         return method
+
+    @property
+    def strategy(self) -> methods.Method:
+        """What the method does to a layer and what it needs."""
+        return methods.method_named(self.method)
 
     def streamable(self) -> RewriteOptions:
         """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality
@@ -385,4 +390,4 @@ class RewriteOptions:
         activation error, and to choose ranks from spectra before a sequential refit."""
         if self.calibration is None:
             return False
-        return self.method == "fisher" or not self.sequential or self.ranks.needs_spectra
+        return self.strategy.output_grams or not self.sequential or self.ranks.needs_spectra

@@ -183,6 +183,27 @@ def test_the_repository_explains_itself():
         assert not named, f"{path.relative_to(ROOT)} names {named}"
 
 
+def _compared_strings(path: Path) -> set[str]:
+    """The string constants a file's code compares with (==, !=, in, not in)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                constants = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                found.update(c.value for c in constants if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return found
+
+
+def test_a_methods_name_is_read_in_one_module_besides_the_options_and_the_cli():
+    """onnx_nmm.decomposition.methods says what each method does and needs; every step asks it."""
+    from onnx_nmm.options import METHODS
+
+    allowed = {LIBRARY / "options.py", LIBRARY / "decomposition" / "methods.py"}
+    for path in [*_python_files(LIBRARY), *_python_files(ROOT / "passes")]:
+        if path not in allowed and "cli" not in path.parts:
+            assert not _compared_strings(path) & set(METHODS), path.relative_to(ROOT)
+
+
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(tmp|work|home|root|Users|mnt)/")
 
 

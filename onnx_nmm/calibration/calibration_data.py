@@ -214,31 +214,31 @@ class CalibrationData:
         """The token sources, or None when the options hold only saved statistics."""
         return self.token_sources or None
 
-    def statistics(self, source: ModelSource, layers: list[LinearLayer], method: str, seed: int,
+    def statistics(self, source: ModelSource, layers: list[LinearLayer], output_grams: bool, seed: int,
                    progress: Progress) -> GramStatistics:
-        """The Grams of `layers` that `method` needs: loaded when the options point at saved ones, else
-        gathered by running `source`'s original model on the windows — XᵀX in onnxruntime, with fisher XᵀX
-        and the output-gradient Grams in PyTorch — and saved when asked."""
+        """The Grams of `layers`: loaded when the options point at saved ones, else gathered by running
+        `source`'s original model on the windows — XᵀX in onnxruntime, or with `output_grams` (fisher) XᵀX and
+        the output-gradient Grams in PyTorch — and saved when asked."""
         if self.model is None:
             self.model = source
         if self.statistics_file is not None:
             statistics = GramStatistics.load(self.statistics_file)
         else:
-            statistics = self._gather(source, layers, method, seed, progress)
+            statistics = self._gather(source, layers, output_grams, seed, progress)
             if self.options.save_statistics is not None:
                 statistics.save(self.options.save_statistics)
-        if method == "fisher" and not statistics.output_grams:
+        if output_grams and not statistics.output_grams:
             raise DataError(f"{statistics.description or 'these statistics'} hold no output-gradient Grams, which "
                             "{method} fisher weighs by: calibrate on a text or token ids, or load statistics a "
                             "fisher rewrite saved", method="factorization.method")
         return statistics
 
-    def _gather(self, source: ModelSource, layers: list[LinearLayer], method: str, seed: int,
+    def _gather(self, source: ModelSource, layers: list[LinearLayer], output_grams: bool, seed: int,
                 progress: Progress) -> GramStatistics:
         windows = self.windows()
         batches = windows.batches(self.options.batch)
         with progress.phase(f"calibrating ({windows.description})", total=windows.token_count) as phase:
-            if method == "fisher":
+            if output_grams:
                 from onnx_nmm.decomposition.fisher import collect_fisher_statistics
 
                 statistics = collect_fisher_statistics(source, layers, batches, windows.description, seed=seed,

@@ -49,7 +49,7 @@ class FuseMlps(RewritePass):
 
 
 def rewrite_passes(context: RewriteContext) -> list[ir.passes.PassBase]:
-    narrowing = [NarrowMlps(context)] if context.options.method == "nystrom" else []
+    narrowing = [NarrowMlps(context)] if context.options.strategy.narrows_mlps else []
     fusion = [FuseMlps(context)] if context.options.fuse_mlp else []
     return [GatherStatistics(context), PlanRanks(context), *narrowing, FactorizeLayers(context), *fusion]
 

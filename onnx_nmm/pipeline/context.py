@@ -52,7 +52,7 @@ class RewriteContext:
 
     def mlps(self, layers: list[LinearLayer]) -> list[Mlp]:
         """The MLPs a nystrom rewrite narrows: those whose every projection is a target (every site)."""
-        if self.options.method != "nystrom":
+        if not self.options.strategy.narrows_mlps:
             return []
         chosen = {layer.name for layer in select_layers(layers, self.options.selection)[0]}
         mlps, unmatched = find_mlps(layers)
@@ -77,7 +77,8 @@ class RewriteContext:
         """The calibration data, made once; a quality budget holds its measurement windows out of it."""
         if self._calibration is None:
             ranks = self.options.ranks
-            held_out = ranks.sensitivity_windows if ranks.measures_damage or self.options.method == "nystrom" else 0
+            held_out = (ranks.sensitivity_windows if ranks.measures_damage or self.options.strategy.narrows_mlps
+                        else 0)
             self._calibration = CalibrationData(self.options.calibration, self.source.model.graph, self.source,
                                                 held_out, self.progress)
         return self._calibration

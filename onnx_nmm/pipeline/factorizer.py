@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.activation_stats import GramStatistics
 from onnx_nmm.decomposition import fisher, lowrank, sequential, whitening
+from onnx_nmm.decomposition.methods import method_named
 from onnx_nmm.errors import ExecutionError
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer
@@ -34,16 +35,18 @@ class Factorizer:
 
     def __init__(self, options: FactorizationOptions, statistics: GramStatistics | None, align: int):
         self.options, self.statistics, self.align = options, statistics, align
+        assert options.method is not None, "RewriteOptions resolves the default method"
+        self.strategy = method_named(options.method)
         self.decompositions: dict[str, lowrank.RankedFactors] = {}
 
     @property
     def method(self) -> str:
-        """How layers are factorized: a nystrom rewrite narrows its MLPs and whitens what else it targets."""
-        return "whiten" if self.options.method == "nystrom" else self.options.method
+        """How layers are factorized, as the report names it (a nystrom rewrite whitens what it does not narrow)."""
+        return self.strategy.factorizes_as
 
     @property
     def weighted(self) -> bool:
-        return self.method in ("whiten", "fisher")
+        return self.strategy.weighted
 
     def decompose(self, layer: LinearLayer, rank: int | None = None) -> lowrank.RankedFactors:
         """The layer's decomposition: exact and complete when `rank` is None, else enough for that rank."""
@@ -143,7 +146,7 @@ class Factorizer:
         return {"power_iterations": o.power_iterations, "oversample": o.oversample, "seed": o.seed}
 
     def _output_gram(self, layer: LinearLayer) -> np.ndarray | None:
-        return self.statistics.output_gram(layer.name) if self.method == "fisher" else None
+        return self.statistics.output_gram(layer.name) if self.strategy.output_grams else None
 
     @staticmethod
     def _weight(layer: LinearLayer) -> np.ndarray:

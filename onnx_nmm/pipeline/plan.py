@@ -89,7 +89,7 @@ class PlanRanks(RewritePass):
         loss of every layer's output (whitened truncation, or the narrowing's refit error) is least."""
         ranks = self.context.options.ranks
         budget = sum(parameters(layer.k, layer.n, keep_choice(layer, ranks.keep, ranks.align)) for layer in chosen)
-        fisher = self.context.options.method == "fisher"
+        fisher = self.context.options.strategy.output_grams
         options, spectra = {}, []
         with self.context.progress.phase("analysing spectra", total=len(chosen)) as phase:
             for layer in chosen:
@@ -136,7 +136,7 @@ class PlanRanks(RewritePass):
         held_out = context.budget_windows()  # never a window the statistics came from
         probe = self._probe(model, chosen, factorizer, mlps, held_out.tokens, metric)
         decompositions = factorizer.decompositions  # kept: the factorization reuses them
-        fisher_tokens = context.statistics.tokens if context.options.method == "fisher" else None
+        fisher_tokens = context.statistics.tokens if context.options.strategy.output_grams else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)
                       for layer in chosen if aligned_ranks(layer.k, layer.n, ranks.align)]

@@ -25,7 +25,7 @@ class GatherStatistics(RewritePass):
         _, chosen, _ = targets(model, options)
         if options.needs_statistics:
             data = context.calibration_data()
-            context.statistics = data.statistics(context.source, chosen, options.method,
+            context.statistics = data.statistics(context.source, chosen, options.strategy.output_grams,
                                                  options.factorization.seed, context.progress)
             context.report.calibration = context.statistics.description
             if data.statistics_file is None:

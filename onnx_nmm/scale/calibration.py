@@ -31,7 +31,7 @@ class GatherStatisticsOnRay(GatherStatistics):
     def run(self, model: ir.Model) -> bool:
         context, options = self.context, self.context.options
         data = CalibrationData(options.calibration, model.graph) if options.needs_statistics else None
-        if data is None or data.statistics_file is not None or options.method == "fisher":
+        if data is None or data.statistics_file is not None or options.strategy.output_grams:
             return super().run(model)
         _, chosen, _ = targets(model, options)
         windows = data.windows()

@@ -106,7 +106,7 @@ def _refuse_in_memory_only(options: RewriteOptions) -> None:
     if options.fuse_mlp:
         raise OptionError("{fuse_mlp} is not done by a streamed rewrite yet: rewrite, then fuse in memory",
                           fuse_mlp="fuse_mlp")
-    if options.method == "nystrom":
+    if options.strategy.narrows_mlps:
         raise OptionError("{method} nystrom narrows MLPs in memory, three matrices at a time: a streamed rewrite "
                           "does not do it yet; rewrite in memory, or stream with {method} whiten or fisher",
                           method="factorization.method")
