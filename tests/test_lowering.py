@@ -146,18 +146,18 @@ def test_compile_force_replaces_only_a_folder_compile_wrote(capsys, export, tmp_
     rewritten, folder = _rewritten(capsys, export("llama", "dynamo"), tmp_path), tmp_path / "compiled"
     folder.mkdir()
     (folder / "important.txt").write_text("mine")
-    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run", "--force")
+    code, _, err = _cli(capsys, "compile", rewritten, "--trace-tokens", "4", "-o", folder, "--dry-run", "--force")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "compile did not write important.txt" in err and "--force replaces only a folder compile wrote" in err
     assert (folder / "important.txt").read_text() == "mine"
     (folder / "important.txt").unlink()
-    assert _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run")[0] == 0
-    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "8", "-o", folder, "--dry-run")
+    assert _cli(capsys, "compile", rewritten, "--trace-tokens", "4", "-o", folder, "--dry-run")[0] == 0
+    code, _, err = _cli(capsys, "compile", rewritten, "--trace-tokens", "8", "-o", folder, "--dry-run")
     assert code == 2 and "set --force to replace it" in err
-    assert _cli(capsys, "compile", rewritten, "--seq-len", "8", "-o", folder, "--dry-run", "--force")[0] == 0
+    assert _cli(capsys, "compile", rewritten, "--trace-tokens", "8", "-o", folder, "--dry-run", "--force")[0] == 0
     assert json.loads((folder / "manifest.json").read_text())["seq_len"] == 8
     (folder / "important.txt").write_text("mine")
-    code, _, err = _cli(capsys, "compile", rewritten, "--seq-len", "4", "-o", folder, "--dry-run", "--force")
+    code, _, err = _cli(capsys, "compile", rewritten, "--trace-tokens", "4", "-o", folder, "--dry-run", "--force")
     assert code == 2 and (folder / "important.txt").read_text() == "mine"
     assert json.loads((folder / "manifest.json").read_text())["seq_len"] == 8
 

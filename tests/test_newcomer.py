@@ -429,12 +429,12 @@ def test_run_keeps_an_existing_output_unless_force(capsys, export, tmp_path):
     temporary file (nothing else is left in the folder), at the name given."""
     source, existing = export("llama", "dynamo"), tmp_path / "outputs"
     existing.write_bytes(b"keep me")
-    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", existing)
+    code, _, err = _cli(capsys, "run", source, "--tokens", "4", "-o", existing)
     _one_line_error(code, err, "exists; choose another -o or set --force to replace it")
     assert existing.read_bytes() == b"keep me"
-    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", tmp_path)
+    code, _, err = _cli(capsys, "run", source, "--tokens", "4", "-o", tmp_path)
     _one_line_error(code, err, "is a folder: give -o a file name in it")
-    code, _, err = _cli(capsys, "run", source, "--seq-len", "4", "-o", existing, "--force")
+    code, _, err = _cli(capsys, "run", source, "--tokens", "4", "-o", existing, "--force")
     assert code == 0, err
     with np.load(existing) as saved:
         assert saved["logits"].shape[:2] == (1, 4)

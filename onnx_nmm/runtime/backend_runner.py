@@ -134,7 +134,7 @@ class RunResult:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".onnx-nmm-", suffix=".npz", delete=False) as file:
             staged = Path(file.name)
             try:
-                np.savez(file, **self.outputs)
+                np.savez(file, allow_pickle=False, **self.outputs)
             except BaseException:
                 staged.unlink()
                 raise
