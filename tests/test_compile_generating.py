@@ -2,6 +2,7 @@
 cache) that `generate DIR` runs with the tokens of `generate MODEL` on onnxruntime."""
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -202,6 +203,47 @@ def test_force_replaces_a_compiled_folder_but_nothing_compile_did_not_write(comp
     (folder / "important.txt").write_text("mine")
     with pytest.raises(onnx_nmm.OutputError, match="compile did not write important.txt"):
         refuse_to_replace(folder, overwrite=True)
+
+
+class _Phases(onnx_nmm.Progress):
+    """A listener that keeps the description of every phase, in the order they start."""
+
+    def __init__(self):
+        self.started = []
+
+    def phase(self, description, total=None):
+        self.started.append(description)
+        return super().phase(description, total)
+
+
+def test_compile_says_each_step_as_it_starts(rewritten, tmp_path):
+    """No silent minutes before the table: every step of a compile is a phase the progress hears."""
+    phases = _Phases()
+    compile(rewritten, tmp_path / "out", CompileOptions(max_context=32, buckets=(16,), dry_run=True), progress=phases)
+    assert phases.started == ["loading the model", "building the static graphs", "choosing MLP kernels",
+                              "writing the folder", "checking the graphs against the model as given",
+                              "lowering and checking each graph"]
+    phases = _Phases()
+    compile(rewritten, tmp_path / "one", CompileOptions(seq_len=8, dry_run=True), progress=phases)
+    assert phases.started == ["loading the model", "choosing MLP kernels", "lowering and checking against onnxruntime"]
+
+
+def test_the_closing_hint_runs_the_folder_as_typed(rewritten, tmp_path, capsys):
+    """The hint names --tokenizer when the folder holds no tokenizer; when compile copied one from beside the
+    model, the command printed runs as it is."""
+    args = ["--max-context", "96", "--buckets", "16,64", "--dry-run"]
+    assert main(["compile", str(rewritten), *args, "-o", str(tmp_path / "bare.neuron")]) == 0
+    hint = " ".join(capsys.readouterr().out.split()).split("run it with: ")[1]
+    assert hint.startswith(f"onnx-nmm generate {tmp_path / 'bare.neuron'} --tokenizer TOKENIZER --prompt")
+    beside = tmp_path / "with-tokenizer"
+    beside.mkdir()
+    shutil.copy(rewritten, beside / "model.onnx")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, beside / name)
+    assert main(["compile", str(beside / "model.onnx"), *args, "-o", str(tmp_path / "own.neuron")]) == 0
+    command = capsys.readouterr().out.split("run it with: ")[1].strip()
+    assert "--tokenizer" not in command
+    assert main([*shlex.split(command)[1:], "--max-new-tokens", "4"]) == 0, capsys.readouterr().err
 
 
 def test_buckets_without_a_max_context_are_refused():

@@ -38,6 +38,15 @@ class TokenWindows:
         return int(self.tokens.size)
 
 
+# A folder holding one of these is one transformers reads a tokenizer from.
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def is_tokenizer_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder holding a tokenizer (one of TOKENIZER_MARKERS)."""
+    return Path(path).is_dir() and any((Path(path) / name).is_file() for name in TOKENIZER_MARKERS)
+
+
 def load_tokenizer(spec: str | os.PathLike):
     """A transformers tokenizer from a folder, or from a GGUF file (its folder and file name)."""
     try:

@@ -4,9 +4,11 @@ and a decode step over a KV cache of N positions."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import onnx_nmm
+from onnx_nmm.calibration.tokens import is_tokenizer_folder
 from onnx_nmm.cli import _common, _parsing
 
 
@@ -46,7 +48,8 @@ def run(args) -> int:
                                                       buckets=args.buckets))
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".neuron")
-    compilation = onnx_nmm.compile(source, output, options, overwrite=args.force)
+    with _common.progress() as progress:
+        compilation = onnx_nmm.compile(source, output, options, overwrite=args.force, progress=progress)
     _print_summary(compilation)
     return 0
 
@@ -109,6 +112,16 @@ def _print_graphs(compilation: onnx_nmm.Compilation) -> None:
     worst = max(graph["lowering_check"]["max_abs"] for graph in manifest["graphs"])
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {worst:.2e} over every graph. "
                          + ("Traced: " + ", ".join(graph["torchscript"] for graph in manifest["graphs"]) + ". "
-                            if manifest["traced"] else "No trace. ")
-                         + f"Wrote {compilation.folder}/; run it with: onnx-nmm generate {compilation.folder} "
-                           "--prompt …")
+                            if manifest["traced"] else "Dry run: no trace. ")
+                         + f"Wrote {compilation.folder}/; run it with: {_generate_command(compilation.folder)}",
+                         soft_wrap=True)
+
+
+def _generate_command(folder: Path) -> str:
+    """`generate` on the compiled folder as it can be typed; with --tokenizer to fill in when the folder holds no
+    tokenizer (none was beside the model to copy)."""
+    prompt = shlex.quote("Why is the sky blue?")
+    if is_tokenizer_folder(folder):
+        return f"onnx-nmm generate {shlex.quote(str(folder))} --prompt {prompt}"
+    return (f"onnx-nmm generate {shlex.quote(str(folder))} --tokenizer TOKENIZER --prompt {prompt}, TOKENIZER being "
+            "the model's tokenizer folder or .gguf file (none was beside the model to copy into the folder)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx_nmm.calibration.calibration_data import check_token_ids
-from onnx_nmm.calibration.tokens import load_tokenizer
+from onnx_nmm.calibration.tokens import is_tokenizer_folder, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.generation.decoding import Decoder
 from onnx_nmm.model_source import ModelSource
@@ -140,7 +140,7 @@ def continuation(decoder: Decoder | StaticDecoder, ids: np.ndarray, pick: Callab
 
 
 def _tokenizer_in(folder: Path | None) -> Path:
-    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if folder is None or not is_tokenizer_folder(folder):
         raise DataError("generating needs a {tokenizer}: a tokenizer folder or a .gguf file", tokenizer="tokenizer")
     return folder
 

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.progress import Progress
 from onnx_nmm.runtime.backend_runner import Model
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import first_step
@@ -31,35 +32,38 @@ from onnx_nmm.trainium.static_compilation import compile_for_generation
 
 
 def compile(model: Model, output: str | os.PathLike, options: CompileOptions | None = None,
-            overwrite: bool = False) -> Compilation:
+            overwrite: bool = False, progress: Progress | None = None) -> Compilation:
     """Lower `model` for Trainium into the folder `output` (refused when it holds files, unless it is a folder
-    compile wrote and `overwrite` is set)."""
-    options = options or CompileOptions()
+    compile wrote and `overwrite` is set); `progress` hears each step."""
+    options, progress = options or CompileOptions(), progress or Progress()
     output = Path(output)
     compile_steps.refuse_to_replace(output, overwrite)
     neuron.refuse_without_sdk(options.dry_run)
+    with progress.phase("loading the model"):
+        source = ModelSource.of(model)
     if options.max_context is not None:
-        return compile_for_generation(ModelSource.of(model), output, options)
+        return compile_for_generation(source, output, options, progress)
     from onnx_nmm.kernels.nki_api import USING_EMULATOR
 
-    source = ModelSource.of(model)
     tokens = options.batch * options.seq_len
-    mlps = compile_steps.fuse_mlps(source.model, tokens, options.target, options.fuse_mlp)
-    proto = ir.to_proto(source.model)
-    onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights still live beside the input
-    branches = len(proto.graph.node)
-    proto = first_step(proto)  # a merged decoder compiles as the prefill its first step is
-    first_step_only = len(proto.graph.node) != branches
+    with progress.phase("choosing MLP kernels"):
+        mlps = compile_steps.fuse_mlps(source.model, tokens, options.target, options.fuse_mlp)
+    with progress.phase("lowering and checking against onnxruntime"):
+        proto = ir.to_proto(source.model)
+        onnx.load_external_data_for_model(proto, source.weights_folder)  # untouched weights live beside the input
+        branches = len(proto.graph.node)
+        proto = first_step(proto)  # a merged decoder compiles as the prefill its first step is
+        first_step_only = len(proto.graph.node) != branches
 
-    from onnx_nmm.lowering import TorchMath, lower
+        from onnx_nmm.lowering import TorchMath, lower
 
-    module = lower(proto, TorchMath())
-    reference_graph = source.graph_proto()
-    reference = (source.session_of(reference_graph) if compile_steps.float_reference(reference_graph)
-                 else source.session())
-    inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
-    check = compile_steps.check_lowering(module, reference, inputs)
-    kernels = neuron.plan_kernels(proto, tokens, options.target, model_costs=USING_EMULATOR)
+        module = lower(proto, TorchMath())
+        reference_graph = source.graph_proto()
+        reference = (source.session_of(reference_graph) if compile_steps.float_reference(reference_graph)
+                     else source.session())
+        inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
+        check = compile_steps.check_lowering(module, reference, inputs)
+        kernels = neuron.plan_kernels(proto, tokens, options.target, model_costs=USING_EMULATOR)
     manifest = {
         "model": source.label, "target": options.target, "batch": options.batch, "seq_len": options.seq_len,
         "inputs": [{"name": name, "shape": list(array.shape), "dtype": str(array.dtype)}
@@ -71,7 +75,8 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     }
     with compile_steps.staged_folder(output) as folder:
         if not options.dry_run:
-            manifest.update(compile_steps.trace(module, inputs, folder, options.target))
+            with progress.phase("tracing for Neuron"):
+                manifest.update(compile_steps.trace(module, inputs, folder, options.target))
         write_text_atomically(folder / "manifest.json", json.dumps(manifest, indent=2))
     return Compilation(output, manifest, kernels)
 

@@ -28,46 +28,67 @@ import onnx
 
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.progress import Progress
 from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
-from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
+from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions, MlpKernels
 from onnx_nmm.trainium.generation_check import check_generation
 
 
-def compile_for_generation(source: ModelSource, output: Path, options: CompileOptions) -> Compilation:
-    """The static-cache graphs of `source` for `options.max_context` positions, compiled into `output`."""
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
-
+def compile_for_generation(source: ModelSource, output: Path, options: CompileOptions,
+                           progress: Progress) -> Compilation:
+    """The static-cache graphs of `source` for `options.max_context` positions, compiled into `output`;
+    `progress` hears each step."""
     assert options.max_context is not None
-    graphs = static_cache(source, options.max_context, options.buckets, options.batch)
-    traced = not options.dry_run
-    mlps = {name: compile_steps.fuse_mlps(model, options.batch * tokens, options.target, options.fuse_mlp)
-            for name, model, tokens in graphs.graphs()}
-    entries, summaries = [], {}
+    with progress.phase("building the static graphs"):
+        graphs = static_cache(source, options.max_context, options.buckets, options.batch)
+    with progress.phase("choosing MLP kernels", total=len(graphs.graphs())) as phase:
+        mlps = {}
+        for name, model, tokens in graphs.graphs():
+            mlps[name] = compile_steps.fuse_mlps(model, options.batch * tokens, options.target, options.fuse_mlp)
+            phase.advance(detail=name)
     with compile_steps.staged_folder(output) as folder:
-        compiled_folder.write_graphs(folder, {name: model for name, model, _ in graphs.graphs()})
-        _copy_tokenizer(source, folder)
-        generation = check_generation(source, _as_written(graphs, folder))
-        for name, model, tokens in graphs.graphs():  # each graph read back from the folder: any size runs
-            path, rows = folder / f"{name}.onnx", options.batch * tokens
-            summaries[name] = neuron.plan_kernels(onnx.load(path, load_external_data=False), rows, options.target,
-                                                  model_costs=USING_EMULATOR)
-            feeds = graphs.example_feeds(name)
-            module, check = _lowered_and_checked(path, feeds)
-            entry = {"name": name, "file": path.name, "kind": "decode" if name == "decode" else "prefill",
-                     "tokens": tokens, "fused_mlps": mlps[name].fused, "unfused_mlps": mlps[name].unfused,
-                     "mlp_kernels": mlps[name].chosen, "lowering_check": check, **summaries[name].to_dict()}
-            if traced:
-                entry |= _traced(module, model, feeds, graphs, folder, options.target, name)
-            entries.append(entry)
+        with progress.phase("writing the folder"):
+            compiled_folder.write_graphs(folder, {name: model for name, model, _ in graphs.graphs()})
+            _copy_tokenizer(source, folder)
+        with progress.phase("checking the graphs against the model as given"):
+            generation = check_generation(source, _as_written(graphs, folder))
+        entries, summaries = [], {}
+        with progress.phase("lowering and checking each graph", total=len(graphs.graphs())) as phase:
+            for name, model, tokens in graphs.graphs():  # each graph read back from the folder: any size runs
+                entry, summaries[name] = _compiled_graph(name, model, tokens, mlps[name], graphs, folder, options,
+                                                         progress)
+                entries.append(entry)
+                phase.advance(detail=name)
         manifest = {"model": source.label, "target": options.target, "batch": options.batch,
                     "max_context": options.max_context, "buckets": list(graphs.buckets),
                     "cache": compiled_folder.cache_manifest(graphs), "weights": compiled_folder.WEIGHTS,
                     "graphs": entries, "generation_check": generation.to_dict(), "dry_run": options.dry_run,
-                    "traced": traced}
+                    "traced": not options.dry_run}
         write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
     return Compilation(output, manifest, summaries["decode"], summaries)
+
+
+def _compiled_graph(name: str, model, tokens: int, mlps: MlpKernels, graphs: StaticCache, folder: Path,
+                    options: CompileOptions, progress: Progress) -> tuple[dict, neuron.KernelSummary]:
+    """The graph `name` as the folder holds it: its kernels planned, lowered and checked against onnxruntime,
+    and traced unless a dry run; its manifest entry (with `mlps`, the MLP kernels chosen for it) and kernel
+    summary."""
+    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+
+    path = folder / f"{name}.onnx"
+    summary = neuron.plan_kernels(onnx.load(path, load_external_data=False), options.batch * tokens, options.target,
+                                  model_costs=USING_EMULATOR)
+    feeds = graphs.example_feeds(name)
+    module, check = _lowered_and_checked(path, feeds)
+    entry = {"name": name, "file": path.name, "kind": "decode" if name == "decode" else "prefill", "tokens": tokens,
+             "fused_mlps": mlps.fused, "unfused_mlps": mlps.unfused, "mlp_kernels": mlps.chosen,
+             "lowering_check": check, **summary.to_dict()}
+    if not options.dry_run:
+        with progress.phase(f"tracing {name} for Neuron"):
+            entry |= _traced(module, model, feeds, graphs, folder, options.target, name)
+    return entry, summary
 
 
 def _as_written(graphs: StaticCache, folder: Path) -> StaticCache:
