@@ -149,3 +149,48 @@ def test_console_script_runs(tmp_path):
     result = subprocess.run([*executable.split(), "inspect", str(tmp_path / "missing.onnx")], capture_output=True,
                             text=True)
     assert result.returncode == 2 and result.stderr.strip().endswith("give the path of an .onnx model")
+
+
+def test_the_rewrite_summary_counts_every_outcome_and_the_table_groups_alike_layers(capsys, export, tmp_path):
+    report = tmp_path / "r.json"
+    code, out, _ = _cli(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--targets", "all",
+                        "--keep", "0.9", "--report", report)  # at align 128 no attention matrix saves anything
+    said = " ".join(out.split())
+    assert code == 0 and ("6 layers factorized, 8 targeted but kept dense (the note says why), 1 left alone (not "
+                          "targeted)") in said
+    rows = [line for line in out.splitlines() if line.startswith("│ model.")]
+    assert len(rows) == 6 + 4  # each MLP matrix its own errors; q, k, v and o of both layers one row each
+    assert any("model.layers.{0,1}.self_attn.k_proj (2 layers)" in row and "rank 128 saves nothing" in row
+               and "0.07M" in row for row in rows)  # the group's parameters summed
+    assert [layer["status"] for layer in json.loads(report.read_text())["layers"]].count("dense") == 8
+
+
+def test_folded_layer_names():
+    from onnx_nmm.pipeline.report import folded_names
+
+    assert folded_names(["layers.3.mlp", "layers.0.mlp", "layers.1.mlp", "layers.2.mlp", "layers.5.mlp",
+                         "layers.7.mlp", "layers.8.mlp"]) == "layers.{0-3,5,7,8}.mlp"
+    assert folded_names(["layers.0.mlp.up", "layers.1.mlp.down"]) == "layers.0.mlp.up, layers.1.mlp.down"
+    assert folded_names(["h.0.mlp.c_fc", "h.1.mlp.c_fc"]) == "h.{0,1}.mlp.c_fc"
+
+
+def test_inspect_says_what_a_rewrite_narrowed_and_factorized(capsys, export, tmp_path):
+    source = export("llama", "dynamo")
+    narrowed, factorized = tmp_path / "narrowed.onnx", tmp_path / "factorized.onnx"
+    assert main(["rewrite", str(source), "-o", str(narrowed), "--calib", "random", "--calib-samples", "8",
+                 "--calib-window", "32", "--align", "32", "--quiet"]) == 0
+    assert main(["rewrite", str(source), "-o", str(factorized), "--keep", "0.5", "--align", "32", "--quiet"]) == 0
+    code, out, _ = _cli(capsys, "inspect", narrowed)
+    said = " ".join(out.split())
+    assert code == 0 and f"Rewritten by onnx-nmm from {source.resolve()}" in said
+    assert "6 narrowed (32 of 512 neurons kept in 6 layers)" in said and "keep=0.8" not in said
+    assert said.count("narrowed: 32 of 512 neurons kept") == 6  # the rank column says what each MLP layer became
+    data = json.loads(_cli(capsys, "inspect", factorized, "--json")[1])
+    rows = {(row["role"], row["op"], row["k"], row["n"], tuple(row["ranks"])) for row in data["rewrite"]["factorized"]}
+    assert rows == {("mlp/gate", "SvdMatMul", 256, 512, (96,)), ("mlp/up", "SvdMatMul", 256, 512, (96,)),
+                    ("mlp/down", "SvdMatMul", 512, 256, (96,))}
+    totals = data["rewrite"]["totals"]
+    assert totals["factorized_layers"] == 6 and totals["parameters"] == 6 * 96 * (256 + 512)
+    assert totals["parameters_before"] == 6 * 256 * 512
+    code, out, _ = _cli(capsys, "inspect", factorized, "--keep", "0.5", "--align", "32")  # what another would do
+    assert code == 0 and "6 factorized (ranks 96)" in " ".join(out.split()) and "at keep=0.5" in out

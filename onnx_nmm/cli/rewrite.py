@@ -185,12 +185,11 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Pat
                             ("‖Sᵀ(W−UV)T‖/‖SᵀWT‖" if fisher else "‖X(W−UV)‖/‖XW‖", "right"),
                             *([("predicted KL", "right")] if fisher else []), ("note", "left")):
         table.add_column(column, justify=justify)
-    for layer in report.layers:
-        if layer.status == "skipped":
-            continue
-        table.add_row(layer.module_path.removeprefix(prefix) or layer.name, layer.role, f"{layer.k}×{layer.n}",
-                      _choice(layer), _common.millions(layer.parameters_before),
-                      _common.millions(layer.parameters_after),
+    for group in report.groups():  # layers treated alike share a row
+        layer, alike = group.first, len(group.layers)
+        table.add_row(group.label(prefix) + (f" ({alike} layers)" if alike > 1 else ""), layer.role,
+                      f"{layer.k}×{layer.n}", _choice(layer), _common.millions(group.parameters_before),
+                      _common.millions(group.parameters_after),
                       f"{layer.relative_error:.4f}" if layer.relative_error is not None else "—",
                       f"{layer.whitened_loss:.4f}" if layer.whitened_loss is not None else "—",
                       *([f"{layer.predicted_kl:.2e}" if layer.predicted_kl is not None else "—"] if fisher else []),
@@ -202,12 +201,12 @@ def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Pat
         _common.stdout.print(f"XᵀX was singular or ill-conditioned for {_common.count(len(conditioned), 'layer')} "
                              f"({', '.join(layer.module_path or layer.name for layer in conditioned[:5])}"
                              f"{', …' if len(conditioned) > 5 else ''}): it was damped, and the note column says why")
-    totals = report.totals()
-    skipped = totals["layers_found"] - sum(1 for layer in report.layers if layer.status != "skipped")
-    narrowed = sum(1 for layer in report.layers if layer.status == "narrowed")
+    totals, counts = report.totals(), report.outcome_counts()
     _common.stdout.print(
-        f"{_common.count(totals['layers_factorized'], 'layer')} factorized, "
-        + (f"{narrowed} narrowed, " if narrowed else "") + f"{skipped} left alone (not targeted); "
+        f"{_common.count(counts['factorized'], 'layer')} factorized, "
+        + (f"{counts['narrowed']} narrowed, " if counts["narrowed"] else "")
+        + (f"{counts['dense']} targeted but kept dense (the note says why), " if counts["dense"] else "")
+        + f"{counts['skipped']} left alone (not targeted); "
         f"targeted parameters {_common.millions(totals['parameters_before'])} → "
         f"{_common.millions(totals['parameters_after'])} ({totals['kept_fraction']:.1%} kept), the model's weights "
         f"{_common.megabytes(totals['weight_bytes_before'])} → {_common.megabytes(totals['weight_bytes_after'])}"

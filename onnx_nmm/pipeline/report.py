@@ -1,9 +1,11 @@
-"""What a rewrite did: one row per linear layer, the totals, and the rewritten model with it."""
+"""What a rewrite did: one row per linear layer, how many layers had each outcome, the layers treated alike
+(one row each of the summary table), the totals, and the rewritten model with it."""
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +63,70 @@ class LayerOutcome:
                    bytes_before=stored if status != "skipped" else 0, **values)
 
 
+# A layer's outcome in the report, in the order the summary counts them: "dense" is targeted but kept dense
+# (its note says why), "skipped" not targeted.
+OUTCOMES = ("factorized", "narrowed", "dense", "skipped")
+
+
+@dataclass
+class OutcomeGroup:
+    """Targeted layers the rewrite treated alike: the same role, shape, outcome, note and measured errors (the
+    dense layers a budget kept, the input projections of MLPs narrowed to one width). One row of the table."""
+
+    layers: list[LayerOutcome]
+
+    @property
+    def first(self) -> LayerOutcome:
+        return self.layers[0]
+
+    @property
+    def parameters_before(self) -> int:
+        return sum(layer.parameters_before for layer in self.layers)
+
+    @property
+    def parameters_after(self) -> int:
+        return sum(layer.parameters_after for layer in self.layers)
+
+    def label(self, prefix: str = "") -> str:
+        """The layers' module paths without `prefix`, folded where they differ in one number only
+        ("layers.{0-3,5}.mlp.up_proj")."""
+        return folded_names([layer.module_path.removeprefix(prefix) or layer.name for layer in self.layers])
+
+
+def folded_names(names: list[str]) -> str:
+    """Names that differ in one number only, as one name with the numbers in braces ("{0-3,5}.mlp.up_proj");
+    any other names, listed."""
+    if len(names) == 1:
+        return names[0]
+    pieces = [re.split(r"(\d+)", name) for name in names]  # text, number, text, number, ..., text
+    skeletons = {tuple(piece if index % 2 == 0 else "" for index, piece in enumerate(split)) for split in pieces}
+    if len(skeletons) == 1:
+        varying = [index for index in range(1, len(pieces[0]), 2) if len({split[index] for split in pieces}) > 1]
+        if len(varying) == 1:
+            folded = list(pieces[0])
+            folded[varying[0]] = "{" + number_ranges({int(split[varying[0]]) for split in pieces}) + "}"
+            return "".join(folded)
+    return ", ".join(names)
+
+
+def number_ranges(numbers: set[int]) -> str:
+    """{0, 1, 2, 3, 5, 7, 8} → "0-3,5,7,8"."""
+    ranges: list[list[int]] = []
+    for number in sorted(numbers):
+        if ranges and number == ranges[-1][-1] + 1:
+            ranges[-1].append(number)
+        else:
+            ranges.append([number])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in ranges)
+
+
+def _alike(layer: LayerOutcome) -> tuple:
+    """What the table shows of a layer besides its name: layers equal in all of it share a row."""
+    return (layer.role, layer.k, layer.n, layer.dtype, layer.status, layer.reason, layer.rank, layer.width,
+            layer.parameters_after, layer.relative_error, layer.whitened_loss, layer.predicted_kl,
+            layer.conditioning)
+
+
 @dataclass
 class RewriteReport:
     rule: str
@@ -87,6 +153,18 @@ class RewriteReport:
     @property
     def factorized(self) -> list[LayerOutcome]:
         return [layer for layer in self.layers if layer.status == "factorized"]
+
+    def outcome_counts(self) -> dict[str, int]:
+        """How many layers had each of OUTCOMES."""
+        return {outcome: sum(1 for layer in self.layers if layer.status == outcome) for outcome in OUTCOMES}
+
+    def groups(self) -> list[OutcomeGroup]:
+        """The targeted layers, those treated alike together, in the order of each group's first layer."""
+        groups: dict[tuple, OutcomeGroup] = {}
+        for layer in self.layers:
+            if layer.status != "skipped":
+                groups.setdefault(_alike(layer), OutcomeGroup([])).layers.append(layer)
+        return list(groups.values())
 
     def totals(self) -> dict[str, float]:
         targeted = [layer for layer in self.layers if layer.status != "skipped"]
