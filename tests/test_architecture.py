@@ -204,6 +204,21 @@ def test_a_methods_name_is_read_in_one_module_besides_the_options_and_the_cli():
             assert not _compared_strings(path) & set(METHODS), path.relative_to(ROOT)
 
 
+def test_the_option_walks_the_architecture_page_quotes_are_the_ones_the_tool_prints(export):
+    """docs/architecture.md quotes tools/option_readers.py; a change of who reads an option changes the page."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import option_readers
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    quoted = page.split("<!-- option-readers -->")[1].split("<!-- /option-readers -->")[0]
+    assert [line.removeprefix("- ") for line in quoted.strip().splitlines()] == \
+        option_readers.readers(export("llama", "dynamo"))
+
+
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(tmp|work|home|root|Users|mnt)/")
 
 

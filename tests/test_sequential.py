@@ -3,7 +3,6 @@
 import graphs
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 from onnx import helper
 
@@ -13,7 +12,8 @@ from onnx_nmm.calibration.calibration_data import observed_inputs
 from onnx_nmm.decomposition.sequential import RIDGE, GroupObserver
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes import find_linear_layers
-from onnx_nmm.pipeline import FactorizeLayers, PlanRanks, RewriteContext
+from onnx_nmm.pipeline import FactorizeLayers, Factorizer, MlpNarrowings, Planner, Statistics, find_targets
+from onnx_nmm.progress import Progress
 
 K, HIDDEN, N, RANK = 24, 32, 20, 6
 
@@ -41,19 +41,23 @@ def _factors(model, name):
 
 
 def _rewrite(path, sequential: bool):
-    """The plan and factorization passes on their own, calibrated on float batches (not token ids): the
+    """The plan and factorization steps on their own, calibrated on float batches (not token ids): the
     sequential observer, or Grams gathered beforehand."""
     source = ModelSource(path)
     calibration = CalibrationOptions(source="random", mode="sequential" if sequential else "independent")
-    context = RewriteContext(RewriteOptions(ranks=RankOptions(rank=RANK), calibration=calibration,
-                                            factorization=FactorizationOptions(method="whiten")), source)
-    observer = None
+    options = RewriteOptions(ranks=RankOptions(rank=RANK), calibration=calibration,
+                             factorization=FactorizationOptions(method="whiten"))
+    observer, statistics = None, Statistics()
     if sequential:
         observer = GroupObserver(source, _batches(), make_feeds=_float_feeds)
     else:
-        context.statistics = collect_gram_matrices(source, observed_inputs(find_linear_layers(source.model)),
-                                                   _batches(), make_feeds=_float_feeds)
-    ir.passes.Sequential(PlanRanks(context), FactorizeLayers(context, observer))(source.model)
+        statistics = Statistics(collect_gram_matrices(source, observed_inputs(find_linear_layers(source.model)),
+                                                      _batches(), make_feeds=_float_feeds))
+    factorizer = Factorizer(options.factorization, statistics.grams, options.ranks.align)
+    targets = find_targets(source.model, options)
+    plan = Planner(options, targets, factorizer, MlpNarrowings(statistics, options.factorization), None, statistics,
+                   source, Progress()).choose(source.model).plan
+    FactorizeLayers(options, plan, factorizer, Progress(), observer=observer)(source.model)
     return source.model
 
 

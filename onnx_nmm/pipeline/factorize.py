@@ -1,4 +1,4 @@
-"""Pass 3: factorize every target the plan gives a rank, and swap in SvdMatMul ops.
+"""Step 3: factorize every target the plan gives a rank, and swap in SvdMatMul ops.
 
     independent   every layer from W and the statistics (one SvdFactorizationPass)
     sequential    group by group in graph order (layers reading one input form a group): observe the
@@ -13,42 +13,53 @@ models larger than memory, onnx_nmm.scale streams the factors to disk instead.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import onnx_ir as ir
 
 from onnx_nmm.decomposition import sequential
+from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
-from onnx_nmm.pipeline.context import RewritePass, sites, targets
+from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.ranks.rank_plan import Dense, Narrowed
+from onnx_nmm.pipeline.targets import find_targets
+from onnx_nmm.progress import Progress
+from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankPlan
 
 
-class FactorizeLayers(RewritePass):
-    """`factor_names` maps each factorized layer to the names of its U and V initializers. With sequential
-    calibration an `observer` may be given (one running the model on other feeds than token ids); by default
-    it runs the calibration windows."""
+@dataclass
+class FactorizedResult(ir.passes.PassResult):
+    """`rows`: the report's row of every linear layer, once per target; `factor_names`: each factorized layer's
+    U and V initializers."""
 
-    def __init__(self, context, observer: sequential.GroupObserver | None = None):
-        super().__init__(context)
-        self.observer = observer
-        self.factor_names: dict[str, tuple[str, str]] = {}
+    rows: list[LayerOutcome] = field(default_factory=list)
+    factor_names: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    @property
-    def label(self) -> str:
-        return "sequential calibration and factorization" if self.context.options.sequential else "factorization"
 
-    def run(self, model: ir.Model) -> bool:
-        context = self.context
-        layers, chosen, skipped = targets(model, context.options)
-        plan, factorizer = context.plan, context.make_factorizer()
-        observer = self._observer()
-        every_site = sites(layers, chosen)
+class FactorizeLayers(ir.passes.InPlacePass):
+    """Every target `plan` gives a rank, factorized by `factorizer`. `narrowed`: the rows of the layers the
+    narrowing did; `not_narrowed`: an MLP's module path → why it was not narrowed (said on its projections'
+    rows). With sequential calibration, `observer` runs the dense and the partly compressed model on the
+    calibration windows."""
+
+    def __init__(self, options: RewriteOptions, plan: RankPlan, factorizer: Factorizer, progress: Progress,
+                 narrowed: dict[str, LayerOutcome] | None = None, not_narrowed: dict[str, str] | None = None,
+                 observer: sequential.GroupObserver | None = None):
+        super().__init__()
+        self.options, self.plan, self.factorizer, self.progress = options, plan, factorizer, progress
+        self.narrowed, self.not_narrowed, self.observer = narrowed or {}, not_narrowed or {}, observer
+
+    def call(self, model: ir.Model) -> FactorizedResult:
+        targets = find_targets(model, self.options)
+        layers, chosen, skipped = targets.layers, targets.chosen, targets.skipped
+        plan, factorizer, observer = self.plan, self.factorizer, self.observer
+        factor_names: dict[str, tuple[str, str]] = {}
+        every_site = targets.sites()
         groups = sequential.layer_groups(every_site) if observer is not None else [every_site]
         outcomes: dict[str, LayerOutcome] = {}
         made: dict[str, FactorizedLayer] = {}  # a target's factors, for its other sites
         description = "observing and factorizing" if observer is not None else "factorizing"
-        with context.progress.phase(description, total=len(chosen)) as phase:
+        with self.progress.phase(description, total=len(chosen)) as phase:
             if observer is not None:
                 observer.prepare({group[0].x.name: group[0].k for group in groups})
             for group in groups:
@@ -58,7 +69,7 @@ class FactorizeLayers(RewritePass):
                 for layer in group:
                     choice = plan[layer.name]
                     if isinstance(choice, Narrowed):  # done by NarrowMlps
-                        outcomes[layer.name] = context.narrowed[layer.name]
+                        outcomes[layer.name] = self.narrowed[layer.name]
                     elif isinstance(choice, Dense):
                         outcomes[layer.name] = LayerOutcome.of(layer, "dense", choice.reason,
                                                                parameters_after=layer.parameters)
@@ -72,23 +83,16 @@ class FactorizeLayers(RewritePass):
                     phase.advance(detail=layer.module_path or layer.name)
                 surgery = SvdFactorizationPass(factorized)
                 surgery(model)
-                self.factor_names.update(surgery.factor_names)
+                factor_names.update(surgery.factor_names)
         factorizer.decompositions.clear()
         rows = {layer.name: outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
                 for layer in layers}  # one row per target, however many subgraphs hold it
         for row in rows.values():  # nystrom: an MLP projection factorized or kept, as its MLP could not be narrowed
-            why = context.not_narrowed.get(row.module_path.rsplit(".", 1)[0]) if row.status != "skipped" else None
+            why = self.not_narrowed.get(row.module_path.rsplit(".", 1)[0]) if row.status != "skipped" else None
             if why:
                 row.reason = "; ".join(filter(None, [row.reason, f"not narrowed: {why}"]))
-        context.report.layers = list(rows.values())
-        return bool(self.factor_names)
-
-    def _observer(self) -> sequential.GroupObserver | None:
-        context = self.context
-        if not context.options.sequential or self.observer is not None:
-            return self.observer
-        windows = context.calibration_windows()
-        return sequential.GroupObserver(context.source, windows.batches(context.options.calibration.batch))
+        return FactorizedResult(model, modified=bool(factor_names), rows=list(rows.values()),
+                                factor_names=factor_names)
 
 
 def _as_stored(factors: FactorizedLayer) -> FactorizedLayer:

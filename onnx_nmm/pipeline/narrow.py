@@ -1,4 +1,4 @@
-"""Pass 3a (nystrom): narrow every MLP the plan gives a width, before the factorization of the other targets.
+"""Step 3a (nystrom): narrow every MLP the plan gives a width, before the factorization of the other targets.
 
     plan  {gate, up, down: Narrowed(k)}   →   S = the k neurons kept, W_d' = the refit (onnx_nmm.decomposition.nystrom)
                                            →   NarrowMlpPass: X·W_g[:, S], X·W_u[:, S], h_S·W_d'
@@ -11,37 +11,66 @@ projection quantized again (onnx_nmm.decomposition.quantization).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm.decomposition.nystrom import MlpNarrowing
+from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import LinearLayer
 from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
-from onnx_nmm.pipeline.context import RewritePass, targets
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.ranks.rank_plan import Narrowed
+from onnx_nmm.pipeline.statistics import Statistics
+from onnx_nmm.progress import Progress
+from onnx_nmm.ranks.rank_plan import Narrowed, RankPlan
 
 
-class NarrowMlps(RewritePass):
-    """`weight_names` maps each narrowed layer to the name of its new weight initializer."""
+class MlpNarrowings:
+    """Each MLP's Nyström compression from the calibration statistics, made once (the plan and the narrowing
+    share it)."""
 
-    label = "narrowing"
+    def __init__(self, statistics: Statistics, options: FactorizationOptions):
+        self.statistics, self.options = statistics, options
+        self._made: dict[str, MlpNarrowing] = {}
 
-    def __init__(self, context):
-        super().__init__(context)
-        self.weight_names: dict[str, str] = {}
+    def of(self, mlp: Mlp) -> MlpNarrowing:
+        if mlp.down.name not in self._made:
+            assert self.statistics.grams is not None, "a method that narrows MLPs is calibrated"
+            gram = self.statistics.grams.gram(mlp.down.x.name)
+            narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), self.options.neuron_score)
+            held_out = self.statistics.held_out
+            if held_out is not None:  # its Gram serves this choice alone: freed after (GBs on 0.5B)
+                gram_held_out = held_out.gram(mlp.down.x.name)
+                del held_out.grams[mlp.down.x.name]
+                narrowing.choose_ridge(gram_held_out, reference_width(mlp.width))
+            self._made[mlp.down.name] = narrowing
+        return self._made[mlp.down.name]
 
-    def run(self, model: ir.Model) -> bool:
-        context = self.context
-        layers, chosen, _ = targets(model, context.options)
-        mlps = [mlp for mlp in context.mlps(layers) if isinstance(context.plan.get(mlp.down.name), Narrowed)]
+
+@dataclass
+class NarrowedResult(ir.passes.PassResult):
+    """`rows`: the report's row of each narrowed layer; `weight_names`: each narrowed layer's new weight."""
+
+    rows: dict[str, LayerOutcome] = field(default_factory=dict)
+    weight_names: dict[str, str] = field(default_factory=dict)
+
+
+class NarrowMlps(ir.passes.InPlacePass):
+    """Every one of `mlps` (each site) the plan gives a width, narrowed to it."""
+
+    def __init__(self, mlps: list[Mlp], plan: RankPlan, narrowings: MlpNarrowings, progress: Progress):
+        super().__init__()
+        self.mlps, self.plan, self.narrowings, self.progress = mlps, plan, narrowings, progress
+
+    def call(self, model: ir.Model) -> NarrowedResult:
+        mlps = [mlp for mlp in self.mlps if isinstance(self.plan.get(mlp.down.name), Narrowed)]
         if not mlps:
-            return False
+            return NarrowedResult(model, modified=False)
         made: dict[str, NarrowedMlp] = {}  # an MLP's narrowing, for its other sites
-        items = []
-        with context.progress.phase("narrowing MLPs", total=len({mlp.down.name for mlp in mlps})) as phase:
+        items, rows = [], {}
+        with self.progress.phase("narrowing MLPs", total=len({mlp.down.name for mlp in mlps})) as phase:
             for mlp in mlps:
                 if mlp.down.name in made:  # another subgraph's site of the MLP: the same weights
                     first = made[mlp.down.name]
@@ -49,18 +78,18 @@ class NarrowMlps(RewritePass):
                                                                for layer, w in zip(mlp.layers, first.weights)]))
                     continue
                 start = time.perf_counter()
-                width = context.plan[mlp.down.name].width
-                narrowing = context.narrowing(mlp)
-                made[mlp.down.name] = narrowed_mlp(mlp, narrowing, width)
+                choice = self.plan[mlp.down.name]
+                assert isinstance(choice, Narrowed)
+                narrowing = self.narrowings.of(mlp)
+                made[mlp.down.name] = narrowed_mlp(mlp, narrowing, choice.width)
                 items.append(made[mlp.down.name])
                 for outcome in outcomes(mlp, narrowing, made[mlp.down.name]):
                     outcome.seconds = time.perf_counter() - start
-                    context.narrowed[outcome.name] = outcome
+                    rows[outcome.name] = outcome
                 phase.advance(detail=mlp.name)
         surgery = NarrowMlpPass(items)
         surgery(model)
-        self.weight_names = surgery.weight_names
-        return True
+        return NarrowedResult(model, modified=True, rows=rows, weight_names=surgery.weight_names)
 
 
 def narrowed_mlp(mlp: Mlp, narrowing: MlpNarrowing, width: int) -> NarrowedMlp:

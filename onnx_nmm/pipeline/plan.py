@@ -1,4 +1,4 @@
-"""Pass 2: the rank plan — a rank for every target, Dense(reason), or with nystrom a kept width for every
+"""Step 2: the rank plan — a rank for every target, Dense(reason), or with nystrom a kept width for every
 targeted MLP (Narrowed, on each of its projections) — by the rule the options name.
 
     ranks_from          the plan of an earlier report                    rank_plan.plan_from_report
@@ -19,16 +19,23 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_nmm.calibration.calibration_data import CalibrationData
 from onnx_nmm.errors import OptionError
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
 from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
-from onnx_nmm.pipeline.context import RewritePass, sites, targets
 from onnx_nmm.pipeline.factorizer import Factorizer
+from onnx_nmm.pipeline.narrow import MlpNarrowings
+from onnx_nmm.pipeline.statistics import Statistics, budget_windows
+from onnx_nmm.pipeline.targets import Targets, find_targets
+from onnx_nmm.progress import Progress
 from onnx_nmm.ranks import rank_allocation, sensitivity
 from onnx_nmm.ranks.rank_plan import (
     Dense,
@@ -45,19 +52,34 @@ from onnx_nmm.ranks.rank_plan import (
 from onnx_nmm.runtime.graph_probe import first_step
 
 
-class PlanRanks(RewritePass):
-    label = "rank selection"
+@dataclass
+class RankChoice:
+    """The plan, and with a quality budget what it measured (RewriteReport.quality_budget)."""
 
-    def run(self, model: ir.Model) -> bool:
-        layers, chosen, _ = targets(model, self.context.options)
-        mlps = self.context.mlps(layers)
-        self.context.plan = self._plan(model, layers, chosen, self.context.make_factorizer(), mlps)
-        _warn_about_shared_weights(chosen, self.context.plan)
-        return False
+    plan: RankPlan
+    quality_budget: dict = field(default_factory=dict)
+
+
+class Planner:
+    """Chooses the plan of `targets` by the rule `options` name. The calibration `data` and `statistics` give
+    the windows a quality budget is measured on; `source` is the model the probe's tokens run through."""
+
+    def __init__(self, options: RewriteOptions, targets: Targets, factorizer: Factorizer, narrowings: MlpNarrowings,
+                 data: CalibrationData | None, statistics: Statistics, source: ModelSource, progress: Progress):
+        self.options, self.targets, self.factorizer, self.narrowings = options, targets, factorizer, narrowings
+        self.data, self.statistics, self.source, self.progress = data, statistics, source, progress
+        self.quality_budget: dict = {}
+
+    def choose(self, model: ir.Model) -> RankChoice:
+        """The plan for `model` (not changed)."""
+        targets, self.quality_budget = self.targets, {}
+        plan = self._plan(model, targets.layers, targets.chosen, self.factorizer, targets.mlps)
+        _warn_about_shared_weights(targets.chosen, plan)
+        return RankChoice(plan, self.quality_budget)
 
     def _plan(self, model: ir.Model, layers: list[LinearLayer], chosen: list[LinearLayer],
               factorizer: Factorizer, mlps: list[Mlp]) -> RankPlan:
-        ranks = self.context.options.ranks
+        ranks = self.options.ranks
         if ranks.rule == "ranks_from":
             plan = plan_from_report(ranks.ranks_from, chosen, layers)
             if not mlps and any(isinstance(choice, Narrowed) for choice in plan.values()):
@@ -73,7 +95,7 @@ class PlanRanks(RewritePass):
         if ranks.rule == "rank":
             return explicit_ranks(chosen, ranks.rank)
         if ranks.rule == "energy":
-            with self.context.progress.phase("choosing ranks by energy", total=len(chosen)) as phase:
+            with self.progress.phase("choosing ranks by energy", total=len(chosen)) as phase:
                 plan = {}
                 for layer in chosen:
                     spectrum = factorizer.spectrum(layer)
@@ -87,11 +109,11 @@ class PlanRanks(RewritePass):
         """The parameters uniform `keep` would keep, spent where each layer's spectrum says they remove the
         most truncation loss, or with Fisher statistics the most predicted KL; with narrowed MLPs, where the
         loss of every layer's output (whitened truncation, or the narrowing's refit error) is least."""
-        ranks = self.context.options.ranks
+        ranks = self.options.ranks
         budget = sum(parameters(layer.k, layer.n, keep_choice(layer, ranks.keep, ranks.align)) for layer in chosen)
-        fisher = self.context.options.strategy.output_grams
+        fisher = self.options.strategy.output_grams
         options, spectra = {}, []
-        with self.context.progress.phase("analysing spectra", total=len(chosen)) as phase:
+        with self.progress.phase("analysing spectra", total=len(chosen)) as phase:
             for layer in chosen:
                 spectrum = factorizer.spectrum(layer)
                 if fisher:
@@ -109,7 +131,7 @@ class PlanRanks(RewritePass):
             candidates = self._narrowing_candidates(mlps)
             budget += sum(candidate.parameters(keep_width(candidate.k, ranks.keep, ranks.align))
                           for candidate in candidates)
-            with self.context.progress.phase("ordering neurons", total=len(candidates)) as phase:
+            with self.progress.phase("ordering neurons", total=len(candidates)) as phase:
                 for candidate in candidates:
                     options[candidate.name] = (candidate.parameters(Dense("")), [
                         (width, candidate.parameters(width), candidate.truncation_loss(width))
@@ -124,19 +146,21 @@ class PlanRanks(RewritePass):
     def _narrowing_candidates(self, mlps: list[Mlp]) -> list[sensitivity.NarrowingCandidate]:
         """Every targeted MLP (once, whatever its sites) as a candidate of the budgets."""
         return [sensitivity.NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None,
-                                               narrowing=self.context.narrowing(mlp)) for mlp in _unique(mlps)]
+                                               narrowing=self.narrowings.of(mlp)) for mlp in _unique(mlps)]
 
     def _measured(self, model: ir.Model, chosen: list[LinearLayer], factorizer: Factorizer,
                   mlps: list[Mlp]) -> RankPlan:
         """A quality budget: ranks (and widths) by the damage each does on calibration windows, measured on a
         probe (this model with every target at full rank, every narrowed MLP at full width) or, with Fisher
         statistics, predicted."""
-        context, ranks = self.context, self.context.options.ranks
+        ranks = self.options.ranks
         metric = "kl" if ranks.rule == "max_kl" else "ppl"
-        held_out = context.budget_windows()  # never a window the statistics came from
+        assert self.data is not None, "a quality budget needs calibration data (RewriteOptions refuses it without)"
+        held_out = budget_windows(self.data, self.statistics.grams)  # never a window the statistics came from
         probe = self._probe(model, chosen, factorizer, mlps, held_out.tokens, metric)
         decompositions = factorizer.decompositions  # kept: the factorization reuses them
-        fisher_tokens = context.statistics.tokens if context.options.strategy.output_grams else None
+        grams = self.statistics.grams
+        fisher_tokens = grams.tokens if grams is not None and self.options.strategy.output_grams else None
         candidates = [sensitivity.Candidate(layer.name, layer.k, layer.n, decompositions[layer.name],
                                             fisher_tokens=fisher_tokens)
                       for layer in chosen if aligned_ranks(layer.k, layer.n, ranks.align)]
@@ -150,17 +174,17 @@ class PlanRanks(RewritePass):
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
         unmeasured = [c for c in candidates if c.fisher_tokens is None and not c.references]
         if unmeasured:
-            with context.progress.phase("measuring sensitivity", total=len(unmeasured)) as phase:
+            with self.progress.phase("measuring sensitivity", total=len(unmeasured)) as phase:
                 sensitivity.measure_references(unmeasured, probe, ranks.align,
                                                on_measured=lambda name: phase.advance(detail=name))
-        with context.progress.phase(f"choosing within the {ranks.quality_budget}") as phase:
+        with self.progress.phase(f"choosing within the {ranks.quality_budget}") as phase:
             def measured(plan):  # each plan tried is one run over the held-out windows
                 damage = probe(plan)
                 phase.advance()
                 return damage
 
             choice = sensitivity.choose(candidates, measured, ranks.align, metric, budget, to_remove, kept_dense)
-        context.report.quality_budget = choice.to_dict(ranks.keep) | {
+        self.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description,
             "spread": sensitivity.spread_over_windows(metric, probe.damage_per_window(choice.plan), held_out.ids)}
         unaligned = Dense(f"no rank that is a multiple of {ranks.align} saves parameters")
@@ -177,10 +201,10 @@ class PlanRanks(RewritePass):
 
         probe_model = model.clone()
         factored = {layer.name for layer in chosen}
-        probe_layers, probe_targets, _ = targets(probe_model, self.context.options)
-        probe_layers = sites(probe_layers, [layer for layer in probe_targets if layer.name in factored])
+        probe_targets = find_targets(probe_model, self.options)
+        probe_layers = [layer for layer in probe_targets.sites() if layer.name in factored]
         if probe_layers:
-            with self.context.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
+            with self.progress.phase("decomposing every target", total=len(probe_layers)) as phase:
                 for layer in probe_layers:
                     factorizer.decompositions[layer.name] = factorizer.decompose(layer)
                     phase.advance(detail=layer.module_path or layer.name)
@@ -188,7 +212,7 @@ class PlanRanks(RewritePass):
         factors = {name: decomposition.factors(decomposition.max_rank)
                    for name, decomposition in decompositions.items()}  # one pair per target, which all its sites read
         surgery = SvdFactorizationPass([FactorizedLayer(layer, *factors[layer.name],
-                                                        align=self.context.options.ranks.align,
+                                                        align=self.options.ranks.align,
                                                         method=f"{factorizer.method}/exact")
                                         for layer in probe_layers])
         surgery(probe_model)
@@ -199,8 +223,7 @@ class PlanRanks(RewritePass):
         del probe_model, surgery, factors
         module = lower(first_step(proto), consume=True)
         del proto
-        return sensitivity.DamageProbe(module, factor_names, decompositions, tokens, metric, self.context.source,
-                                       narrowings)
+        return sensitivity.DamageProbe(module, factor_names, decompositions, tokens, metric, self.source, narrowings)
 
     def _full_width(self, probe_model: ir.Model, mlps: list[Mlp]) -> dict:
         """Every targeted MLP of the probe model narrowed to its full width with float weights (the same
@@ -208,9 +231,8 @@ class PlanRanks(RewritePass):
         weight, which the probe swaps for the refit at any width."""
         if not mlps:
             return {}
-        layers, _, _ = targets(probe_model, self.context.options)
         names = {mlp.down.name for mlp in mlps}
-        probe_mlps = [mlp for mlp in self.context.mlps(layers) if mlp.down.name in names]
+        probe_mlps = [mlp for mlp in find_targets(probe_model, self.options).mlps if mlp.down.name in names]
         weights: dict[str, list[np.ndarray]] = {}  # one set per MLP, which every site of it reads
         for mlp in probe_mlps:
             weights.setdefault(mlp.down.name, [layer.weight_matrix() for layer in mlp.layers])
@@ -218,7 +240,7 @@ class PlanRanks(RewritePass):
             NarrowedWeight(layer, matrix) for layer, matrix in zip(mlp.layers, weights[mlp.down.name])])
             for mlp in probe_mlps])
         surgery(probe_model)
-        return {mlp.name: (self.context.narrowing(mlp), surgery.weight_names[mlp.down.name]) for mlp in mlps}
+        return {mlp.name: (self.narrowings.of(mlp), surgery.weight_names[mlp.down.name]) for mlp in mlps}
 
 
 def _unique(mlps: list[Mlp]) -> list[Mlp]:

@@ -1,4 +1,4 @@
-"""Pass 1: the calibration statistics the methods and budgets need, loaded or gathered
+"""Step 1: the calibration statistics the method and the budget need, loaded or gathered
 (calibration_data.CalibrationData.statistics):
 
     whiten, svd   XᵀX of every target's input, in onnxruntime (activation_stats)
@@ -11,32 +11,68 @@ The model is not changed.
 
 from __future__ import annotations
 
-import onnx_ir as ir
+from dataclasses import dataclass, field
 
-from onnx_nmm.calibration.activation_stats import collect_gram_matrices
-from onnx_nmm.pipeline.context import RewritePass, targets
+from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
+from onnx_nmm.calibration.calibration_data import CalibrationData
+from onnx_nmm.calibration.tokens import TokenWindows
+from onnx_nmm.errors import DataError
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.pipeline.targets import Targets
+from onnx_nmm.progress import Progress
 
 
-class GatherStatistics(RewritePass):
-    label = "calibration"
+@dataclass
+class Statistics:
+    """What calibration gave: the Grams (None when nothing needs them), the held-out Grams of the narrowed MLPs'
+    intermediate activations, and the ids of the windows the Grams came from (none when they were loaded)."""
 
-    def run(self, model: ir.Model) -> bool:
-        context, options = self.context, self.context.options
-        _, chosen, _ = targets(model, options)
-        if options.needs_statistics:
-            data = context.calibration_data()
-            context.statistics = data.statistics(context.source, chosen, options.strategy.output_grams,
-                                                 options.factorization.seed, context.progress)
-            context.report.calibration = context.statistics.description
-            if data.statistics_file is None:
-                context.report.calibration_windows = list(data.windows().ids)
-            mlps = context.mlps(targets(model, options)[0])
-            if mlps and data.token_source is not None:
-                held_out = context.budget_windows()
-                inputs = {mlp.down.x.name: mlp.width for mlp in mlps}
-                with context.progress.phase(f"held-out activations ({held_out.description})",
-                                            total=held_out.token_count) as phase:
-                    context.held_out_statistics = collect_gram_matrices(
-                        context.source, inputs, held_out.batches(options.calibration.batch), held_out.description,
-                        on_batch=phase.advance)
-        return False
+    grams: GramStatistics | None = None
+    held_out: GramStatistics | None = None
+    windows: list[str] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        return self.grams.description if self.grams is not None else ""
+
+
+def calibration_data(options: RewriteOptions, source: ModelSource, progress: Progress) -> CalibrationData | None:
+    """What the calibration options point at, decided once (a bad source is refused here, before any work); a
+    quality budget, and a method that narrows MLPs, hold their windows out of it."""
+    if options.calibration is None:
+        return None
+    ranks = options.ranks
+    held_out = ranks.sensitivity_windows if ranks.measures_damage or options.strategy.narrows_mlps else 0
+    return CalibrationData(options.calibration, source.model.graph, source, held_out, progress)
+
+
+def gather_statistics(targets: Targets, data: CalibrationData | None, options: RewriteOptions, source: ModelSource,
+                      progress: Progress) -> Statistics:
+    """The statistics of `targets` that `options` need, from `data`."""
+    if data is None or not options.needs_statistics:
+        return Statistics()
+    grams = data.statistics(source, targets.chosen, options.strategy.output_grams, options.factorization.seed,
+                            progress)
+    windows = list(data.windows().ids) if data.statistics_file is None else []
+    held_out = None
+    if targets.mlps and data.token_source is not None:
+        budget = budget_windows(data, grams)
+        inputs = {mlp.down.x.name: mlp.width for mlp in targets.mlps}
+        with progress.phase(f"held-out activations ({budget.description})", total=budget.token_count) as phase:
+            held_out = collect_gram_matrices(source, inputs, budget.batches(data.options.batch), budget.description,
+                                             on_batch=phase.advance)
+    return Statistics(grams, held_out, windows)
+
+
+def budget_windows(data: CalibrationData, grams: GramStatistics | None) -> TokenWindows:
+    """The windows the quality budgets are measured on: held out of the calibration windows, and of the windows
+    loaded statistics came from (when their file names them)."""
+    held_out = data.held_out_windows()
+    shared = sorted(set(held_out.ids) & set(grams.windows if grams is not None else ()))
+    if shared:
+        raise DataError(f"the statistics in {data.statistics_file} came from {len(shared)} of the windows the "
+                        f"quality budget is measured on ({', '.join(shared[:3])}{', …' if len(shared) > 3 else ''}): "
+                        "give {samples} the window count they were gathered with, or gather them again",
+                        samples="calibration.samples")
+    return held_out

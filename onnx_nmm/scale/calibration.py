@@ -1,4 +1,4 @@
-"""Pass 1 of a streamed rewrite on Ray: the calibration windows split into one contiguous share per worker,
+"""Step 1 of a streamed rewrite on Ray: the calibration windows split into one contiguous share per worker,
 each worker running the original model in onnxruntime on its share and returning its XᵀX sums; the driver adds
 them in share order. Grams add exactly, so the result is the serial one up to the order of float64 sums.
 
@@ -13,50 +13,45 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.calibration.calibration_data import CalibrationData, observed_inputs
 from onnx_nmm.model_source import ModelSource
-from onnx_nmm.pipeline import GatherStatistics
-from onnx_nmm.pipeline.context import targets
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.pipeline import Statistics, Targets, gather_statistics
+from onnx_nmm.progress import Progress
 from onnx_nmm.scale.ray_executor import import_ray
 
 
-class GatherStatisticsOnRay(GatherStatistics):
-    def __init__(self, context, model_path: Path):
-        super().__init__(context)
-        self.model_path = model_path.resolve()
-
-    def run(self, model: ir.Model) -> bool:
-        context, options = self.context, self.context.options
-        data = CalibrationData(options.calibration, model.graph) if options.needs_statistics else None
-        if data is None or data.statistics_file is not None or options.strategy.output_grams:
-            return super().run(model)
-        _, chosen, _ = targets(model, options)
-        windows = data.windows()
-        batches = list(windows.batches(options.calibration.batch))
-        ray = import_ray()
-        workers = max(1, min(len(batches), int(ray.cluster_resources().get("CPU", 1))))
-        shares = [batches[i::workers] for i in range(workers)]  # interleaved: equal shares of equal batches
-        task = ray.remote(num_cpus=1)(_gram_share)
-        inputs = observed_inputs(chosen)
-        with context.progress.phase(f"calibrating on {workers} Ray workers ({windows.description})",
-                                    total=windows.token_count) as phase:
-            pending = {task.remote(str(self.model_path), inputs, share, windows.description): index
-                       for index, share in enumerate(shares)}
-            parts: dict[int, GramStatistics] = {}
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for reference in done:
-                    parts[pending.pop(reference)] = part = ray.get(reference)
-                    phase.advance(part.tokens)
-        context.statistics = summed([parts[index] for index in range(workers)], windows.description)
-        context.statistics.windows = tuple(windows.ids)
-        if options.calibration.save_statistics is not None:
-            context.statistics.save(options.calibration.save_statistics)
-        context.report.calibration = context.statistics.description
-        return False
+def gather_statistics_on_ray(targets: Targets, data: CalibrationData | None, options: RewriteOptions,
+                             source: ModelSource, model_path: Path, progress: Progress) -> Statistics:
+    """gather_statistics, the XᵀX sums split over the Ray cluster's workers (saved statistics are loaded, and
+    fisher's gathered, as without Ray)."""
+    if data is None or not options.needs_statistics or data.statistics_file is not None \
+            or options.strategy.output_grams:
+        return gather_statistics(targets, data, options, source, progress)
+    windows = data.windows()
+    batches = list(windows.batches(data.options.batch))
+    ray = import_ray()
+    workers = max(1, min(len(batches), int(ray.cluster_resources().get("CPU", 1))))
+    shares = [batches[i::workers] for i in range(workers)]  # interleaved: equal shares of equal batches
+    task = ray.remote(num_cpus=1)(_gram_share)
+    inputs = observed_inputs(targets.chosen)
+    with progress.phase(f"calibrating on {workers} Ray workers ({windows.description})",
+                        total=windows.token_count) as phase:
+        pending = {task.remote(str(model_path.resolve()), inputs, share, windows.description): index
+                   for index, share in enumerate(shares)}
+        parts: dict[int, GramStatistics] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for reference in done:
+                parts[pending.pop(reference)] = part = ray.get(reference)
+                phase.advance(part.tokens)
+    grams = summed([parts[index] for index in range(workers)], windows.description)
+    grams.windows = tuple(windows.ids)
+    if data.options.save_statistics is not None:
+        grams.save(data.options.save_statistics)
+    return Statistics(grams)
 
 
 def summed(parts: list[GramStatistics], description: str) -> GramStatistics:

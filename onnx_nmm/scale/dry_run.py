@@ -19,9 +19,8 @@ from threadpoolctl import threadpool_limits
 from onnx_nmm.errors import OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.pipeline import PlanRanks, RewriteContext
-from onnx_nmm.pipeline.context import targets
-from onnx_nmm.pipeline.factorizer import Factorizer
+from onnx_nmm.pipeline import Factorizer, MlpNarrowings, Planner, Statistics, find_targets
+from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Dense
 from onnx_nmm.scale.jobs import blas_threads
 
@@ -72,24 +71,25 @@ def plan_rewrite(model: str | os.PathLike, options: RewriteOptions | None = None
                           "drop {calibration} or the spectrum-based rule to plan", keep="ranks.keep",
                           calibration="calibration.source")
     source = ModelSource(Path(model))
-    context = RewriteContext(options, source)
-    PlanRanks(context)(source.model)
-    _, chosen, _ = targets(source.model, options)
-    ranked = [layer for layer in chosen if not isinstance(context.plan[layer.name], Dense)]
+    targets, statistics = find_targets(source.model, options), Statistics()
+    factorizer = Factorizer(options.factorization, None, options.ranks.align)
+    ranks = Planner(options, targets, factorizer, MlpNarrowings(statistics, options.factorization), None, statistics,
+                    source, Progress()).choose(source.model).plan
+    chosen = targets.chosen
+    ranked = [layer for layer in chosen if not isinstance(ranks[layer.name], Dense)]
     plan = RewritePlan(threads=blas_threads(threads))
     cost = {}
     if ranked:
         sample = max(ranked, key=_svd_cost)
-        factorizer = Factorizer(options.factorization, None, options.ranks.align)
         with threadpool_limits(limits=plan.threads):
             start = time.perf_counter()
-            factorizer.factorize(sample, context.plan[sample.name])
+            factorizer.factorize(sample, ranks[sample.name])
             plan.sample_seconds = time.perf_counter() - start
         plan.sample = f"{sample.module_path or sample.name} ({sample.k}×{sample.n})"
         cost = {layer.name: plan.sample_seconds * _svd_cost(layer) / _svd_cost(sample) for layer in ranked}
     storage = {"float16": 2, "float32": 4}.get(options.factorization.factor_dtype)
     for layer in chosen:
-        choice = context.plan[layer.name]
+        choice = ranks[layer.name]
         dense = isinstance(choice, Dense)
         itemsize = layer.dtype.itemsize
         after = layer.parameters if dense else choice * (layer.k + layer.n)

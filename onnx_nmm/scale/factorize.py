@@ -1,4 +1,4 @@
-"""Pass 3 of a streamed rewrite: factorize the targets one matrix at a time (here or on Ray), keeping each
+"""Step 3 of a streamed rewrite: factorize the targets one matrix at a time (here or on Ray), keeping each
 matrix's factors in the work folder as soon as they are made, then swap in SvdMatMul ops whose U and V are
 references to those files, not arrays: the process holds one matrix's working set at a time, whatever the
 model's size. Matrices a killed run finished are taken up from the folder, not factorized again.
@@ -6,43 +6,53 @@ model's size. Matrices a killed run finished are taken up from the folder, not f
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
+from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
-from onnx_nmm.pipeline import LayerOutcome
-from onnx_nmm.pipeline.context import RewritePass, sites, targets
-from onnx_nmm.ranks.rank_plan import Dense
+from onnx_nmm.pipeline import Factorizer, LayerOutcome, find_targets
+from onnx_nmm.progress import Progress
+from onnx_nmm.ranks.rank_plan import Dense, RankPlan
 from onnx_nmm.scale.jobs import FactorJob, factor_arrays, stored_dtype
 from onnx_nmm.scale.work_dir import WorkDir
 
 
-class StreamFactorizeLayers(RewritePass):
-    """`make_executor(factorizer, layers)` gives what runs the jobs (ray_executor)."""
+@dataclass
+class StreamedResult(ir.passes.PassResult):
+    """The report's row of every linear layer, once per target."""
 
-    label = "factorization"
+    rows: list[LayerOutcome] = field(default_factory=list)
 
-    def __init__(self, context, work: WorkDir, make_executor):
-        super().__init__(context)
-        self.work, self.make_executor = work, make_executor
 
-    def run(self, model: ir.Model) -> bool:
-        context = self.context
-        layers, chosen, skipped = targets(model, context.options)
+class StreamFactorizeLayers(ir.passes.InPlacePass):
+    """Every target `plan` gives a rank, factorized by `factorizer` one matrix at a time into `work`.
+    `make_executor(factorizer, layers)` gives what runs the jobs (ray_executor)."""
+
+    def __init__(self, options: RewriteOptions, plan: RankPlan, factorizer: Factorizer, work: WorkDir,
+                 make_executor, progress: Progress):
+        super().__init__()
+        self.options, self.plan, self.factorizer = options, plan, factorizer
+        self.work, self.make_executor, self.progress = work, make_executor, progress
+
+    def call(self, model: ir.Model) -> StreamedResult:
+        targets = find_targets(model, self.options)
+        layers, chosen, skipped = targets.layers, targets.chosen, targets.skipped
         quantized = [layer for layer in chosen if layer.weight.quantized is not None]
         if quantized:
             raise ModelError(f"{quantized[0].module_path or quantized[0].name} is stored quantized: a streamed "
                              "rewrite factorizes float weights (bf16, fp16, fp32); rewrite quantized models in memory")
-        factorizer = context.make_factorizer()
-        jobs = [FactorJob(index, layer.name, context.plan[layer.name]) for index, layer in enumerate(chosen)
-                if not isinstance(context.plan[layer.name], Dense)]
+        factorizer, plan = self.factorizer, self.plan
+        jobs = [FactorJob(index, layer.name, plan[layer.name]) for index, layer in enumerate(chosen)
+                if not isinstance(plan[layer.name], Dense)]
         outcomes: dict[str, LayerOutcome] = {}
-        with context.progress.phase("factorizing", total=len(chosen)) as phase:
+        with self.progress.phase("factorizing", total=len(chosen)) as phase:
             for layer in chosen:
-                if isinstance(context.plan[layer.name], Dense):
-                    outcomes[layer.name] = LayerOutcome.of(layer, "dense", context.plan[layer.name].reason,
+                choice = plan[layer.name]
+                if isinstance(choice, Dense):
+                    outcomes[layer.name] = LayerOutcome.of(layer, "dense", choice.reason,
                                                            parameters_after=layer.parameters)
                     phase.advance(detail=layer.module_path or layer.name)
             todo = []
@@ -57,21 +67,20 @@ class StreamFactorizeLayers(RewritePass):
             for job, outcome in self.make_executor(factorizer, by_name).run(todo):
                 outcomes[job.layer] = outcome
                 phase.advance(detail=f"{outcome.module_path or outcome.name} ({outcome.seconds:.1f} s)")
-        every_site = sites(layers, chosen)
+        every_site = targets.sites()
         for job in jobs:
             self._swap(model, [site for site in every_site if site.name == job.layer], job, outcomes[job.layer],
                        factorizer)
-        factorizer.decompositions.clear()
-        context.report.layers = [outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
-                                 for layer in {layer.name: layer for layer in layers}.values()]
-        return bool(jobs)
+        rows = [outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
+                for layer in {layer.name: layer for layer in layers}.values()]
+        return StreamedResult(model, modified=bool(jobs), rows=rows)
 
     def _swap(self, model: ir.Model, layer_sites, job: FactorJob, outcome: LayerOutcome, factorizer) -> None:
         """Every site of one target → SvdMatMul, its U and V read from the work folder's files."""
         layer = layer_sites[0]
         dtype = stored_dtype(factorizer, layer)
         u, v = factor_arrays(self.work, job.index, dtype.numpy(), layer.k, layer.n, outcome.rank)
-        options = self.context.options
+        options = self.options
         first = FactorizedLayer(layer=layer, u=u, v=v, align=options.ranks.align, storage=factorizer.storage_dtype(),
                                 method=f"{options.method}/{options.factorization.svd}")
         surgery = SvdFactorizationPass([first] + [replace(first, layer=site) for site in layer_sites[1:]])

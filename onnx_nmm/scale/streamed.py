@@ -1,7 +1,7 @@
 """A rewrite straight to a file, for models larger than memory: the in-memory rewrite's passes with the
 factorization streamed (factorize.py), resumable, optionally spread over a Ray cluster.
 
-    load graph (weights memory-mapped) ─ GatherStatistics ─ PlanRanks ─ StreamFactorizeLayers ─ write_streamed
+    load graph (weights memory-mapped) ─ gather_statistics ─ Planner ─ StreamFactorizeLayers ─ write_streamed
                                          on Ray: windows split   one matrix at a time,         tensor by tensor,
                                          over workers, Grams     recorded in <output>.partial  renamed into place
                                          summed (calibration.py);
@@ -20,20 +20,29 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_nmm import __version__
 from onnx_nmm.errors import OptionError
 from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.pipeline import GatherStatistics, PlanRanks, RewriteContext, RewriteResult, _root_cause
+from onnx_nmm.pipeline import (
+    Factorizer,
+    MlpNarrowings,
+    Planner,
+    RewriteReport,
+    RewriteResult,
+    Statistics,
+    calibration_data,
+    find_targets,
+    gather_statistics,
+)
 from onnx_nmm.progress import Progress
-from onnx_nmm.scale.calibration import GatherStatisticsOnRay
-from onnx_nmm.scale.factorize import StreamFactorizeLayers
+from onnx_nmm.scale.calibration import gather_statistics_on_ray
+from onnx_nmm.scale.factorize import StreamedResult, StreamFactorizeLayers
 from onnx_nmm.scale.options import StreamOptions
 from onnx_nmm.scale.ray_executor import LocalExecutor, RayExecutor, import_ray, ray_cluster
-from onnx_nmm.scale.spectra import SpectraOnRay
+from onnx_nmm.scale.spectra import factorizer_with_spectra_on_ray
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import write_streamed
 from onnx_nmm.teacher import record_dense_model
@@ -54,33 +63,53 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     model_path, output = Path(model), Path(output)
     source = ModelSource(model_path)
     check_output_path(model_path, output, overwrite_input=False)
-    context = RewriteContext(options, source, progress)  # a bad calibration source is refused here
+    data = calibration_data(options, source, progress)  # a bad calibration source is refused here
+    report = RewriteReport(rule=options.ranks.describe(), selection=options.selection.describe(),
+                           method=options.factorization.describe() + f", {options.ranks.budget} budget")
     with ray_cluster(stream.ray, stream.threads):  # so is a cluster that cannot run the tasks
         work = WorkDir.open(output, fingerprint(model_path, _settings(options, stream)), stream.resume)
-        context.report.weight_bytes_before = weight_bytes(source.model)
-        make_executor = functools.partial(_executor, context, stream, work, model_path)
-        gather = GatherStatistics(context) if stream.ray is None else GatherStatisticsOnRay(context, model_path)
-        spectra = [SpectraOnRay(context, model_path, stream.threads)] if stream.ray is not None else []
-        passes = [gather, *spectra, PlanRanks(context), StreamFactorizeLayers(context, work, make_executor)]
+        report.weight_bytes_before = weight_bytes(source.model)
         try:
-            ir.passes.Sequential(*passes)(source.model)
-        except ir.passes.PassError as error:
+            report.layers = _factorized(source, model_path, data, options, stream, work, report, progress).rows
+        except Exception:
             work.remove_if_empty()  # bad input found before any matrix was finished: nothing to resume
-            raise _root_cause(error) from None
-    context.report.weight_bytes_after = weight_bytes(source.model)
+            raise
+    report.weight_bytes_after = weight_bytes(source.model)
     record_dense_model(source.model, model_path)  # as the in-memory rewrite does: finetune's default teacher
     with progress.phase("writing"):
         write_streamed(source.model, output, work.staging, functools.partial(check_model_file, source=model_path))
     carry_genai_config(model_path, output)
     work.remove()
-    return RewriteResult(source.model, context.report, model_path, True)
+    return RewriteResult(source.model, report, model_path, True)
 
 
-def _executor(context: RewriteContext, stream: StreamOptions, work: WorkDir, model_path: Path, factorizer, layers):
+def _factorized(source: ModelSource, model_path: Path, data, options: RewriteOptions, stream: StreamOptions,
+                work: WorkDir, report: RewriteReport, progress: Progress) -> StreamedResult:
+    """The statistics, the plan and the streamed factorization of `source`'s model (changed in place)."""
+    targets = find_targets(source.model, options)
+    statistics = (gather_statistics(targets, data, options, source, progress) if stream.ray is None
+                  else gather_statistics_on_ray(targets, data, options, source, model_path, progress))
+    report.calibration, report.calibration_windows = statistics.description, statistics.windows
+    if stream.ray is None:
+        factorizer = Factorizer(options.factorization, statistics.grams, options.ranks.align)
+    else:
+        factorizer = factorizer_with_spectra_on_ray(targets, statistics, options, model_path, stream.threads,
+                                                    progress)
+    choice = Planner(options, targets, factorizer, MlpNarrowings(statistics, options.factorization), data,
+                     statistics, source, progress).choose(source.model)
+    make_executor = functools.partial(_executor, statistics, options, stream, work, model_path)
+    result = StreamFactorizeLayers(options, choice.plan, factorizer, work, make_executor, progress)(source.model)
+    factorizer.decompositions.clear()
+    assert isinstance(result, StreamedResult)
+    return result
+
+
+def _executor(statistics: Statistics, options: RewriteOptions, stream: StreamOptions, work: WorkDir,
+              model_path: Path, factorizer, layers):
     if stream.ray is None:
         return LocalExecutor(factorizer, layers, work, stream.threads)
-    return RayExecutor(model_path, context.options.factorization, context.statistics,
-                       context.options.ranks.align, work, stream.threads)
+    return RayExecutor(model_path, options.factorization, statistics.grams, options.ranks.align, work,
+                       stream.threads)
 
 
 def _settings(options: RewriteOptions, stream: StreamOptions) -> str:
