@@ -1,7 +1,12 @@
 """What the help texts say, checked against what the commands do: one name per idea, one wording per
 behaviour, and the defaults as they are."""
 
+import fnmatch
 import json
+import re
+import shlex
+import warnings
+from pathlib import Path
 
 import onnx
 import pytest
@@ -206,3 +211,39 @@ def test_bench_kernels_writes_to_o_like_every_other_command(tmp_path):
     assert parse(["bench-kernels", "-o", str(tmp_path)]).out == parse(["bench-kernels", "--output", str(tmp_path)]).out
     with pytest.warns(OldFlagName, match="--out is now --output"):
         assert parse(["bench-kernels", "--out", str(tmp_path)]).out == tmp_path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commands_in(page: Path, variables: dict[str, str]) -> list[list[str]]:
+    """The `onnx-nmm` command lines in a page's shell blocks, its $VARIABLES filled in, comments dropped."""
+    blocks = re.findall(r"```\n(.*?)```", page.read_text(), re.S)
+    lines = [command for block in blocks for line in block.splitlines()
+             for command in line.split("  #")[0].split(" && ") if command.startswith("onnx-nmm ")]
+    for name, value in variables.items():
+        lines = [line.replace(f"${name}", value) for line in lines]
+    return [shlex.split(line)[1:] for line in lines]
+
+
+def test_the_readme_first_screen_uses_the_files_make_demo_leaves_and_commands_the_cli_takes():
+    import assets
+
+    readme = ROOT / "README.md"
+    two = re.search(r"## Two commands\n(.*?)\n## ", readme.read_text(), re.S).group(1)
+    assert "make demo " in two and "make test " in two  # the two that set everything up on a fresh machine
+    screen = re.search(r"## First steps.*?```\n(.*?)```", readme.read_text(), re.S).group(1)
+    variables = dict(re.findall(r"^(\w+)=(\$\([^)]*\)|\S+)", screen, re.M))
+    assert fnmatch.fnmatch(str(assets.smollm2_gguf().relative_to(ROOT)), variables["GGUF"][len("$(ls "):-1])
+    assert variables["CALIB"] == ".cache/assets/kjv-calibration.txt" == str(
+        (assets.CACHE / "kjv-calibration.txt").relative_to(ROOT)) and 'f"kjv-{part}.txt"' in Path(
+        assets.__file__).read_text()
+    assert variables["HELD_OUT"] == ".cache/assets/lee-background.txt" and '"lee-background.txt"' in Path(
+        assets.__file__).read_text()
+    commands = [*_commands_in(readme, {"GGUF": "m.gguf", "CALIB": "c.txt", "HELD_OUT": "h.txt"}),
+                *_commands_in(ROOT / "docs" / "usage.md", {})]
+    assert len(commands) > 20 and {command[0] for command in commands} >= {"export", "rewrite", "diff", "bench"}
+    for command in commands:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a renamed flag's note is an error here: the docs use the new names
+            build_parser().parse_args(command)
