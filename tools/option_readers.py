@@ -53,10 +53,10 @@ def watched_options(options: RewriteOptions, reads: list[tuple[str, str]]) -> Re
     return rewritten
 
 
-def walk(reads: list[tuple[str, str]], prefix: str) -> tuple[list[str], int]:
-    """The modules that read options starting with `prefix`, in first-read order, and how many times the reading
-    came back to a module after another had read."""
-    sequence = [module for option, module in reads if option.startswith(prefix)]
+def walk(reads: list[tuple[str, str]]) -> tuple[list[str], int]:
+    """The modules that made `reads`, in first-read order, and how many times the reading came back to a module
+    after another had read."""
+    sequence = [module for _, module in reads]
     order = list(dict.fromkeys(sequence))
     runs = [module for i, module in enumerate(sequence) if i == 0 or sequence[i - 1] != module]
     return order, len(runs) - len(order)
@@ -65,9 +65,10 @@ def walk(reads: list[tuple[str, str]], prefix: str) -> tuple[list[str], int]:
 CASES = {
     "--calib": (lambda: RewriteOptions(calibration=CalibrationOptions("random", samples=12, seq_len=32)),
                 ("calibration.source",)),
-    "--method fisher": (lambda: RewriteOptions(ranks=RankOptions(keep=0.8), factorization=FactorizationOptions("fisher"),
-                                               calibration=CalibrationOptions("random", samples=4, seq_len=32)),
-                        ("factorization.method", "options.method", "options.strategy")),
+    "--method fisher": (lambda: RewriteOptions(
+        ranks=RankOptions(keep=0.8), factorization=FactorizationOptions("fisher"),
+        calibration=CalibrationOptions("random", samples=4, seq_len=32)),
+        ("factorization.method", "options.method", "options.strategy")),
     "--keep 0.8": (lambda: RewriteOptions(ranks=RankOptions(keep=0.8)), ("ranks.keep",)),
 }
 
@@ -78,7 +79,7 @@ def readers(model: Path) -> list[str]:
     for title, (options, prefixes) in CASES.items():
         reads: list[tuple[str, str]] = []
         onnx_nmm.rewrite(model, watched_options(options(), reads))
-        order, returns = walk([read for read in reads if read[0].startswith(prefixes)], "")
+        order, returns = walk([read for read in reads if read[0].startswith(prefixes)])
         modules = " → ".join(f"`{module.removeprefix('onnx_nmm.')}`" for module in order)
         lines.append(f"`{title}` is read by {len(order)} module{'s' * (len(order) != 1)} ({modules}), "
                      f"{returns} return{'s' * (returns != 1)} to a module it had left")
