@@ -15,7 +15,7 @@ changed. Every error is an OnnxNmmError subclass saying what is wrong and what t
 __version__ = "0.1.0"
 
 from onnx_nmm.calibration.sources import GeneratedText
-from onnx_nmm.calibration.tokens import load_tokenizer
+from onnx_nmm.calibration.tokens import is_tokenizer_folder, load_tokenizer
 from onnx_nmm.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.errors import (
     DataError,
@@ -59,7 +59,7 @@ __all__ = [
     "estimate_trainium", "evaluate", "Evaluation", "ExecutionError", "export_causal_lm", "export_checkpoint",
     "external_data_path", "FactorizationOptions", "factorized", "finetune", "FinetuneOptions", "FinetuneResult",
     "generate", "GeneratedText", "GenerateOptions", "Generation", "GenerationMismatch", "inspect", "Inspection",
-    "is_compiled_folder", "LayerInfo",
+    "is_compiled_folder", "is_tokenizer_folder", "LayerInfo",
     "LayerOutcome", "load_gguf_causal_lm", "load_tokenizer", "LoweringMismatch", "MissingDependencyError",
     "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing", "OnnxNmmError", "OptionError", "OutputError",
     "Phase", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite", "rewrite_streamed", "RewriteOptions",

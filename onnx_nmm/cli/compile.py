@@ -8,7 +8,6 @@ import shlex
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.calibration.tokens import is_tokenizer_folder
 from onnx_nmm.cli import _common, _parsing
 
 
@@ -121,7 +120,7 @@ def _generate_command(folder: Path) -> str:
     """`generate` on the compiled folder as it can be typed; with --tokenizer to fill in when the folder holds no
     tokenizer (none was beside the model to copy)."""
     prompt = shlex.quote("Why is the sky blue?")
-    if is_tokenizer_folder(folder):
+    if onnx_nmm.is_tokenizer_folder(folder):
         return f"onnx-nmm generate {shlex.quote(str(folder))} --prompt {prompt}"
     return (f"onnx-nmm generate {shlex.quote(str(folder))} --tokenizer TOKENIZER --prompt {prompt}, TOKENIZER being "
             "the model's tokenizer folder or .gguf file (none was beside the model to copy into the folder)")
