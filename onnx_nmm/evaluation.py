@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_nmm.calibration.calibration_data import check_token_ids, read_tokens
+from onnx_nmm.calibration.calibration_data import check_token_ids, check_token_sources, read_tokens
 from onnx_nmm.options import DEFAULT_WINDOW
 from onnx_nmm.progress import Progress
 from onnx_nmm.quality.perplexity import PerplexityResult, Windows, perplexity, window_count
@@ -32,6 +32,12 @@ class TextOptions:
 
     def __post_init__(self):
         Windows(self.window or DEFAULT_WINDOW, self.stride, self.max_windows)  # refuses an impossible window or count
+
+    def check(self) -> None:
+        """The text is there and not empty, and a text file has a tokenizer that is one: said before a model
+        loads, not after."""
+        if not isinstance(self.text, np.ndarray):
+            check_token_sources([self.text], self.tokenizer, "tokenizer")
 
     def read(self, default_window: int) -> tuple[np.ndarray, Windows]:
         """The text's token ids, and the windows to score them in (a window of `default_window` unless set)."""
@@ -63,6 +69,7 @@ def evaluate(model: Model, text: TextOptions, backend: str = "ort", target: str 
              progress: Progress | None = None) -> Evaluation:
     """Token-level perplexity of `model` (a causal LM, logits first) on the windows of `text`."""
     progress = progress or Progress()
+    text.check()
     runner = ModelRunner(model, backend, target)
     tokens, windows = text.read(DEFAULT_WINDOW)
     check_token_ids(tokens, runner.vocabulary, text.label, runner.label)

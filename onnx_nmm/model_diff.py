@@ -135,6 +135,7 @@ def diff_on_text(reference: Model, candidate: Model, text: TextOptions, backend:
     """Both perplexities, top-1 agreement and KL at every scored position of the windows of a real text."""
     progress = progress or Progress()
     check_backend(backend, target)
+    text.check()
     expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, backend, target)
     _check_same_interface(expected_runner, actual_runner)
     tokens, windows = text.read(DEFAULT_WINDOW)

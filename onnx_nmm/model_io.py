@@ -29,6 +29,20 @@ PROTOBUF_LIMIT = 2**31 - 1
 def load_model(path: str | os.PathLike) -> ir.Model:
     """Load an ONNX model (external data memory-mapped), or raise a ModelError saying what is wrong."""
     path = Path(path)
+    check_model_path(path)
+    try:
+        model = ir.load(path)
+    except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError by version
+        raise ModelError(f"{path} is not an ONNX model ({type(error).__name__}: {_first_line(error)}); "
+                         "give a .onnx file, e.g. from torch.onnx.export") from None
+    if not model.graph.outputs:
+        raise ModelError(f"{path} parsed, but holds no graph outputs: it is not an ONNX model")
+    _check_external_data(path, model)
+    return model
+
+
+def check_model_path(path: Path) -> None:
+    """A ModelError when `path` is no file (a folder: what to give instead), before anything is read."""
     if path.is_dir():
         inside = sorted(path.glob("*.onnx"))
         if (path / "manifest.json").is_file() and inside:
@@ -42,15 +56,6 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise ModelError(f"{path} is a folder, not a model: {hint}")
     if not path.is_file():
         raise ModelError(f"{path}: no such file; give the path of an .onnx model")
-    try:
-        model = ir.load(path)
-    except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError by version
-        raise ModelError(f"{path} is not an ONNX model ({type(error).__name__}: {_first_line(error)}); "
-                         "give a .onnx file, e.g. from torch.onnx.export") from None
-    if not model.graph.outputs:
-        raise ModelError(f"{path} parsed, but holds no graph outputs: it is not an ONNX model")
-    _check_external_data(path, model)
-    return model
 
 
 def external_data_files(model: ir.Model) -> set[Path]:

@@ -131,6 +131,12 @@ def _characters(text, add_special_tokens=False, verbose=True):
     return {"input_ids": [ord(c) for c in text]}
 
 
+def _tokenize_by_characters(monkeypatch) -> None:
+    """Calibration reads every text with `_characters`, whatever --tokenizer names."""
+    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    monkeypatch.setattr(calibration_data, "check_tokenizer", lambda spec: None)
+
+
 def _ten_lettered_windows(folder):
     """A text of 10 windows of 4 characters, aaaa bbbb ... jjjj (with `_characters`)."""
     text = folder / "t.txt"
@@ -181,7 +187,7 @@ def test_a_budget_is_never_measured_on_a_calibration_window(capsys, export, tmp_
     """The statistics and the budget's windows are disjoint, by their token ids and by the report's window
     ids, and the held-out windows are spread over the text as the calibration's are."""
     text = _ten_lettered_windows(tmp_path)
-    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    _tokenize_by_characters(monkeypatch)
     seen = _record_windows(monkeypatch)
     report = tmp_path / "r.json"
     code, out, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
@@ -205,7 +211,7 @@ def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, ex
     """Statistics saved from 6 windows, loaded by a budget rewrite that calibrates on 4: its held-out windows
     would be windows 5 and 6, which the statistics saw: a one-line error, and no output."""
     text = _ten_lettered_windows(tmp_path)
-    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    _tokenize_by_characters(monkeypatch)
     model, stats, out = export("llama", "dynamo"), tmp_path / "s.npz", tmp_path / "o.onnx"
     common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet", "--no-answer-check"]
     code, _, err = _run(capsys, "rewrite", model, "-o", tmp_path / "first.onnx", *common, "--calib-samples", "6",
@@ -230,7 +236,7 @@ def test_mixed_and_generated_calibration_hold_windows_out_of_each_source(tmp_pat
     import onnx_nmm
 
     text = _ten_lettered_windows(tmp_path)
-    monkeypatch.setattr(calibration_data, "load_tokenizer", lambda spec: _characters)
+    _tokenize_by_characters(monkeypatch)
     monkeypatch.setenv("ONNX_NMM_CACHE", str(tmp_path / "cache"))
     seen = _record_windows(monkeypatch)
     generated = onnx_nmm.GeneratedText(samples=3, batch=2, start_token=1, seed=5)

@@ -192,11 +192,13 @@ def test_bad_options_are_one_line_errors(capsys, rewritten_llama, tmp_path, extr
 def test_bad_models_and_data_are_one_line_errors(capsys, tmp_path, rewritten_llama):
     np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
     np.savez(tmp_path / "foreign.npz", input_ids=np.full((4, 16), VOCAB + 5))
+    (tmp_path / "train.txt").write_text("a text to train on")
     output = tmp_path / "tuned.onnx"
     cases = [
         (exported_model("llama", "dynamo"), "train.npz", "no ai.onnx_nmm SVD ops"),  # not rewritten
         (rewritten_llama, "foreign.npz", "vocabulary of 1000: tokenize with the model's own tokenizer"),
-        (rewritten_llama, "missing.txt", "give its --tokenizer"),
+        (rewritten_llama, "missing.txt", "missing.txt: no such file"),
+        (rewritten_llama, "train.txt", "give its --tokenizer"),
     ]
     for model, data, message in cases:
         code, _, err = _cli(capsys, "finetune", model, "--text", tmp_path / data, "-o", output)

@@ -320,6 +320,47 @@ def test_a_missing_or_empty_calibration_text_is_refused_before_the_model_loads(c
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_wrong_tokenizer_or_an_empty_text_is_refused_before_the_model_loads(capsys, export, tmp_path, monkeypatch):
+    """Every command that takes --tokenizer or a text checks them first: a typo costs a second, not a load."""
+    from onnx_nmm.model_source import ModelSource
+
+    def never(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ModelSource, "of", never)
+    model, tokenizer = export("llama", "dynamo"), Path(__file__).parent / "data" / "formats" / "genai-fp32"
+    text, empty, no_tokenizer = tmp_path / "text.txt", tmp_path / "empty.txt", tmp_path / "folder"
+    text.write_text("some text to score")
+    empty.write_text(" \n")
+    no_tokenizer.mkdir()
+    np.savez(tmp_path / "ids.npz", input_ids=np.zeros((2, 8), np.int64))
+    cases = [
+        (["eval", model, "--text", tmp_path / "missing.txt", "--tokenizer", tokenizer], "no such file"),
+        (["eval", model, "--text", empty, "--tokenizer", tokenizer], "is empty"),
+        (["eval", model, "--text", text], "is text: give its --tokenizer"),
+        (["eval", model, "--text", text, "--tokenizer", tmp_path / "missing"], "no such file or folder"),
+        (["eval", model, "--text", text, "--tokenizer", no_tokenizer], "is a folder without a tokenizer"),
+        (["eval", model, "--text", text, "--tokenizer", text], "is a file but not a GGUF one"),
+        (["diff", model, model, "--text", empty, "--tokenizer", tokenizer], "is empty"),
+        (["diff", model, model, "--text", text, "--tokenizer", no_tokenizer], "is a folder without a tokenizer"),
+        (["finetune", model, "--text", empty, "--tokenizer", tokenizer, "-o", tmp_path / "t.onnx"], "is empty"),
+        (["finetune", model, "--text", text, "--tokenizer", no_tokenizer, "-o", tmp_path / "t.onnx"],
+         "is a folder without a tokenizer"),
+        (["finetune", model, "--text", tmp_path / "ids.npz", "--eval-text", empty, "--tokenizer", tokenizer, "-o",
+          tmp_path / "t.onnx"], "is empty"),
+        (["generate", model, "--prompt", "hello", "--tokenizer", no_tokenizer], "is a folder without a tokenizer"),
+        (["generate", model, "--prompt", "hello"], "generating needs a --tokenizer"),
+        (["generate", model, "--prompt", " ", "--tokenizer", tokenizer], "the prompt is empty"),
+        (["rewrite", model, "-o", tmp_path / "o.onnx", "--calib", text, "--tokenizer", no_tokenizer],
+         "is a folder without a tokenizer"),
+        (["rewrite", model, "-o", tmp_path / "o.onnx", "--calib", text], "is text: give its --tokenizer"),
+    ]
+    for argv, said in cases:
+        code, _, err = _cli(capsys, *argv)
+        _one_line_error(code, err, said)
+    assert not (tmp_path / "t.onnx").exists() and not (tmp_path / "o.onnx").exists()
+
+
 def test_a_missing_report_to_reuse_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
     import onnx_nmm.pipeline as pipeline
 

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.calibration.generated_text import generated_windows
 from onnx_nmm.calibration.sources import is_npz, is_text, parse_generated, source_kind
-from onnx_nmm.calibration.tokens import TokenWindows, load_tokenizer
+from onnx_nmm.calibration.tokens import TokenWindows, check_tokenizer, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import CalibrationOptions
@@ -63,18 +63,32 @@ def check_text_file(path: str | os.PathLike) -> None:
 
 
 def check_source_files(options: CalibrationOptions | None) -> None:
-    """The calibration options' text files and saved statistics exist (and a text is not empty): checked before
-    the model is loaded, so a typo costs no time."""
+    """The calibration options' text files, tokenizer and saved statistics are there (check_token_sources; a text
+    needs its tokenizer unless saved statistics stand in for what it gives): checked before the model is loaded,
+    so a typo costs no time."""
     if options is None:
         return
     sources = token_sources(options.source) if options.source is not None else []
+    check_token_sources(sources, options.tokenizer, "calibration.tokenizer", needs_tokenizer=options.statistics is None)
+    if options.statistics is not None and not Path(options.statistics).is_file():
+        raise DataError(f"{options.statistics}: no such file")
+
+
+def check_token_sources(sources: list, tokenizer: str | os.PathLike | None, tokenizer_option: str,
+                        needs_tokenizer: bool = True) -> None:
+    """What token sources name is there, checked before a model loads rather than after: each text file exists
+    and is not empty, and has a `tokenizer` when `needs_tokenizer`; each .npz exists; a tokenizer given is a
+    tokenizer folder or a .gguf file (`tokenizer_option` names the option in errors)."""
     for source in sources:
         if is_text(source):
             check_text_file(source)
+            if tokenizer is None and needs_tokenizer:
+                raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
+                                  tokenizer=tokenizer_option)
         elif is_npz(source) and not Path(source).is_file():
             raise DataError(f"{source}: no such file")
-    if options.statistics is not None and not Path(options.statistics).is_file():
-        raise DataError(f"{options.statistics}: no such file")
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
 
 
 def windows_from_text(path: str | os.PathLike, tokenizer, samples: int | None, seq_len: int,

@@ -40,11 +40,31 @@ class TokenWindows:
 
 # A folder holding one of these is one transformers reads a tokenizer from.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
 def is_tokenizer_folder(path: str | os.PathLike) -> bool:
     """Whether `path` is a folder holding a tokenizer (one of TOKENIZER_MARKERS)."""
     return Path(path).is_dir() and any((Path(path) / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def check_tokenizer(spec: str | os.PathLike) -> None:
+    """Refuse a tokenizer path that is missing, a folder without a tokenizer, or a file that is not a GGUF one:
+    cheap, so said before a model loads rather than after."""
+    path = Path(spec)
+    if not path.exists():
+        raise DataError(f"tokenizer {spec}: no such file or folder; give a tokenizer folder or a .gguf file")
+    if path.is_dir() and not is_tokenizer_folder(path):
+        raise DataError(f"tokenizer {spec} is a folder without a tokenizer (none of {', '.join(TOKENIZER_MARKERS)}); "
+                        "give the folder of the model's tokenizer or its .gguf file")
+    if path.is_file() and not _is_gguf(path):
+        raise DataError(f"tokenizer {spec} is a file but not a GGUF one; give the folder that holds the tokenizer, "
+                        "or a .gguf file")
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def load_tokenizer(spec: str | os.PathLike):
@@ -53,9 +73,8 @@ def load_tokenizer(spec: str | os.PathLike):
         from transformers import AutoTokenizer
     except ImportError:
         raise MissingDependencyError("reading text needs transformers: pip install 'onnx-nmm[export]'") from None
+    check_tokenizer(spec)
     path = Path(spec)
-    if not path.exists():
-        raise DataError(f"tokenizer {spec}: no such file or folder; give a tokenizer folder or a .gguf file")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         with warnings.catch_warnings():

@@ -19,6 +19,7 @@ from onnx_nmm.calibration.calibration_data import check_token_ids
 from onnx_nmm.calibration.tokens import is_tokenizer_folder, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.generation.decoding import Decoder
+from onnx_nmm.model_io import check_model_path
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.backend_runner import Model, check_backend
@@ -77,19 +78,23 @@ def generate(model: Model, prompt: str, tokenizer: str | os.PathLike | None = No
     the smallest bucket that holds it, each new token one decode step over the fixed-size cache.
     `tokenizer`: a tokenizer folder or a .gguf file; by default the model's folder when it holds one (as an
     onnxruntime-genai folder and a compiled folder do)."""
-    if isinstance(model, (str, os.PathLike)) and compiled_folder.is_compiled_folder(model):
-        loaded = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_in(Path(model)))
-        graphs = compiled_folder.read(model)[1]
-        decoder: Decoder | StaticDecoder = StaticDecoder(graphs, options.backend, options.target, options.threads)
-    elif options.backend == "neuron":
+    if not prompt.strip():
+        raise DataError("the prompt is empty; give some text to continue")
+    path = Path(model) if isinstance(model, (str, os.PathLike)) else None
+    compiled = path if path is not None and compiled_folder.is_compiled_folder(path) else None
+    if path is not None and compiled is None:
+        check_model_path(path)
+    if options.backend == "neuron" and compiled is None:
         raise OptionError("the neuron {backend} runs the traces of a compiled folder (compile with {max_context} on "
                           "a machine with the Neuron SDK); give that folder", backend="backend",
                           max_context="max_context")
+    # the tokenizer before the model: a wrong one is said in a second, not after the model has loaded
+    loaded = load_tokenizer(tokenizer if tokenizer is not None else _tokenizer_in(compiled or _folder_of(model)))
+    decoder: Decoder | StaticDecoder
+    if compiled is not None:
+        decoder = StaticDecoder(compiled_folder.read(compiled)[1], options.backend, options.target, options.threads)
     else:
-        source = ModelSource.of(model)
-        loaded = load_tokenizer(tokenizer if tokenizer is not None else
-                                _tokenizer_in(source.path.parent if source.path is not None else None))
-        decoder = Decoder(source, options.threads, options.backend, options.target)
+        decoder = Decoder(ModelSource.of(model), options.threads, options.backend, options.target)
     prompt, ids = prompt_ids(loaded, prompt, options.chat)
     check_token_ids(ids, decoder.vocabulary, "the prompt", decoder.label)
     if isinstance(decoder, StaticDecoder):
@@ -137,6 +142,12 @@ def continuation(decoder: Decoder | StaticDecoder, ids: np.ndarray, pick: Callab
             break
         token = pick(decoder.step(np.array([[token]]))[0])
     return new, stopped_by, first_token_s, time.perf_counter() - start
+
+
+def _folder_of(model) -> Path | None:
+    """The folder of the model's file, where its tokenizer may be; None for a model held in memory."""
+    path = model if isinstance(model, (str, os.PathLike)) else getattr(model, "path", None)
+    return Path(path).parent if path is not None else None
 
 
 def _tokenizer_in(folder: Path | None) -> Path:

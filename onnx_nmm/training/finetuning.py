@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnx_nmm.calibration.calibration_data import (
     TokenWindows,
     check_token_ids,
+    check_token_sources,
     joined_windows,
     token_sources,
     token_windows,
@@ -76,6 +77,11 @@ class TrainingData:
             raise OptionError(f"{{seq_len}} must be at least 2, got {self.seq_len}", seq_len="data.seq_len")
         if self.samples is not None and self.samples < 1:
             raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
+
+    def check(self) -> None:
+        """The texts and token files are there (a text not empty, with a tokenizer that is one): said before a
+        model loads, not after."""
+        check_token_sources(token_sources(self.text), self.tokenizer, "data.tokenizer")
 
     def windows(self, dense_model=None, progress: Progress | None = None) -> TokenWindows:
         """The training windows; generated ones sampled from `dense_model` (unless they name a generator), which
@@ -171,6 +177,9 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     from onnx_nmm.training.factor_training import check_windows, replace_factors
 
     options, progress = options or FinetuneOptions(), progress or Progress()
+    data.check()
+    if options.evaluation is not None:
+        options.evaluation.check()
     source = ModelSource.of(model)
     narrowed = narrowed_weights(source.model)
     custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
