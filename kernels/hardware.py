@@ -1,4 +1,5 @@
-"""One NeuronCore of Trainium1 and Trainium2, as the AWS Neuron documentation describes it.
+"""One NeuronCore of Trainium1 and Trainium2, and the instance whose cores a tensor-parallel group spans (its
+chips and NeuronLink), as the AWS Neuron documentation describes them.
 
 Every number here comes from the Neuron SDK documentation (github.com/aws-neuron/aws-neuron-sdk, snapshot of
 SDK 2.32 / NKI 0.6.0); the comment beside it names the file. Two DMA parameters are fitted, within the bounds
@@ -189,3 +190,56 @@ def dma_efficiency(contiguous_bytes: float, core: NeuronCore | None = None) -> f
             fraction = (position - math.log2(size_lo)) / (math.log2(size_hi) - math.log2(size_lo))
             return eff_lo + fraction * (eff_hi - eff_lo)
     raise AssertionError("unreachable: the curve covers every size")
+
+
+INSTANCE_TRN1 = "about-neuron/arch/neuron-hardware/trn1-arch.rst"
+INSTANCE_TRN2 = "about-neuron/arch/neuron-hardware/trn2-arch.rst"
+CHIP_COMPARISON = "about-neuron/arch/neuron-hardware/trainium2.rst"
+INTRANODE_COLLECTIVES = "neuron-runtime/explore/intranode-collective-comm.rst"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """The largest instance of a Trainium generation, as a tensor-parallel group sees it: its chips, the
+    NeuronCores on each (each one rank, priced as `neuron_core` prices one), and the NeuronLink between chips."""
+
+    name: str
+    chips: int
+    cores_per_chip: int
+    neuronlink_bytes_per_s: float  # one chip's NeuronLink bandwidth to the other chips of the instance
+    collective_hop_s: float  # one step of a collective algorithm from one rank to the next
+
+    @property
+    def cores(self) -> int:
+        return self.chips * self.cores_per_chip
+
+
+TRN1_32XLARGE = Instance(
+    name="trn1.32xlarge",
+    chips=16,  # "Trn1.32xlarge ... 16" Trainium chips, in a 2D torus of NeuronLink-v2 (INSTANCE_TRN1)
+    cores_per_chip=2,  # "each Trainium include 2 x NeuronCore-v2" (trainium.rst): 32 NeuronCores
+    neuronlink_bytes_per_s=384e9,  # "Inter-chip Interconnect (GB/sec/chip)": Trainium 384 (CHIP_COMPARISON)
+    # "the per-hop latency of Ring/KangaRing is about 1-2 us (HBM load dependent)" (INTRANODE_COLLECTIVES):
+    # the middle of that range. The page gives no figure per generation; trn1 is assumed to be the same.
+    collective_hop_s=1.5e-6,
+)
+
+TRN2_48XLARGE = Instance(
+    name="trn2.48xlarge",
+    chips=16,  # "16 Trainium2 chips connected using a 4x4, 2D Torus" of NeuronLink-v3 (INSTANCE_TRN2)
+    # "Every Trainium2 chip contains eight NeuronCore-V3 cores" (trainium2.rst): 128 ranks at LNC=1. NxD's
+    # default, LNC=2, makes one rank of two of them (64 ranks); a rank here is one core, as TRN2 prices one.
+    cores_per_chip=8,
+    # "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)": 1,024 (INSTANCE_TRN2); the chip's 1.28 TB/s
+    # (CHIP_COMPARISON) adds the 256 GB/s that link instances of an UltraServer
+    neuronlink_bytes_per_s=1024e9,
+    collective_hop_s=1.5e-6,  # as trn1: "about 1-2 us" per hop (INTRANODE_COLLECTIVES)
+)
+
+INSTANCES = {"trn1": TRN1_32XLARGE, "trn2": TRN2_48XLARGE}
+
+
+def instance(target: str) -> Instance:
+    """The instance whose NeuronCores a tensor-parallel group of `target` ("trn1", "trn2") spans."""
+    neuron_core(target)  # an unknown target is refused as neuron_core refuses it
+    return INSTANCES[target]

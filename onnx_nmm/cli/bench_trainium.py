@@ -1,4 +1,5 @@
-"""`onnx-nmm bench MODEL ... --target trn1|trn2`: the models priced on one NeuronCore (modelled, nothing run)."""
+"""`onnx-nmm bench MODEL ... --target trn1|trn2 [--tp N]`: the models priced on one NeuronCore, or split over N
+of one instance (modelled, nothing run)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import onnx_nmm
 from onnx_nmm.cli import _common, _parsing
+from onnx_nmm.kernels.hardware import instance
 from onnx_nmm.options import DEFAULT_ALIGN
 from onnx_nmm.plots.bench import plot_trainium
 
@@ -28,20 +30,27 @@ def add_options(parser) -> None:
     group.add_argument("--no-fuse-mlp", action="store_true",
                        help="price factorized gated MLPs as three fused_xuv launches, not one fused_svd_mlp "
                             "(what compile --no-fuse-mlp runs)")
+    group.add_argument("--tp", type=int, default=onnx_nmm.TrainiumOptions().tp, metavar="N",
+                       help="split the models over N NeuronCores of one trn1.32xlarge or trn2.48xlarge as NxD "
+                            "Inference splits them (tensor parallelism), the NeuronLink collectives joining them "
+                            "priced too; a factorized layer takes its cheapest split (default %(default)s)")
     group.add_argument("--generation", type=_common.token_counts, default=onnx_nmm.TrainiumOptions().generation,
                        metavar="PROMPT,NEW", help="the end-to-end generation priced: prompt tokens, new tokens "
                        "(default 32,32: NeuronMM's benchmark, a context of 32 and a sequence of 64)")
 
 
 def refuse_modelled_options(args) -> None:
-    """--factorized-keep, --no-fuse-mlp and config.json models only mean something when pricing (--target)."""
+    """--factorized-keep, --no-fuse-mlp, --tp and config.json models only mean something when pricing (--target)."""
     if args.keep is not None or args.no_fuse_mlp or any(_is_config(model) for model in args.models):
         raise onnx_nmm.OptionError("--factorized-keep, --no-fuse-mlp and config.json models are priced, not "
                                    "measured: add --target trn1 or trn2")
+    if args.tp != 1:
+        raise onnx_nmm.OptionError("--tp splits the models for pricing, not for measuring: add --target trn1 or trn2")
 
 
 def run(args) -> int:
-    options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation))
+    options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation),
+                                       args.tp)
     with _common.progress(quiet=args.json or args.quiet) as progress:
         shapes: list = []
         for model in args.models:
@@ -57,7 +66,10 @@ def run(args) -> int:
     _common.show_models(result, args, plot_trainium, _print_models, _print_phases, _print_parts, _print_generation)
     if args.json:
         return 0
-    _common.stdout.print(f"modelled on {options.target}: one NeuronCore, bfloat16, batch 1; linear layers by the "
+    cores = "one NeuronCore" if options.tp == 1 else (
+        f"tp {options.tp}: each of {options.tp} NeuronCores of a {instance(options.target).name} priced, "
+        "the collectives joining them by the NeuronLink model (docs/trainium.md)")
+    _common.stdout.print(f"modelled on {options.target}: {cores}, bfloat16, batch 1; linear layers by the "
                          "kernels' cost model, the rest by a roofline (a lower bound); nothing was run"
                          + (f"; wrote {args.plot}" if args.plot else ""), soft_wrap=True)
     return 0
@@ -84,26 +96,42 @@ def _print_models(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> N
 
 
 def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
-    table = _common.Table(title=f"Prefill and decode on {result.options.target} (modelled)", title_justify="left")
-    for column in ("model", "phase", "time", "tokens/s", "vs first", "ideal", "kernel-priced share"):
+    split = result.options.tp > 1
+    cores = f", tp {result.options.tp}" if split else ""
+    table = _common.Table(title=f"Prefill and decode on {result.options.target}{cores} (modelled)",
+                          title_justify="left")
+    columns = ("model", "phase", "time", "tokens/s", "vs first", "ideal", "kernel-priced share")
+    for column in columns + (("low-rank splits save",) if split else ()):
         table.add_column(column, justify="left" if column in ("model", "phase") else "right")
     for model in result.models:
         for length, phase in model.prefill.items():
             table.add_row(names[model.label], f"prefill of {length}", f"{phase.seconds * 1e3:.2f} ms",
                           f"{length / phase.seconds:,.0f}", f"{result.prefill_speedup(model, length):.2f}×", "",
-                          f"{phase.kernel_share:.0%}")
+                          f"{phase.kernel_share:.0%}", *_saving(phase.low_rank_saving_s, split))
         for context, phase in model.decode.items():
             table.add_row(names[model.label], f"decode at {context}", f"{phase.seconds * 1e3:.3f} ms",
                           f"{1 / phase.seconds:,.1f}", f"{result.decode_speedup(model, context):.2f}×",
-                          f"{result.ideal_decode_speedup(model, context):.2f}×", f"{phase.kernel_share:.0%}")
+                          f"{result.ideal_decode_speedup(model, context):.2f}×", f"{phase.kernel_share:.0%}",
+                          *_saving(phase.low_rank_saving_s, split))
     _common.stdout.print(table)
     _common.stdout.print("ideal: the first model's bytes read per decode step (linear weights, KV cache) over this "
-                         "model's", style="dim")
+                         "model's" + ("; low-rank splits save: the factorized layers split at their rank (X·U's "
+                                      "all-reduce r wide) against split as NxD splits the dense layers" if split
+                                      else ""), style="dim")
+
+
+def _saving(seconds: float, split: bool) -> tuple[str, ...]:
+    """The low-rank splits' saving as a table cell when the model is split ("—" when they save nothing)."""
+    if not split:
+        return ()
+    return (f"{seconds * 1e6:,.1f} µs" if seconds else "—",)
 
 
 def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:
     context = result.options.contexts[len(result.options.contexts) // 2]
-    table = _common.Table(title=f"Where a decode step at context {context} goes (µs, modelled)", title_justify="left")
+    on = "" if result.options.tp == 1 else f" on each of {result.options.tp} NeuronCores"
+    table = _common.Table(title=f"Where a decode step at context {context} goes{on} (µs, modelled)",
+                          title_justify="left")
     table.add_column("part")
     table.add_column("priced by")
     for model in result.models:
@@ -113,6 +141,11 @@ def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> No
         table.add_row(name, priced, *(f"{m.decode[context].parts[name].seconds * 1e6:,.1f}"
                                       if name in m.decode[context].parts else "—" for m in result.models))
     _common.stdout.print(table)
+    for model in result.models:
+        taken = model.decode[context].splits
+        if taken:
+            _common.stdout.print(f"{names[model.label]}, split: " + "; ".join(
+                f"{how} (×{count})" for how, count in taken.items()), style="dim", soft_wrap=True)
 
 
 def _print_generation(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:

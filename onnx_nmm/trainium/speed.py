@@ -1,5 +1,6 @@
 """The Trainium view, modelled: a prefill and a decode step of a causal LM priced layer by layer on one
-NeuronCore, dense against rewritten, beside NeuronMM's end-to-end figures.
+NeuronCore, or split over several (tensor parallelism: trainium/tensor_parallel.py, the collectives joining them
+in trainium/collectives.py), dense against rewritten, beside NeuronMM's end-to-end figures.
 
 Every linear product is priced by the kernels' cost model (trace-only emulation of the kernel `compile`
 would launch: dense_matmul, fused_xuv, fused_svd_mlp or fused_svd_ungated_mlp, in bfloat16). Everything else is priced
@@ -18,22 +19,23 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 from onnx_nmm.errors import OptionError
-from onnx_nmm.kernel_table import kernel_spec
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS, instance
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
 from onnx_nmm.runtime import compiled_folder
-from onnx_nmm.trainium import launch_costs
-from onnx_nmm.trainium.decoder_shape import DecoderShape, Factorized, Linear, Product, decoder_shape
-from onnx_nmm.trainium.launch_costs import ELEMENT_BYTES, Cost, activation_cost, choose_mlp_kernel, kernel_cost
+from onnx_nmm.trainium import launch_costs, tensor_parallel
+from onnx_nmm.trainium.collectives import ALL_GATHER, collective
+from onnx_nmm.trainium.decoder_shape import DecoderShape, decoder_shape
+from onnx_nmm.trainium.launch_costs import ELEMENT_BYTES, activation_cost
 
-KERNEL, ROOFLINE = "kernel cost model", "roofline"
+KERNEL, ROOFLINE, COLLECTIVE = "kernel cost model", "roofline", "collective model"
 # What the parts of a step are called, in the order tables show them.
 PARTS = ("attention projections", "MLP", "lm_head", "other linear", "attention core", "MLP activation",
          "norms, residuals, rotary, embedding")
@@ -51,18 +53,24 @@ PAPER_FIGURES = {
 class TrainiumOptions:
     """target: "trn1" or "trn2"; prompt_lengths: prefills priced; contexts: KV-cache lengths a decode step
     is priced at; generation: (prompt tokens, new tokens) of the end-to-end figure — by default NeuronMM's
-    code benchmark (a context of 32, a sequence of 64)."""
+    code benchmark (a context of 32, a sequence of 64); tp: the NeuronCores of one instance the model is split
+    over (tensor parallelism, as NxD Inference splits it)."""
 
     targets: ClassVar[tuple[str, ...]] = TRAINIUM_TARGETS
     target: str = "trn1"
     prompt_lengths: tuple[int, ...] = (128, 512)
     contexts: tuple[int, ...] = (128, 512, 2048)
     generation: tuple[int, int] = (32, 32)
+    tp: int = 1
 
     def __post_init__(self):
         if self.target not in TRAINIUM_TARGETS:
             raise OptionError(f"{{target}} must be one of {', '.join(TRAINIUM_TARGETS)}, got {self.target!r}",
                               target="target")
+        machine = instance(self.target)
+        if not 1 <= self.tp <= machine.cores:
+            raise OptionError(f"{{tp}} must be from 1 to {machine.cores}, the NeuronCores of a {machine.name}, "
+                              f"got {self.tp}", tp="tp")
         counts = (*self.prompt_lengths, *self.contexts, *self.generation)
         if not self.prompt_lengths or not self.contexts or len(self.generation) != 2 or min(counts) < 1:
             raise OptionError("{prompt_lengths}, {contexts} and {generation} must be positive token counts",
@@ -85,11 +93,16 @@ class Part:
 
 @dataclass
 class PhaseCost:
-    """One forward pass of `tokens` new tokens after a KV cache of `context`, part by part (modelled)."""
+    """One forward pass of `tokens` new tokens after a KV cache of `context`, part by part (modelled), on one
+    rank; split over several, `splits` counts the products that took each way of splitting (by layer), and
+    `low_rank_saving_s` is what the factorized layers' cheapest splits save against splitting them as NxD splits
+    the dense layers they stand for."""
 
     tokens: int
     context: int
     parts: dict[str, Part]
+    low_rank_saving_s: float = 0.0
+    splits: dict[str, int] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -102,6 +115,7 @@ class PhaseCost:
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "context": self.context, "seconds": self.seconds,
+                "low_rank_saving_s": self.low_rank_saving_s, "splits": self.splits,
                 "parts": {name: asdict(part) for name, part in self.parts.items()}}
 
 
@@ -146,8 +160,10 @@ class TrainiumEstimate:
     models: list[ModelledModel] = field(default_factory=list)
 
     def decode_parts(self, context: int) -> list[str]:
-        """The parts any model's decode step at `context` has, in the order of PARTS."""
-        return [name for name in PARTS if any(name in model.decode[context].parts for model in self.models)]
+        """The parts any model's decode step at `context` has: those of PARTS in their order, then the
+        collectives."""
+        names = dict.fromkeys(name for model in self.models for name in model.decode[context].parts)
+        return [name for name in PARTS if name in names] + [name for name in names if name not in PARTS]
 
     def prefill_speedup(self, model: ModelledModel, length: int) -> float:
         return self.models[0].prefill[length].seconds / model.prefill[length].seconds
@@ -169,7 +185,8 @@ class TrainiumEstimate:
     def to_dict(self) -> dict:
         prompt, new = self.options.generation
         return {"note": "modelled on onnx-nmm's Trainium cost model and roofline, not measured",
-                "target": self.options.target, "dtype": "bfloat16", "batch": 1,
+                "target": self.options.target, "tp": self.options.tp, "instance": instance(self.options.target).name,
+                "dtype": "bfloat16", "batch": 1,
                 "generation": {"prompt_tokens": prompt, "new_tokens": new}, "paper_end_to_end": PAPER_FIGURES,
                 "models": [{**model.to_dict(), "speedup": {
                     "prefill": {str(n): self.prefill_speedup(model, n) for n in self.options.prompt_lengths},
@@ -195,38 +212,56 @@ def estimate_trainium(models: Sequence, options: TrainiumOptions = TrainiumOptio
     return estimate
 
 
-def price(shape: DecoderShape, tokens: int, context: int, target: str) -> PhaseCost:
-    """One forward pass of `tokens` new tokens after `context` cached ones, part by part (modelled)."""
+def price(shape: DecoderShape, tokens: int, context: int, target: str, tp: int = 1) -> PhaseCost:
+    """One forward pass of `tokens` new tokens after `context` cached ones, part by part (modelled), on one of
+    `tp` NeuronCores the model is split over: every linear product the cheapest way it splits, each collective a
+    part of its own; norms and residuals on the whole hidden state, as every rank computes them."""
     parts = {name: Part() for name in PARTS}
+    sharding = tensor_parallel.Sharding.of(shape, tp)
+    saving, taken = 0.0, Counter[str]()
     for product in shape.products:
+        ways = tensor_parallel.splits(product, sharding, tokens, target)
+        chosen = tensor_parallel.cheapest(ways)
+        saving += ways[0].seconds - chosen.seconds
+        if tp > 1:
+            taken[f"{tensor_parallel.layer_name(product)}: {chosen.how}"] += 1
         part = parts[_LINEAR_PART.get(product.group, "other linear")]
         part.how = KERNEL
-        part.add(*_kernel_cost(product, tokens, target))
+        part.add(*chosen.cost)
+        for joined in chosen.collectives:
+            parts.setdefault(joined.label, Part(how=COLLECTIVE)).add(joined.seconds, joined.sent_bytes, 0.0)
     roofline = functools.partial(launch_costs.roofline, target=target)
-    h, q, kv, layers = shape.hidden, shape.q_width, shape.kv_width, shape.layers
+    h, q, kv, layers = shape.hidden, sharding.q_width, sharding.kv_width, shape.layers
     keys = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs under the causal mask
     attention = roofline(bytes_=ELEMENT_BYTES * (2 * kv * (context + tokens) + 2 * kv * tokens + 2 * q * tokens),
-                         tensor_flops=4 * q * keys, elementwise=3 * shape.heads * keys)
+                         tensor_flops=4 * q * keys, elementwise=3 * sharding.heads * keys)
     parts["attention core"].add(*attention, times=layers)
     for width, gated in shape.activations:
-        parts["MLP activation"].add(*activation_cost(width, gated, tokens, target))
+        parts["MLP activation"].add(*activation_cost(sharding.share(width), gated, tokens, target))
     norm = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h, elementwise=4 * tokens * h)
     residual = roofline(bytes_=ELEMENT_BYTES * 3 * tokens * h, elementwise=tokens * h)
     rotary = roofline(bytes_=ELEMENT_BYTES * 2 * tokens * (q + kv), elementwise=3 * tokens * (q + kv))
     rest = parts["norms, residuals, rotary, embedding"]
     for op, times in ((norm, 2 * layers + 1), (residual, 2 * layers), (rotary, layers)):
         rest.add(*op, times=times)
-    rest.add(*roofline(bytes_=ELEMENT_BYTES * 2 * tokens * h))  # the embedding gather: a row in, a row out
-    return PhaseCost(tokens, context, {name: part for name, part in parts.items() if part.seconds})
+    rest.add(*roofline(bytes_=ELEMENT_BYTES * 2 * tokens * sharding.share(h)))  # the embedding gather: a row in, out
+    if tp > 1:  # each rank gathers its columns of the embedding, then the ranks gather the rows
+        row = collective(ALL_GATHER, "embedding", h, tokens, tp, target)
+        parts[row.label] = Part(row.seconds, row.sent_bytes, 0.0, COLLECTIVE)
+    return PhaseCost(tokens, context, {name: part for name, part in parts.items() if part.seconds}, saving,
+                     dict(taken))
 
 
 def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
-    target = options.target
-    prefill = {length: price(shape, length, 0, target) for length in options.prompt_lengths}
-    decode = {context: price(shape, 1, context, target) for context in options.contexts}
+    target, tp = options.target, options.tp
+    prefill = {length: price(shape, length, 0, target, tp) for length in options.prompt_lengths}
+    decode = {context: price(shape, 1, context, target, tp) for context in options.contexts}
     prompt, new = options.generation
-    generation_prefill = price(shape, prompt, 0, target).seconds
-    generation_decode = sum(price(shape, 1, context, target).seconds for context in range(prompt, prompt + new - 1))
+    generation_prefill = price(shape, prompt, 0, target, tp).seconds
+    generation_decode = sum(price(shape, 1, context, target, tp).seconds
+                            for context in range(prompt, prompt + new - 1))
+    if tp > 1:
+        shape = replace(shape, notes=(*shape.notes, tensor_parallel.Sharding.of(shape, tp).note))
     return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode)
 
 
@@ -234,6 +269,9 @@ def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:
     """A folder `compile --max-context` wrote, priced as it runs: a prompt padded to the smallest bucket that
     holds it, on that bucket's graph; every decode step over the whole cache of max_context positions (the static
     step attends to all of them, masked); each graph with the MLP kernels it chose."""
+    if options.tp > 1:
+        raise OptionError(f"{folder} is priced as compiled, on one NeuronCore; {{tp}} splits models and configs "
+                          "over several", tp="tp")
     manifest, graphs = compiled_folder.read(folder)
     target = options.target
     too_long = [context for context in options.contexts if context >= graphs.max_context]
@@ -261,15 +299,3 @@ def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:
                          {context: step for context in options.contexts}, prefill(prompt).seconds,
                          (new - 1) * step.seconds)
 
-
-def _kernel_cost(product: Product, tokens: int, target: str) -> Cost:
-    """(seconds, HBM bytes, FLOPs) of the launches computing `product` (onnx_nmm.kernel_table; modelled): an MLP
-    by the fastest of its fused kernel, its projections' launches with the activation between and (factorized)
-    the dense MLP kernel on its factors multiplied back, as compile chooses."""
-    if isinstance(product, Linear):
-        return kernel_cost("dense_matmul", ((tokens, product.k), (product.k, product.n)), target)
-    spec = kernel_spec(product.op)
-    dims = spec.named(product.sizes)
-    if isinstance(product, Factorized):
-        return kernel_cost(spec.kernel, spec.shapes(tokens, dims), target)
-    return choose_mlp_kernel(product.op, dims, tokens, target).cost
