@@ -304,6 +304,34 @@ def test_a_generator_without_generated_windows_is_refused_in_one_line(tmp_path, 
         assert not (tmp_path / "o.onnx").exists()
 
 
+def test_sampling_from_a_model_without_a_cache_says_how_long_first(tmp_path, monkeypatch):
+    """Every step of a cache-free model re-reads the sequence: hours on a real model. Before the first batch,
+    a warning says about how long, and what to give to go faster; a model with a cache samples without one."""
+    import re
+    import warnings
+
+    from exported_models import exported_model
+
+    import onnx_nmm
+    from onnx_nmm.calibration.generated_text import generated_windows
+
+    monkeypatch.setenv("ONNX_NMM_CACHE", "off")
+    generated = onnx_nmm.GeneratedText(samples=4, batch=2, start_token=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        heard_before = []
+        windows = generated_windows(generated, exported_model("llama", "dynamo"), 8,
+                                    on_batch=lambda: heard_before.append(len(said)))
+    assert windows.tokens.shape == (4, 8) and heard_before == [1, 1]
+    message = str(said[0].message)
+    assert "has no KV cache, so sampling 4 windows of 8 tokens re-reads the whole sequence" in message
+    assert re.search(r"about \d+ (s|min|h)", message) and "--generator" in message
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        generated_windows(generated, exported_model("llama", "dynamo", cache=True), 8)
+    assert not any("KV cache" in str(warning.message) for warning in said)
+
+
 def test_sampling_generated_windows_is_a_phase_the_progress_hears(tmp_path, monkeypatch):
     """Generating calibration text takes minutes on a real model: it is said, batch by batch, not done in silence."""
     import contextlib

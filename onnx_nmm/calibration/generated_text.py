@@ -9,7 +9,8 @@ separates pretraining documents) and continues with
 `seq_len − 1` tokens sampled from softmax(logits / temperature) restricted to the nucleus holding `top_p`
 of the probability (Holtzman et al., 2020). Windows are generated `batch` at a time through the KV cache
 when the model has one (onnx_nmm.generation.decoding; without one every step re-reads the sequence, which costs
-O(seq_len²) — give a `generator` export with a cache to go faster). Batch b samples with its own seed
+O(seq_len²): hours for 64 windows of 256 tokens of SmolLM2, so the time it will take is estimated and said
+before it starts, with the way round it — a `generator` export with a cache). Batch b samples with its own seed
 (`seed` + b), so a window depends only on the options and its position, and generating more windows
 keeps the first ones. An end-of-text token mid-window is kept: the model then starts a new document, as
 in its training data.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -60,13 +62,15 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
                               "{tokenizer}", tokenizer="calibration.tokenizer")
         first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
     cache = _cache_file(writer, text, seq_len, first)
-    rows = []
-    for b in range(text.batches(samples)):
-        rows.append(_cached_batch(cache, b) if cache is not None else None)
-        if rows[-1] is None:
-            rows[-1] = sample_batch(writer, text, seq_len, first, b)
+    rows = [_cached_batch(cache, b) if cache is not None else None for b in range(text.batches(samples))]
+    to_sample = sum(row is None for row in rows)
+    decoder = _decoder(writer, text, seq_len, first, to_sample) if to_sample else None
+    for b, row in enumerate(rows):
+        if row is None:
+            assert decoder is not None
+            rows[b] = sample_batch(decoder, text, seq_len, first, b)
             if cache is not None:
-                _store_batch(cache, b, rows[-1])
+                _store_batch(cache, b, rows[b])
         if on_batch is not None:
             on_batch()
     tokens = np.concatenate(rows)[:samples]
@@ -74,16 +78,43 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
     return TokenWindows(tokens, described, [f"{GENERATED}#{i}" for i in range(samples)])
 
 
-def sample_batch(model, text: GeneratedText, seq_len: int, first: int, index: int) -> np.ndarray:
-    """Batch `index`: text.batch windows [batch, seq_len], seeded by text.seed + index."""
+def _decoder(model, text: GeneratedText, seq_len: int, first: int, batches: int):
+    """A Decoder of `model` to sample `batches` batches with; for a model without a KV cache, which re-reads the
+    whole sequence at every step, first a warning of how long that will take and how to go faster."""
     from onnx_nmm.generation.decoding import Decoder
 
-    rng = np.random.default_rng(text.seed + index)
     decoder = Decoder(model)
-    if not decoder.uses_cache and index == 0:
-        warnings.warn(f"sampling windows of {seq_len} tokens from a model without a KV cache re-reads the whole "
-                      "sequence at every step, which is slow: give an export of the same model with a cache as the "
-                      "generator (--calib-generator, or --generator for finetune)", stacklevel=2)
+    if not decoder.uses_cache:
+        seconds = _cache_free_sampling_seconds(decoder, text, seq_len, first) * batches
+        warnings.warn(f"{decoder.label} has no KV cache, so sampling {batches * text.batch} windows of {seq_len} "
+                      f"tokens re-reads the whole sequence at every step: about {_duration(seconds)} (estimated from "
+                      "one pass). An export of the same model with a KV cache (onnx-nmm export writes one) as the "
+                      "generator samples them far faster: --calib-generator, or --generator for finetune; or give a "
+                      "text instead of generated windows", stacklevel=3)
+    return decoder
+
+
+def _cache_free_sampling_seconds(decoder, text: GeneratedText, seq_len: int, first: int) -> float:
+    """About how long one batch takes on `decoder`, a model without a cache, from one timed pass: the batch's
+    seq_len − 1 steps each re-read the sequence so far, half a window on average, and a pass costs about in
+    proportion to its length."""
+    start = time.perf_counter()
+    decoder.prefill(np.full((text.batch, max(1, seq_len // 2)), first, np.int64))
+    return (time.perf_counter() - start) * (seq_len - 1)
+
+
+def _duration(seconds: float) -> str:
+    """"40 s", "12 min", "3 h 20 min"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def sample_batch(decoder, text: GeneratedText, seq_len: int, first: int, index: int) -> np.ndarray:
+    """Batch `index`: text.batch windows [batch, seq_len] sampled with `decoder` (a generation.decoding.Decoder),
+    seeded by text.seed + index."""
+    rng = np.random.default_rng(text.seed + index)
     tokens = np.full((text.batch, 1), first, np.int64)
     logits = decoder.prefill(tokens)
     while tokens.shape[1] < seq_len:

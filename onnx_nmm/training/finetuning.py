@@ -218,7 +218,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     if evaluation is not None:
         with phases("perplexity before"):
             before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
-    with phases("lowering"):
+    with phases("lowering"), progress.phase("lowering to PyTorch"):
         from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
 
         module = lower(first_step(source.full_proto()), consume=True)
@@ -235,7 +235,7 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                             None if teacher is None else teacher.label, before=before, seconds=phases.seconds,
                             source_path=source.path, source_used_external_data=source.used_external_data)
     del teacher  # its onnxruntime session
-    with phases("writing the factors"):
+    with phases("writing the factors"), progress.phase("writing the factors into the graph"):
         replace_factors(source.model, factor_parameters(module) | weights)
         del module
     if evaluation is not None:
