@@ -17,7 +17,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from onnx_nmm.calibration.sources import GeneratedText, is_text, parse_generated, source_kind
+from onnx_nmm.calibration.sources import (
+    CalibrationSource,
+    GeneratedText,
+    StatisticsFile,
+    TextFile,
+    calibration_sources,
+    parse_generated,
+)
 from onnx_nmm.decomposition import methods
 from onnx_nmm.decomposition.lowrank import SVD_METHODS
 from onnx_nmm.decomposition.nystrom import DEFAULT_SCORE, NEURON_SCORES
@@ -231,6 +238,12 @@ class FactorizationOptions:
                 raise OptionError(f"{{{name}}} must be ≥ 0, got {getattr(self, name)}",
                                   **{name: f"factorization.{name}"})
 
+    @property
+    def strategy(self) -> methods.Method:
+        """What the method does to a layer and what it needs (resolved: RewriteOptions sets the default)."""
+        assert self.method is not None, "RewriteOptions resolves the default method"
+        return methods.method_named(self.method)
+
     def describe(self) -> str:
         inner = self.svd
         if self.svd == "randomized":
@@ -270,21 +283,22 @@ class CalibrationOptions:
     mode: str = "independent"
     statistics: str | os.PathLike | None = None
     save_statistics: str | os.PathLike | None = None
+    parsed_sources: tuple[CalibrationSource, ...] = field(default=(), init=False, repr=False, compare=False)
 
     @property
-    def sources(self) -> tuple:
-        return tuple(self.source) if isinstance(self.source, tuple) else (self.source,)
+    def sources(self) -> tuple[CalibrationSource, ...]:
+        """The sources, each as what it is (calibration.sources.calibration_source); none without a source."""
+        return self.parsed_sources
 
     @property
     def is_one_text(self) -> bool:
         """Whether the source is a single text file (not token ids, statistics, random or generated windows)."""
-        (source, *others) = self.sources
-        return not others and is_text(source)
+        return len(self.sources) == 1 and isinstance(self.sources[0], TextFile)
 
     @property
     def has_tokens(self) -> bool:
         """Whether the source gives tokens to run the model on (not only statistics saved earlier)."""
-        return self.source is not None and source_kind(self.source) != "statistics"
+        return any(not isinstance(source, StatisticsFile) for source in self.sources)
 
     def __post_init__(self):
         if self.source is None and self.statistics is None:
@@ -296,6 +310,7 @@ class CalibrationOptions:
             object.__setattr__(self, "source", tuple(parse_generated(s) or s for s in self.source))
         elif isinstance(self.source, str):
             object.__setattr__(self, "source", parse_generated(self.source) or self.source)
+        object.__setattr__(self, "parsed_sources", () if self.source is None else calibration_sources(self.source))
         for name in ("samples", "seq_len", "batch"):
             if getattr(self, name) < 1:
                 raise OptionError(f"{{{name}}} must be a positive integer, got {getattr(self, name)}",
@@ -335,7 +350,9 @@ class RewriteOptions:
             ranks = replace(self.ranks, keep=None, max_ppl_increase=DEFAULT_PPL_INCREASE)
             object.__setattr__(self, "ranks", ranks)
             if self.method_by_default and self.method == "nystrom" and self.calibration.is_one_text:
-                mixed = (*self.calibration.sources, GeneratedText(samples=DEFAULT_MIXED_GENERATED))
+                given = self.calibration.source
+                mixed = (*(given if isinstance(given, tuple) else (given,)),
+                         GeneratedText(samples=DEFAULT_MIXED_GENERATED))
                 object.__setattr__(self, "calibration", replace(self.calibration, source=mixed))
         method, calibration, ranks = self.method, self.calibration, self.ranks
         if self.strategy.calibrated and calibration is None:
@@ -365,7 +382,7 @@ class RewriteOptions:
     @property
     def strategy(self) -> methods.Method:
         """What the method does to a layer and what it needs."""
-        return methods.method_named(self.method)
+        return self.factorization.strategy
 
     def streamable(self) -> RewriteOptions:
         """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality

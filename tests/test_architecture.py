@@ -164,7 +164,7 @@ def test_no_module_imports_itself_round_a_circle():
 
 
 def test_the_kind_of_a_calibration_source_is_decided_in_one_function():
-    """onnx_nmm.calibration.sources.source_kind: nothing else looks at a source's suffix or spelling."""
+    """onnx_nmm.calibration.sources.calibration_source: nothing else looks at a source's suffix or spelling."""
     sources = LIBRARY / "calibration" / "sources.py"
     for path in _python_files(LIBRARY):
         if path != sources:

@@ -359,3 +359,27 @@ def test_sampling_generated_windows_is_a_phase_the_progress_hears(tmp_path, monk
     options = onnx_nmm.CalibrationOptions(onnx_nmm.GeneratedText(samples=3, batch=2, start_token=1), seq_len=4)
     windows = calibration_data.CalibrationData(options, model.model.graph, model, progress=Recorder()).windows()
     assert len(windows.tokens) == 3 and heard == [("sampling calibration text", 2, 2)]
+
+
+def test_what_a_calibration_source_is_is_decided_once_as_a_typed_value(tmp_path):
+    """calibration.sources.calibration_source: the options hold the typed sources, and every consumer asks them."""
+    from onnx_nmm import CalibrationOptions, GeneratedText
+    from onnx_nmm.calibration.sources import (
+        RandomTokens,
+        StatisticsFile,
+        TextFile,
+        TokenArray,
+        TokenIdsFile,
+        calibration_source,
+    )
+
+    np.savez(tmp_path / "ids.npz", input_ids=np.zeros((2, 8), np.int64))
+    GramStatistics({"x": np.eye(2)}, 8, "test").save(tmp_path / "stats.npz")
+    kinds = {"a.txt": TextFile, str(tmp_path / "ids.npz"): TokenIdsFile, str(tmp_path / "stats.npz"): StatisticsFile,
+             "random": RandomTokens, "generated:8": GeneratedText}
+    for raw, kind in kinds.items():
+        assert isinstance(calibration_source(raw), kind), raw
+    assert isinstance(calibration_source(np.zeros((2, 8), np.int64)), TokenArray)
+    options = CalibrationOptions(["a.txt", "generated:8"])
+    assert [type(source) for source in options.sources] == [TextFile, GeneratedText] and not options.is_one_text
+    assert CalibrationOptions("a.txt").is_one_text and not CalibrationOptions(str(tmp_path / "stats.npz")).has_tokens

@@ -1,10 +1,12 @@
 """Which library modules read an option during a rewrite, in the order they first do, and how often the reading
-comes back to a module it had left: the walks docs/architecture.md quotes, printed instead of typed.
+comes back to a module it had left: the walks docs/architecture.md quotes, printed instead of typed. The options
+module, which parses them, is not counted.
 
     python tools/option_readers.py
 
 A tiny random-weight Llama is rewritten with the options under watch; every read of a watched field
-(`calibration.source`, `factorization.method` and the method it resolves to, `ranks.keep`) is recorded with the
+(`calibration.source` and the sources it was read as, `factorization.method` and the method it resolves to,
+`ranks.keep`) is recorded with the
 module whose code read it. A module that reads a value passed on as another name is not seen: this counts the
 modules that look at the option itself.
 """
@@ -19,8 +21,8 @@ from pathlib import Path
 import onnx_nmm
 from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions
 
-WATCHED = {"calibration": ("source",), "factorization": ("method",), "ranks": ("keep",),
-           "rewrite": ("method", "strategy")}
+WATCHED = {"calibration": ("source", "sources"), "factorization": ("method", "strategy"), "ranks": ("keep",),
+           "rewrite": ("strategy",)}
 
 
 def recording(options, fields: tuple[str, ...], label: str, reads: list[tuple[str, str]]):
@@ -32,7 +34,7 @@ def recording(options, fields: tuple[str, ...], label: str, reads: list[tuple[st
         def __getattribute__(self, name):
             if name in fields:
                 module = sys._getframe(1).f_globals.get("__name__", "")
-                if module.startswith("onnx_nmm") and not module.startswith("onnx_nmm.cli"):
+                if module.startswith("onnx_nmm") and not module.startswith(("onnx_nmm.cli", "onnx_nmm.options")):
                     reads.append((f"{label}.{name}", module))
             return super().__getattribute__(name)
 
@@ -64,11 +66,11 @@ def walk(reads: list[tuple[str, str]]) -> tuple[list[str], int]:
 
 CASES = {
     "--calib": (lambda: RewriteOptions(calibration=CalibrationOptions("random", samples=12, seq_len=32)),
-                ("calibration.source",)),
+                ("calibration.source", "calibration.sources")),
     "--method fisher": (lambda: RewriteOptions(
         ranks=RankOptions(keep=0.8), factorization=FactorizationOptions("fisher"),
         calibration=CalibrationOptions("random", samples=4, seq_len=32)),
-        ("factorization.method", "options.method", "options.strategy")),
+        ("factorization.method", "factorization.strategy", "options.strategy")),
     "--keep 0.8": (lambda: RewriteOptions(ranks=RankOptions(keep=0.8)), ("ranks.keep",)),
 }
 

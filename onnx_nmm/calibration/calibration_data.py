@@ -1,10 +1,9 @@
-"""Where calibration, training and evaluation tokens come from, decided in one place.
-
-A source is one of: a text file (tokenized once with a Hugging Face tokenizer — a tokenizer folder, or a
-GGUF file whose tokenizer transformers can read — and cut into non-overlapping windows), an .npz holding
-input_ids [samples, seq_len], token ids given as an array, "random" ids (tests only), or, for calibration,
-statistics saved by an earlier rewrite. `token_windows` turns any token source into windows;
-`CalibrationData` decides once what a rewrite's calibration options point at, and gives the statistics.
+"""Where calibration, training and evaluation tokens come from: windows of each kind of source
+(calibration.sources says what a source is: a text file read with a Hugging Face tokenizer — a tokenizer folder,
+or a GGUF file whose tokenizer transformers can read — and cut into non-overlapping windows, an .npz holding
+input_ids [samples, seq_len], token ids given as an array, "random" ids (tests only), windows the model writes,
+or, for calibration, statistics saved by an earlier rewrite). `token_windows` turns any token source into
+windows; `CalibrationData` holds what a rewrite's calibration options point at, and gives the statistics.
 """
 
 from __future__ import annotations
@@ -20,7 +19,16 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.activation_stats import GramStatistics, collect_gram_matrices
 from onnx_nmm.calibration.generated_text import generated_windows
-from onnx_nmm.calibration.sources import is_npz, is_text, parse_generated, source_kind
+from onnx_nmm.calibration.sources import (
+    CalibrationSource,
+    GeneratedText,
+    RandomTokens,
+    StatisticsFile,
+    TextFile,
+    TokenArray,
+    TokenIdsFile,
+    calibration_source,
+)
 from onnx_nmm.calibration.tokens import TokenWindows, check_tokenizer, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 from onnx_nmm.model_source import ModelSource
@@ -68,8 +76,8 @@ def check_source_files(options: CalibrationOptions | None) -> None:
     so a typo costs no time."""
     if options is None:
         return
-    sources = token_sources(options.source) if options.source is not None else []
-    check_token_sources(sources, options.tokenizer, "calibration.tokenizer", needs_tokenizer=options.statistics is None)
+    check_token_sources(list(options.sources), options.tokenizer, "calibration.tokenizer",
+                        needs_tokenizer=options.statistics is None)
     if options.statistics is not None and not Path(options.statistics).is_file():
         raise DataError(f"{options.statistics}: no such file")
 
@@ -79,13 +87,13 @@ def check_token_sources(sources: list, tokenizer: str | os.PathLike | None, toke
     """What token sources name is there, checked before a model loads rather than after: each text file exists
     and is not empty, and has a `tokenizer` when `needs_tokenizer`; each .npz exists; a tokenizer given is a
     tokenizer folder or a .gguf file (`tokenizer_option` names the option in errors)."""
-    for source in sources:
-        if is_text(source):
-            check_text_file(source)
+    for source in map(calibration_source, sources):
+        if isinstance(source, TextFile):
+            check_text_file(source.path)
             if tokenizer is None and needs_tokenizer:
                 raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
                                   tokenizer=tokenizer_option)
-        elif is_npz(source) and not Path(source).is_file():
+        elif isinstance(source, (TokenIdsFile, StatisticsFile)) and not Path(source.path).is_file():
             raise DataError(f"{source}: no such file")
     if tokenizer is not None:
         check_tokenizer(tokenizer)
@@ -154,29 +162,32 @@ def token_windows(source, tokenizer: str | os.PathLike | None, samples: int | No
     """Windows of any token source: a text file (with `tokenizer`), an .npz of input_ids, an array of token
     ids, or "random" (ids below `vocabulary()`). `spread` and `bos` (start each window with the BOS token
     the tokenizer adds, if it adds one) apply to text only: token ids are taken as they are."""
-    if spread and (not is_text(source)):
+    source = calibration_source(source)
+    if spread and not isinstance(source, TextFile):
         raise OptionError("{spread} chooses windows of a text: give a text file as the source",
                           spread="calibration.spread")
-    if is_npz(source):  # saved statistics too: windows_from_npz says they hold no input_ids
-        return windows_from_npz(source, samples)
-    kind = source_kind(source)
-    if kind == "array":
-        return windows_from_array(source, samples, "token ids")
-    if kind == "random":
+    if isinstance(source, (TokenIdsFile, StatisticsFile)):  # statistics: windows_from_npz says they hold no ids
+        return windows_from_npz(source.path, samples)
+    if isinstance(source, TokenArray):
+        return windows_from_array(source.ids, samples, "token ids")
+    if isinstance(source, RandomTokens):
         if vocabulary is None:
             raise DataError("random token ids need the model's vocabulary size")
         return random_windows(vocabulary(), samples or 16, seq_len)
+    if isinstance(source, GeneratedText):
+        raise OptionError(f"{source.describe(seq_len)} is sampled from a model: this use of token windows has "
+                          "none to sample from", source="calibration.source")
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
                           tokenizer=tokenizer_option)
-    return windows_from_text(source, load_tokenizer(tokenizer), samples, seq_len, spread, bos)
+    return windows_from_text(source.path, load_tokenizer(tokenizer), samples, seq_len, spread, bos)
 
 
 def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: str = "tokenizer"
                 ) -> tuple[np.ndarray, int | None]:
     """All token ids of a text file, or of an .npz's input_ids read as one sequence; and the BOS token id the
     tokenizer starts a text with (None for an .npz, whose ids are taken as they are)."""
-    if is_npz(source):
+    if isinstance(calibration_source(source), (TokenIdsFile, StatisticsFile)):
         return windows_from_npz(source, None).tokens.reshape(-1), None
     if tokenizer is None:
         raise OptionError(f"{source} is text: give its {{tokenizer}} (a tokenizer folder or a .gguf file)",
@@ -212,13 +223,13 @@ class CalibrationData:
         self.model = model
         self.held_out = held_out
         self.progress = progress or Progress()  # hears the sampling of generated windows, which takes minutes
-        source = options.source
-        source_is_statistics = source is not None and source_kind(source) == "statistics"
+        sources = options.sources
+        saved = sources[0] if len(sources) == 1 and isinstance(sources[0], StatisticsFile) else None
         if options.statistics is not None and not GramStatistics.is_statistics_file(options.statistics):
             raise DataError(f"{options.statistics} is not a statistics file saved by an earlier rewrite")
-        self.statistics_file = options.statistics or (source if source_is_statistics else None)
-        self.token_sources = [] if source_is_statistics or source is None else token_sources(source)
-        if options.spread and not any(is_text(s) for s in self.token_sources):
+        self.statistics_file = options.statistics or (saved.path if saved is not None else None)
+        self.token_sources: list[CalibrationSource] = [] if saved is not None else list(sources)
+        if options.spread and not any(isinstance(s, TextFile) for s in self.token_sources):
             raise OptionError("{spread} chooses windows of a text: give {source} a text file",
                               spread="calibration.spread", source="calibration.source")
         self._split: tuple[TokenWindows, TokenWindows] | None = None
@@ -292,7 +303,7 @@ class CalibrationData:
         kept, held = [], []
         for source, share in zip(self.token_sources, shares):
             windows, count = self._source_windows(source, share)
-            spread = self.options.spread and is_text(source)
+            spread = self.options.spread and isinstance(source, TextFile)
             held_rows = _held_out_rows(len(windows.tokens), share, spread=spread)
             rows = [i for i in range(len(windows.tokens)) if i not in held_rows][:count]
             kept.append(_recounted(windows.take(rows), len(windows.tokens)))
@@ -302,23 +313,22 @@ class CalibrationData:
         self._split = joined_windows(kept), joined_windows(held)
         return self._split
 
-    def _source_windows(self, source, extra: int) -> tuple[TokenWindows, int]:
+    def _source_windows(self, source: CalibrationSource, extra: int) -> tuple[TokenWindows, int]:
         """`source`'s calibration windows and `extra` more; and how many calibration windows it gives."""
         o = self.options
-        generated = parse_generated(source)
-        if generated is not None:
+        if isinstance(source, GeneratedText):
             if self.model is None:
                 raise OptionError("generated calibration text is sampled from the model: this use of the "
                                   "calibration data has no model to sample from", source="calibration.source")
-            samples = generated.samples + extra
-            description = f"sampling calibration text ({generated.describe(o.seq_len)})"
-            with self.progress.phase(description, total=generated.batches(samples)) as phase:
-                windows = generated_windows(generated, self.model, o.seq_len, o.tokenizer, samples,
+            samples = source.samples + extra
+            description = f"sampling calibration text ({source.describe(o.seq_len)})"
+            with self.progress.phase(description, total=source.batches(samples)) as phase:
+                windows = generated_windows(source, self.model, o.seq_len, o.tokenizer, samples,
                                             on_batch=phase.advance)
-            count = generated.samples
+            count = source.samples
         else:
             windows = token_windows(source, o.tokenizer, o.samples + extra, o.seq_len,
-                                    o.spread and is_text(source), self._vocabulary,
+                                    o.spread and isinstance(source, TextFile), self._vocabulary,
                                     tokenizer_option="calibration.tokenizer", bos=o.bos)
             count = o.samples
         check_token_ids(windows.tokens, vocabulary_size(self.graph), windows.description.split(":")[0], "the model")
@@ -329,16 +339,6 @@ class CalibrationData:
         if vocabulary is None:
             raise DataError("cannot tell the vocabulary size for random token ids; calibrate on a text or token ids")
         return vocabulary
-
-
-def token_sources(source) -> list:
-    """One calibration source or several (a list or tuple; an array is one source of token ids)."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise OptionError("{source} is an empty list: give at least one text, token ids or generated:N",
-                              source="calibration.source")
-        return list(source)
-    return [source]
 
 
 def _held_out_rows(available: int, share: int, spread: bool) -> set[int]:

@@ -1,52 +1,95 @@
-"""What a calibration source is, decided in one place (`source_kind`).
+"""What a calibration source is, decided in one place (`calibration_source`), as a typed value:
 
-A source is a text file (read with a tokenizer), an .npz of token ids (`input_ids` [samples, seq_len]), an .npz
-of statistics saved by an earlier rewrite, "random" (random token ids: tests only), windows the model writes
-itself ("generated[:N]", or a GeneratedText with its sampling options), or token ids as an array in memory.
-Options, the calibration data and the CLI all ask `source_kind`, so a new kind is added here once.
+    TextFile        a text file, read with a tokenizer and cut into windows
+    TokenIdsFile    an .npz holding input_ids [samples, seq_len]
+    StatisticsFile  an .npz of statistics saved by an earlier rewrite (no tokens)
+    RandomTokens    "random": random token ids (tests only)
+    GeneratedText   "generated[:N]": windows the model writes itself
+    TokenArray      token ids [samples, seq_len] given as an array
+
+Options, the calibration data and the CLI take what `calibration_source` made and ask it what it is; nothing
+else looks at a source's spelling or suffix, so a new kind is added here once.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from onnx_nmm.errors import OptionError
 
 RANDOM = "random"
 
 
-def source_kind(source) -> str:
-    """"text", "token_ids", "statistics", "random", "generated" or "array" (an .npz is opened to tell token ids
-    from saved statistics)."""
-    kind = _kind_by_name(source)
-    if kind != "npz":
-        return kind
+@dataclass(frozen=True)
+class TextFile:
+    path: str | os.PathLike
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class TokenIdsFile:
+    path: str | os.PathLike
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class StatisticsFile:
+    path: str | os.PathLike
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class RandomTokens:
+    def __str__(self) -> str:
+        return RANDOM
+
+
+@dataclass(frozen=True, eq=False)
+class TokenArray:
+    ids: np.ndarray = field(repr=False)
+
+    def __str__(self) -> str:
+        return "token ids"
+
+
+def calibration_source(raw) -> CalibrationSource:
+    """What `raw` (a path, "random", "generated[:N]", an array of token ids, or one of the typed sources) is; an
+    .npz is opened to tell token ids from saved statistics."""
+    if isinstance(raw, (TextFile, TokenIdsFile, StatisticsFile, RandomTokens, TokenArray, GeneratedText)):
+        return raw
+    generated = parse_generated(raw)
+    if generated is not None:
+        return generated
+    if not isinstance(raw, (str, os.PathLike)):
+        return TokenArray(np.asarray(raw))
+    if str(raw) == RANDOM:
+        return RandomTokens()
+    if not str(raw).endswith(".npz"):
+        return TextFile(raw)
     from onnx_nmm.calibration.activation_stats import GramStatistics
 
-    return "statistics" if GramStatistics.is_statistics_file(source) else "token_ids"
+    return StatisticsFile(raw) if GramStatistics.is_statistics_file(raw) else TokenIdsFile(raw)
 
 
-def is_text(source) -> bool:
-    """Whether `source` is a text file (nothing is opened)."""
-    return _kind_by_name(source) == "text"
-
-
-def is_npz(source) -> bool:
-    """Whether `source` names an .npz, of token ids or of statistics (nothing is opened)."""
-    return _kind_by_name(source) == "npz"
-
-
-def _kind_by_name(source) -> str:
-    """source_kind's answer as far as the source's type and spelling tell it: an .npz is just "npz"."""
-    if parse_generated(source) is not None:
-        return "generated"
-    if not isinstance(source, (str, os.PathLike)):
-        return "array"
-    if str(source) == RANDOM:
-        return "random"
-    return "npz" if str(source).endswith(".npz") else "text"
+def calibration_sources(raw) -> tuple[CalibrationSource, ...]:
+    """One source or several (a list or tuple; an array is one source of token ids), each as calibration_source
+    makes it."""
+    if isinstance(raw, (list, tuple)):
+        if not raw:
+            raise OptionError("{source} is an empty list: give at least one text, token ids or generated:N",
+                              source="calibration.source")
+        return tuple(calibration_source(item) for item in raw)
+    return (calibration_source(raw),)
 
 
 GENERATED = "generated"
@@ -109,3 +152,6 @@ def parse_generated(source) -> GeneratedText | None:
                               source="calibration.source")
         return None
     return GeneratedText(samples=int(match.group(1)) if match.group(1) else DEFAULT_GENERATED_SAMPLES)
+
+
+CalibrationSource = TextFile | TokenIdsFile | StatisticsFile | RandomTokens | GeneratedText | TokenArray

@@ -18,7 +18,6 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.activation_stats import GramStatistics
 from onnx_nmm.decomposition import fisher, lowrank, sequential, whitening
-from onnx_nmm.decomposition.methods import method_named
 from onnx_nmm.errors import ExecutionError
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer
@@ -35,8 +34,7 @@ class Factorizer:
 
     def __init__(self, options: FactorizationOptions, statistics: GramStatistics | None, align: int):
         self.options, self.statistics, self.align = options, statistics, align
-        assert options.method is not None, "RewriteOptions resolves the default method"
-        self.strategy = method_named(options.method)
+        self.strategy = options.strategy
         self.decompositions: dict[str, lowrank.RankedFactors] = {}
 
     @property

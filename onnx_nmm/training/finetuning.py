@@ -26,11 +26,10 @@ from onnx_nmm.calibration.calibration_data import (
     check_token_ids,
     check_token_sources,
     joined_windows,
-    token_sources,
     token_windows,
 )
 from onnx_nmm.calibration.generated_text import generated_windows
-from onnx_nmm.calibration.sources import parse_generated
+from onnx_nmm.calibration.sources import GeneratedText, calibration_sources
 from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.model_io import (
@@ -81,24 +80,23 @@ class TrainingData:
     def check(self) -> None:
         """The texts and token files are there (a text not empty, with a tokenizer that is one): said before a
         model loads, not after."""
-        check_token_sources(token_sources(self.text), self.tokenizer, "data.tokenizer")
+        check_token_sources(list(calibration_sources(self.text)), self.tokenizer, "data.tokenizer")
 
     def windows(self, dense_model=None, progress: Progress | None = None) -> TokenWindows:
         """The training windows; generated ones sampled from `dense_model` (unless they name a generator), which
         `progress` hears."""
         parts = []
-        for source in token_sources(self.text):
-            generated = parse_generated(source)
-            if generated is None:
+        for source in calibration_sources(self.text):
+            if not isinstance(source, GeneratedText):
                 parts.append(token_windows(source, self.tokenizer, self.samples, self.seq_len,
                                            tokenizer_option="data.tokenizer", bos=self.bos))
-            elif dense_model is None and generated.generator is None:
+            elif dense_model is None and source.generator is None:
                 raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
                                   teacher="teacher")
             else:
-                description = f"sampling training text ({generated.describe(self.seq_len)})"
-                with (progress or Progress()).phase(description, total=generated.batches()) as phase:
-                    parts.append(generated_windows(generated, dense_model, self.seq_len, self.tokenizer,
+                description = f"sampling training text ({source.describe(self.seq_len)})"
+                with (progress or Progress()).phase(description, total=source.batches()) as phase:
+                    parts.append(generated_windows(source, dense_model, self.seq_len, self.tokenizer,
                                                    on_batch=phase.advance))
         return joined_windows(parts)
 
