@@ -354,6 +354,8 @@ def test_a_wrong_tokenizer_or_an_empty_text_is_refused_before_the_model_loads(ca
         (["rewrite", model, "-o", tmp_path / "o.onnx", "--calib", text, "--tokenizer", no_tokenizer],
          "is a folder without a tokenizer"),
         (["rewrite", model, "-o", tmp_path / "o.onnx", "--calib", text], "is text: give its --tokenizer"),
+        (["rewrite", model, "-o", tmp_path / "o.onnx", "--stream", "--method", "whiten", "--keep", "0.8", "--calib",
+          empty, "--tokenizer", tokenizer], "is empty"),
     ]
     for argv, said in cases:
         code, _, err = _cli(capsys, *argv)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx_nmm import __version__
+from onnx_nmm.calibration.calibration_data import check_source_files
 from onnx_nmm.errors import OptionError
 from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
 from onnx_nmm.model_source import ModelSource
@@ -58,6 +59,7 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     options = (options or RewriteOptions()).streamable()  # its defaults are the ones a stream can run
     stream, progress = stream or StreamOptions(), progress or Progress()
     _refuse_in_memory_only(options)
+    check_source_files(options.calibration)  # a missing text or tokenizer is said before the model loads
     if stream.ray is not None:
         import_ray()  # a missing ray is said before any work
     model_path, output = Path(model), Path(output)
