@@ -9,6 +9,7 @@ touches an existing one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -92,6 +93,24 @@ def check_output_path(source: str | os.PathLike, destination: str | os.PathLike,
         names = ", ".join(sorted(p.name for p in clobbered))
         raise OutputError(f"the output {destination} would overwrite the input's {names}; choose another {{output}}, "
                           "or set {overwrite} to replace it", output="output", overwrite="overwrite_input")
+
+
+def save_derived(model: ir.Model, path: str | os.PathLike, source_path: Path | None, source_used_external_data: bool,
+                 external_data: bool | None = None, overwrite_input: bool = False) -> Path:
+    """Write a model made from the one at `source_path` (None: made in memory) atomically, checked by
+    onnx.checker first, the input's onnxruntime-genai config carried beside it. `external_data`: weights to
+    `<name>.data`; None = as the input did, or when the weights pass protobuf's 2 GB. Refuses to write over the
+    input unless `overwrite_input`."""
+    if source_path is not None:
+        check_output_path(source_path, path, overwrite_input)
+    if external_data is None:
+        external_data = source_used_external_data
+    external_data = external_data or weight_bytes(model) > PROTOBUF_LIMIT
+    written = save_model(model, path, external_data=external_data,
+                         validate=functools.partial(check_model_file, source=source_path))
+    if source_path is not None:
+        carry_genai_config(source_path, written)
+    return written
 
 
 def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import time
@@ -12,14 +11,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnx_nmm.model_io import (
-    PROTOBUF_LIMIT,
-    carry_genai_config,
-    check_model_file,
-    check_output_path,
-    save_model,
-    weight_bytes,
-)
+from onnx_nmm.model_io import save_derived
 from onnx_nmm.passes import LinearLayer
 
 
@@ -203,14 +195,7 @@ class RewriteResult:
         None = as the input did, or when the weights pass protobuf's 2 GB. Refuses to write over the input
         unless `overwrite_input`."""
         start = time.perf_counter()
-        if self.source_path is not None:
-            check_output_path(self.source_path, path, overwrite_input)
-        if external_data is None:
-            external_data = self.source_used_external_data
-        external_data = external_data or weight_bytes(self.model) > PROTOBUF_LIMIT
-        written = save_model(self.model, path, external_data=external_data,
-                             validate=functools.partial(check_model_file, source=self.source_path))
-        if self.source_path is not None:
-            carry_genai_config(self.source_path, written)
+        written = save_derived(self.model, path, self.source_path, self.source_used_external_data, external_data,
+                               overwrite_input)
         self.report.seconds["writing"] = time.perf_counter() - start
         return written

@@ -11,7 +11,6 @@ Only those initializers change, each in its dtype; the result saves like a rewri
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -32,14 +31,7 @@ from onnx_nmm.calibration.generated_text import generated_windows
 from onnx_nmm.calibration.sources import GeneratedText, calibration_sources
 from onnx_nmm.errors import ModelError, OptionError
 from onnx_nmm.evaluation import TextOptions
-from onnx_nmm.model_io import (
-    PROTOBUF_LIMIT,
-    carry_genai_config,
-    check_model_file,
-    check_output_path,
-    save_model,
-    weight_bytes,
-)
+from onnx_nmm.model_io import save_derived
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.mlp_narrowing import NARROWED_KEY
 from onnx_nmm.passes.svd_ops import DOMAIN
@@ -142,13 +134,8 @@ class FinetuneResult:
     def save(self, path: str | os.PathLike, overwrite_input: bool = False) -> Path:
         """Write the tuned model atomically, as the input was written (external data or not)."""
         start = time.perf_counter()
-        if self.source_path is not None:
-            check_output_path(self.source_path, path, overwrite_input)
-        external = self.source_used_external_data or weight_bytes(self.model) > PROTOBUF_LIMIT
-        written = save_model(self.model, path, external_data=external,
-                             validate=functools.partial(check_model_file, source=self.source_path))
-        if self.source_path is not None:
-            carry_genai_config(self.source_path, written)
+        written = save_derived(self.model, path, self.source_path, self.source_used_external_data,
+                               overwrite_input=overwrite_input)
         self.seconds["writing"] = time.perf_counter() - start
         return written
 
