@@ -30,16 +30,16 @@ from onnx_nmm.errors import (
     OutputError,
     TrainingDiverged,
 )
-from onnx_nmm.evaluation import Evaluation, TextOptions, evaluate
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
 from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
-from onnx_nmm.model_diff import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.model_io import check_output_path, external_data_path
 from onnx_nmm.options import CalibrationOptions, FactorizationOptions, RankOptions, RewriteOptions, Selection
 from onnx_nmm.pipeline import LayerOutcome, RewriteReport, RewriteResult, rewrite
 from onnx_nmm.progress import Phase, Progress
+from onnx_nmm.quality.evaluation import Evaluation, TextOptions, evaluate
+from onnx_nmm.quality.model_diff import Diff, DiffOptions, TextDiff, diff, diff_on_text
 from onnx_nmm.ranks.rank_plan import Dense, RankPlan
 from onnx_nmm.runtime.backend_runner import RUN_BACKENDS, ModelRunner, RunResult, run_model
 from onnx_nmm.runtime.causal_lm import CausalLm

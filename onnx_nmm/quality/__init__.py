@@ -1,1 +1,3 @@
-"""What a change cost: logit comparisons (metrics) and perplexity over token windows (perplexity)."""
+"""What a change cost: logit comparisons (metrics), perplexity over token windows (perplexity), and the
+measurements the API offers on them: a model's perplexity on a text (evaluation, `evaluate`), two models'
+outputs and perplexities compared (model_diff, `diff`)."""

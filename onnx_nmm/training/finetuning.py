@@ -30,12 +30,12 @@ from onnx_nmm.calibration.calibration_data import (
 from onnx_nmm.calibration.generated_text import generated_windows
 from onnx_nmm.calibration.sources import GeneratedText, calibration_sources
 from onnx_nmm.errors import ModelError, OptionError
-from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.model_io import save_derived
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.mlp_narrowing import NARROWED_KEY
 from onnx_nmm.passes.svd_ops import DOMAIN
 from onnx_nmm.progress import Progress
+from onnx_nmm.quality.evaluation import TextOptions
 from onnx_nmm.quality.perplexity import PerplexityResult, Windows, perplexity, window_count
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import vocabulary_size

@@ -9,10 +9,10 @@ import numpy as np
 
 from onnx_nmm.calibration.calibration_data import check_token_ids
 from onnx_nmm.errors import ModelError, OptionError
-from onnx_nmm.evaluation import TextOptions
 from onnx_nmm.options import DEFAULT_WINDOW
 from onnx_nmm.progress import Progress
 from onnx_nmm.quality import metrics
+from onnx_nmm.quality.evaluation import TextOptions
 from onnx_nmm.quality.perplexity import TextComparison, compare_on_text, window_count
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner, check_backend
 
