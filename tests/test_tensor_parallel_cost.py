@@ -158,6 +158,9 @@ def test_the_low_rank_split_is_taken_when_cheaper_and_all_reduces_r_columns_inst
     saved = [ways[0].seconds - tensor_parallel.cheapest(ways).seconds for ways in
              (tensor_parallel.splits(p, sharding, 2048, "trn1") for p in rewritten.products)]
     assert phase.low_rank_saving_s == pytest.approx(sum(saved)) and phase.low_rank_saving_s > 0
+    assert (as_dense.partial_sums.width, low_rank.partial_sums.width) == (1024, 128)
+    narrower = as_dense.partial_sums.seconds - low_rank.partial_sums.seconds  # the all-reduce's own saving
+    assert phase.rank_all_reduce_saving_s == pytest.approx(2 * narrower) and narrower > 0
 
 
 def test_a_fused_mlp_split_over_ranks_takes_its_fused_kernel_or_its_projections_each_split_its_way():

@@ -107,24 +107,27 @@ def _print_phases(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> N
         for length, phase in model.prefill.items():
             table.add_row(names[model.label], f"prefill of {length}", f"{phase.seconds * 1e3:.2f} ms",
                           f"{length / phase.seconds:,.0f}", f"{result.prefill_speedup(model, length):.2f}×", "",
-                          f"{phase.kernel_share:.0%}", *_saving(phase.low_rank_saving_s, split))
+                          f"{phase.kernel_share:.0%}",
+                          *_saving(phase.low_rank_saving_s, phase.rank_all_reduce_saving_s, split))
         for context, phase in model.decode.items():
             table.add_row(names[model.label], f"decode at {context}", f"{phase.seconds * 1e3:.3f} ms",
                           f"{1 / phase.seconds:,.1f}", f"{result.decode_speedup(model, context):.2f}×",
                           f"{result.ideal_decode_speedup(model, context):.2f}×", f"{phase.kernel_share:.0%}",
-                          *_saving(phase.low_rank_saving_s, split))
+                          *_saving(phase.low_rank_saving_s, phase.rank_all_reduce_saving_s, split))
     _common.stdout.print(table)
     _common.stdout.print("ideal: the first model's bytes read per decode step (linear weights, KV cache) over this "
-                         "model's" + ("; low-rank splits save: the factorized layers split at their rank (X·U's "
-                                      "all-reduce r wide) against split as NxD splits the dense layers" if split
+                         "model's" + ("; low-rank splits save: the factorized layers split at their rank against "
+                                      "split as NxD splits the dense layers, and of that, the row-parallel layers' "
+                                      "all-reduce of X·U (r wide) against that of their output (N wide)" if split
                                       else ""), style="dim")
 
 
-def _saving(seconds: float, split: bool) -> tuple[str, ...]:
-    """The low-rank splits' saving as a table cell when the model is split ("—" when they save nothing)."""
+def _saving(seconds: float, all_reduce: float, split: bool) -> tuple[str, ...]:
+    """The low-rank splits' saving, and the rank-r all-reduces' part of it, as a table cell when the model is split
+    ("—" when they save nothing)."""
     if not split:
         return ()
-    return (f"{seconds * 1e6:,.1f} µs" if seconds else "—",)
+    return (f"{seconds * 1e6:,.1f} µs (all-reduce {all_reduce * 1e6:,.1f} µs)" if seconds else "—",)
 
 
 def _print_parts(result: onnx_nmm.TrainiumEstimate, names: dict[str, str]) -> None:

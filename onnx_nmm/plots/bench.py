@@ -18,11 +18,12 @@ def plot_benchmark(benchmark: Benchmark, path: str | os.PathLike) -> None:
 
 
 def plot_trainium(estimate: TrainiumEstimate, path: str | os.PathLike) -> None:
-    """The modelled decode speed of `estimate` (one NeuronCore)."""
+    """The modelled decode speed of `estimate` (one NeuronCore, or split over `tp`)."""
     contexts = list(estimate.options.contexts)
     lines = [(model.label, [1 / model.decode[c].seconds for c in contexts]) for model in estimate.models]
+    cores = "one NeuronCore" if estimate.options.tp == 1 else f"split over {estimate.options.tp} NeuronCores"
     _plot_decode(lines, contexts, "decode tokens/s (modelled)",
-                 f"{estimate.options.target}, one NeuronCore, bfloat16, batch 1: modelled, not measured", path)
+                 f"{estimate.options.target}, {cores}, bfloat16, batch 1: modelled, not measured", path)
 
 
 def _plot_decode(lines: list[tuple[str, list[float]]], contexts: list[int], ylabel: str, title: str,

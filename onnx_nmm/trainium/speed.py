@@ -94,14 +94,16 @@ class Part:
 @dataclass
 class PhaseCost:
     """One forward pass of `tokens` new tokens after a KV cache of `context`, part by part (modelled), on one
-    rank; split over several, `splits` counts the products that took each way of splitting (by layer), and
+    rank; split over several, `splits` counts the products that took each way of splitting (by layer),
     `low_rank_saving_s` is what the factorized layers' cheapest splits save against splitting them as NxD splits
-    the dense layers they stand for."""
+    the dense layers they stand for, and `rank_all_reduce_saving_s` the part of it the all-reduces of row-parallel
+    layers save by summing X·U, r wide, instead of the output, N wide."""
 
     tokens: int
     context: int
     parts: dict[str, Part]
     low_rank_saving_s: float = 0.0
+    rank_all_reduce_saving_s: float = 0.0
     splits: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -115,7 +117,8 @@ class PhaseCost:
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "context": self.context, "seconds": self.seconds,
-                "low_rank_saving_s": self.low_rank_saving_s, "splits": self.splits,
+                "low_rank_saving_s": self.low_rank_saving_s, "rank_all_reduce_saving_s": self.rank_all_reduce_saving_s,
+                "splits": self.splits,
                 "parts": {name: asdict(part) for name, part in self.parts.items()}}
 
 
@@ -126,6 +129,7 @@ class ModelledModel:
     decode: dict[int, PhaseCost]  # context → one decode step
     generation_prefill_s: float
     generation_decode_s: float  # every step of the end-to-end generation, summed
+    sharding: tensor_parallel.Sharding | None = None  # what one NeuronCore holds when split over several
 
     @property
     def label(self) -> str:
@@ -147,6 +151,8 @@ class ModelledModel:
     def to_dict(self) -> dict:
         return {"model": self.label, "layers": self.shape.layers, "products": self.shape.counts(),
                 "weight_bytes_bf16": self.weight_bytes, "notes": list(self.shape.notes),
+                **({"per_core": {"tp": self.sharding.tp, "query_heads": self.sharding.heads,
+                                 "kv_heads": self.sharding.kv_heads}} if self.sharding else {}),
                 "prefill": [phase.to_dict() for phase in self.prefill.values()],
                 "decode": [phase.to_dict() for phase in self.decode.values()],
                 "generation": {"prefill_s": self.generation_prefill_s, "decode_s": self.generation_decode_s,
@@ -218,11 +224,13 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str, tp: int =
     part of its own; norms and residuals on the whole hidden state, as every rank computes them."""
     parts = {name: Part() for name in PARTS}
     sharding = tensor_parallel.Sharding.of(shape, tp)
-    saving, taken = 0.0, Counter[str]()
+    saving, all_reduce_saving, taken = 0.0, 0.0, Counter[str]()
     for product in shape.products:
         ways = tensor_parallel.splits(product, sharding, tokens, target)
         chosen = tensor_parallel.cheapest(ways)
         saving += ways[0].seconds - chosen.seconds
+        if ways[0].partial_sums and chosen.partial_sums:
+            all_reduce_saving += ways[0].partial_sums.seconds - chosen.partial_sums.seconds
         if tp > 1:
             taken[f"{tensor_parallel.layer_name(product)}: {chosen.how}"] += 1
         part = parts[_LINEAR_PART.get(product.group, "other linear")]
@@ -249,7 +257,7 @@ def price(shape: DecoderShape, tokens: int, context: int, target: str, tp: int =
         row = collective(ALL_GATHER, "embedding", h, tokens, tp, target)
         parts[row.label] = Part(row.seconds, row.sent_bytes, 0.0, COLLECTIVE)
     return PhaseCost(tokens, context, {name: part for name, part in parts.items() if part.seconds}, saving,
-                     dict(taken))
+                     all_reduce_saving, dict(taken))
 
 
 def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
@@ -260,9 +268,10 @@ def _modelled(shape: DecoderShape, options: TrainiumOptions) -> ModelledModel:
     generation_prefill = price(shape, prompt, 0, target, tp).seconds
     generation_decode = sum(price(shape, 1, context, target, tp).seconds
                             for context in range(prompt, prompt + new - 1))
+    sharding = tensor_parallel.Sharding.of(shape, tp)
     if tp > 1:
-        shape = replace(shape, notes=(*shape.notes, tensor_parallel.Sharding.of(shape, tp).note))
-    return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode)
+        shape = replace(shape, notes=(*shape.notes, sharding.note))
+    return ModelledModel(shape, prefill, decode, generation_prefill, generation_decode, sharding)
 
 
 def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:

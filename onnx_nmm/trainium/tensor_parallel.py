@@ -104,6 +104,8 @@ class Split:
     how: str
     cost: Cost
     collectives: tuple[Collective, ...] = ()
+    # the all-reduce summing a row-parallel layer's partial products: of its output, N wide, or of X·U, r wide
+    partial_sums: Collective | None = None
 
     @property
     def seconds(self) -> float:
@@ -123,9 +125,9 @@ def splits(product: Product, sharding: Sharding, tokens: int, target: str) -> li
     mlp = choose_mlp_kernel(product.op, kernel_spec(product.op).named((product.hidden, sharding.share(
         product.intermediate), *product.sizes[2:])), tokens, target)
     inputs, output = ("gate_proj and up_proj", "down_proj") if product.gated else ("fc1", "fc2")
-    kernel = mlp.ways[mlp.way][0]
+    kernel, sums = mlp.ways[mlp.way][0], at.all_reduce(output, product.hidden)
     ways = [Split(f"{kernel}, {inputs} column-, {output} row-parallel" if sharding.tp > 1 else kernel, mlp.cost,
-                  at.all_reduce(output, product.hidden))]
+                  sums, _first(sums))]
     if isinstance(product, FusedMlp) and sharding.tp > 1:
         ways += at.projections(product)
     return ways
@@ -194,15 +196,17 @@ class _Pricing:
 
     def row(self, product: Linear | Factorized) -> list[Split]:
         k, what = self.sharding.rows(product), layer_name(product)
+        output = self.all_reduce(what, product.n)
         if not isinstance(product, Factorized):
-            return [Split("row-parallel", self.matmul(k, product.n), self.all_reduce(what, product.n))]
+            return [Split("row-parallel", self.matmul(k, product.n), output, _first(output))]
         low_rank = self.all_reduce(f"{what}'s X·U", product.rank)
-        return [Split("U row-split, V whole, output all-reduced", self.xuv(k, product.rank, product.n),
-                      self.all_reduce(what, product.n)),
-                Split("U row-split, X·U all-reduced, V whole", self._low_rank(k, product.rank, product.n), low_rank),
+        return [Split("U row-split, V whole, output all-reduced", self.xuv(k, product.rank, product.n), output,
+                      _first(output)),
+                Split("U row-split, X·U all-reduced, V whole", self._low_rank(k, product.rank, product.n), low_rank,
+                      _first(low_rank)),
                 Split("U row-split, X·U all-reduced, V column-split, output all-gathered",
                       self._low_rank(k, product.rank, self.sharding.share(product.n)),
-                      low_rank + self.all_gather(what, product.n))]
+                      low_rank + self.all_gather(what, product.n), _first(low_rank))]
 
     def _low_rank(self, k: int, rank: int, n: int) -> Cost:
         """X·U on the rank's k rows of U, then (after the all-reduce) the rank-r intermediate times n columns of V:
@@ -227,10 +231,15 @@ class _Pricing:
         for how, cost, collectives in (("U whole", whole, ()), ("U row-split", *row_split)):
             for out in self.row(output):
                 ways.append(Split(f"projections: {names} {how}; {layer_name(output)} {out.how}",
-                                  _sum(cost, activation, out.cost), collectives + out.collectives))
+                                  _sum(cost, activation, out.cost), collectives + out.collectives,
+                                  out.partial_sums))
         return ways
 
 
+
+
+def _first(collectives: tuple[Collective, ...]) -> Collective | None:
+    return collectives[0] if collectives else None
 
 
 def _sum(*costs: Cost) -> Cost:
