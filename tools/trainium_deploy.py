@@ -1,4 +1,5 @@
-"""The Trainium deployment path, run end to end on SmolLM2-135M: docs/trainium.md's figures.
+"""The Trainium deployment path, run end to end on SmolLM2-135M: docs/trainium.md's figures (its sections
+`trainium-deploy`, the graphs and answers, and `trainium-deploy-commands`; the rest of the page is prose).
 
     python tools/trainium_deploy.py [--out docs/trainium.md]
 
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, invocation  # noqa: E402
+from commands import CommandLog, invocation, write_section  # noqa: E402
 
 PROMPTS = ("What is the capital of France?", "Why is the sky blue?")
 NEW_TOKENS = 24
@@ -114,7 +115,6 @@ def write_page(path: Path, exported: Path, manifest: dict, speedup: dict, answer
     said = "\n".join(f"| {prompt} | {reference['text']!r} | {static['text']!r} | "
                      f"{'yes' if reference['tokens'] == static['tokens'] else 'NO'} |"
                      for prompt, reference, static in answers)
-    listed = "\n".join(commands)
     columns = ("graph", "tokens", "custom ops", "MLPs fused", "MLPs as projections", "modelled µs",
                "dense µs (modelled)", "lowering vs onnxruntime, max abs")
     header = "| " + " | ".join(columns) + " |\n|---|" + "---:|" * (len(columns) - 1)
@@ -122,67 +122,13 @@ def write_page(path: Path, exported: Path, manifest: dict, speedup: dict, answer
     versus = (f"prefill of 128 {speedup['prefill']['128']:.2f}×, of 256 {speedup['prefill']['256']:.2f}×, a decode "
               f"step {speedup['decode']['128']:.2f}×, a prompt of 32 and 32 new tokens end to end "
               f"{speedup['generation']['end to end']:.2f}×")
-    path.write_text(PAGE.format(header=header, rows=rows, tensors=len(cache), shape=shape, answers=said, versus=versus,
-                                machine=machine(), invocation=invocation(), commands=listed,
-                                exported=exported.name, new=NEW_TOKENS))
+    checked = CHECKED.format(header=header, rows=rows, tensors=len(cache), shape=shape, answers=said, versus=versus,
+                             machine=machine(), invocation=invocation(), exported=exported.name, new=NEW_TOKENS)
+    write_section(path, "trainium-deploy", checked.splitlines())
+    write_section(path, "trainium-deploy-commands", ["```", *commands, "```"])
 
 
-PAGE = """# Deploying on Trainium
-
-Neuron runs static shapes. A model that generates is therefore not one graph but several: a **prefill** graph
-per prompt-length bucket, which writes a prompt's keys and values into the KV cache, and one **decode** graph,
-which reads one new token, writes its keys and values at the position it is given and returns the next logits.
-The cache has a fixed number of positions (`--max-context`) and is an input/output pair of every graph: the
-buffer the runtime keeps on the device between steps. This is how every Trainium serving stack runs an LLM (NxD
-Inference, transformers-neuronx, NeuronMM's own code); `onnx-nmm compile --max-context` makes those graphs
-from any exported KV-cache model `rewrite` accepts.
-
-## The path
-
-```
-onnx-nmm export model.gguf -o model.onnx                  # or your own export with a KV cache
-onnx-nmm rewrite model.onnx -o small.onnx --calib my-text.txt --tokenizer model.gguf
-onnx-nmm compile small.onnx --target trn1 --max-context 2048 -o small.neuron
-onnx-nmm generate small.neuron --prompt "What is the capital of France?"
-onnx-nmm bench small.neuron model.onnx --target trn1       # modelled: the compiled graphs as they run
-```
-
-`compile --max-context N` writes, into the folder:
-
-- `prefill_<B>.onnx`: a prefill of B tokens, one per bucket (default 128, 512, 2048 below N, and N;
-  `--buckets` to choose);
-- `decode.onnx`: one decode step over the cache of N positions, written at its `cache_position` input (an
-  onnxruntime-genai export has none: its GroupQueryAttention already takes the cache as one buffer of N
-  positions and writes the step where the attention mask ends, so its graphs only get static shapes);
-- `weights.data`: the weights of every graph, each written once: the graphs share them;
-- `manifest.json`: the buckets; the cache, each tensor's shape and the output that aliases its input; every
-  graph's custom ops with their kernel, block sizes and modelled time; every MLP's kernel choice with the times
-  it compared; the lowering check;
-- `<graph>/model.pt`, `<graph>/compiler/`: with the Neuron SDK, each graph's `torch_neuronx` trace and its NEFF
-  (the weights kept out of the NEFF). The decode step is traced with its cache as the module's state, each
-  cache tensor aliased to the present output that updates it (`input_output_aliases`), so the cache stays on
-  the device between steps; the manifest says so under the decode graph's `cache_state`.
-
-Each graph chooses its own MLP kernels: at a prefill of 512 tokens and at a decode step of one the fastest of
-the fused MLP kernel, the projections launched one by one and (a factorized MLP) the dense MLP kernel on its
-factors multiplied back is not the same (modelled), so each graph takes the fastest at its shape. Each graph is
-lowered to PyTorch and checked against onnxruntime before the folder is put in place (a `MatMulNBits` that
-onnxruntime's CPU runs at `accuracy_level` 4, int8 activations, as onnxruntime-genai's int4 builds ask, is
-checked computing in float, as the lowered program and the device do). Without the Neuron SDK
-the whole folder is still written (the trace is the only step missing) and `compile` exits 3 saying what to
-install; `--dry-run` stops there on purpose.
-
-`generate DIR` runs the folder: the prompt padded to the smallest bucket that holds it, then one decode step
-per token. `--backend ort` and `--backend torch` run the very graphs on the CPU (torch: lowered to PyTorch as
-the trace takes them), `--backend emulator` with the NKI kernels on the emulator, `--backend neuron` the
-traces: after a prefill, its cache is copied into the decode trace's state once, and every step then passes
-only the token, the mask and the position. A prompt longer than the largest bucket, or more tokens than the
-cache holds, is a one-line error.
-`bench DIR --target trn1` prices the folder as it runs (modelled): a prompt costs its bucket's prefill, and
-every decode step attends over the whole cache, which is what a static cache costs.
-
-## Checked here, on SmolLM2-135M
-
+CHECKED = """\
 No machine here has a Trainium device. On SmolLM2-135M-Instruct, exported with its KV cache by a script that
 is not onnx-nmm's ({exported}: torch.onnx's TorchScript exporter, inputs named `tokens`, `attn_mask`,
 `positions`, `past.N.k`, `past.N.v`), rewritten at keep 0.9 and compiled with `--target trn1 --max-context 256
@@ -202,30 +148,7 @@ PyTorch, the custom ops as torch math):
 |---|---|---|---|
 {answers}
 
-Machine: {machine}. Regenerate with `{invocation}`.
-
-## What is modelled, what a device measures
-
-Every Trainium time here and in `compile`'s and `bench --target`'s output is **modelled**: the kernels' cost
-model ([kernels.md](kernels.md)) for the linear layers, a roofline for the rest ([speed.md](speed.md)). On a
-Trainium machine, install the SDK (`pip install --extra-index-url https://pip.repos.neuron.amazonaws.com
-torch-neuronx neuronx-cc nki`) and compile without `--dry-run`: each graph is traced with the same kernel source
-the emulator runs, and `generate DIR --backend neuron` runs the traces. `bench-kernels --device` measures the
-kernels themselves on the NeuronCore ([kernels.md](kernels.md)).
-
-Not run yet, and not hidden: none of the device path has run on a device. The decode trace's cache state
-follows torch-neuronx's documented aliasing (the pattern of AWS's T5 inference tutorial: state tensors as
-parameters, `input_output_aliases` from each to its output, the state filled with `copy_` after the prefill);
-here it is tested with a torch.jit trace of the same module on the CPU, where nothing aliases and the runtime
-copies each step's present outputs back into the state instead, and the call to `torch_neuronx.trace` is
-checked with the SDK stood in for (`tests/test_compile_generating.py`).
-
-## Commands
-
-```
-{commands}
-```
-"""
+Machine: {machine}. Regenerate with `{invocation}`."""
 
 
 if __name__ == "__main__":
