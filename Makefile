@@ -34,7 +34,7 @@ smoke: $(STAMP)
 # ruff and mypy, configured in pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy  # the public API's modules, listed in pyproject.toml
+	$(VENV)/bin/mypy  # every module of onnx_nmm/, as pyproject.toml says
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadgroup

@@ -52,6 +52,7 @@ class ModelSource:
         """The folder the original model's external data files are relative to."""
         if self.path is not None:
             return str(self.path.parent.resolve())
+        assert self.original is not None, "a model without a path is held in memory"
         folders = {str(Path(value.const_value.base_dir).resolve())
                    for value in self.original.graph.initializers.values()
                    if isinstance(value.const_value, ir.ExternalTensor)}
@@ -64,6 +65,7 @@ class ModelSource:
         """The original model as a proto, external weights not loaded (their references kept)."""
         if self.path is not None:
             return onnx.load(str(self.path), load_external_data=False)
+        assert self.original is not None, "a model without a path is held in memory"
         return ir.to_proto(self.original)
 
     def full_proto(self) -> onnx.ModelProto:

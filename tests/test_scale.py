@@ -235,3 +235,23 @@ def test_a_streamed_rewrite_of_a_dynamo_export_keeps_its_small_constants_in_the_
     inline = [tensor for tensor in graph.initializer if tensor.data_location != onnx.TensorProto.EXTERNAL]
     assert external and inline and all(len(tensor.raw_data) < 1024 for tensor in inline)
     assert ort.InferenceSession(str(output)).get_outputs()[0].name == "logits"
+
+
+def test_the_writer_copies_external_data_without_offset_or_length_whole(tmp_path):
+    """ONNX lets a tensor's external data give no offset and no length: the tensor is then the whole file."""
+    import onnx_ir as ir
+
+    from onnx_nmm.scale.writer import write_streamed
+
+    weight = np.arange(32 * 64, dtype=np.float32).reshape(32, 64)
+    (tmp_path / "weight.bin").write_bytes(weight.tobytes())
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 32]))
+    w = ir.Value(name="w", const_value=ir.ExternalTensor("weight.bin", None, None, ir.DataType.FLOAT,
+                                                         shape=ir.Shape(weight.shape), name="w", base_dir=tmp_path))
+    matmul = ir.node("MatMul", [x, w])
+    matmul.outputs[0].name = "y"
+    model = ir.Model(ir.Graph([x], matmul.outputs, nodes=[matmul], initializers=[w], opset_imports={"": 21}),
+                     ir_version=10)
+    (tmp_path / "staging").mkdir()
+    output = write_streamed(model, tmp_path / "out" / "model.onnx", tmp_path / "staging")
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(onnx.load(output).graph.initializer[0]), weight)

@@ -67,8 +67,9 @@ class GramStatistics:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         staged = path.with_name(f".{path.name}.partial.npz")
-        np.savez(staged, **{_STATS_MARKER: np.array([self.tokens]), "__description__": np.array(self.description),
-                            "__windows__": np.array(self.windows, dtype=str)},
+        np.savez(staged, allow_pickle=False,  # numbers and strings only: np.load reads them without pickles
+                 **{_STATS_MARKER: np.array([self.tokens]), "__description__": np.array(self.description),
+                    "__windows__": np.array(self.windows, dtype=str)},
                  **{f"gram:{name}": gram for name, gram in self.grams.items()},
                  **{f"output_gram:{name}": gram for name, gram in self.output_grams.items()})
         staged.replace(path)

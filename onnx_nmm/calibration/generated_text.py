@@ -62,15 +62,17 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
                               "{tokenizer}", tokenizer="calibration.tokenizer")
         first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
     cache = _cache_file(writer, text, seq_len, first)
-    rows = [_cached_batch(cache, b) if cache is not None else None for b in range(text.batches(samples))]
-    to_sample = sum(row is None for row in rows)
+    cached = [_cached_batch(cache, b) if cache is not None else None for b in range(text.batches(samples))]
+    to_sample = sum(row is None for row in cached)
     decoder = _decoder(writer, text, seq_len, first, to_sample) if to_sample else None
-    for b, row in enumerate(rows):
+    rows = []
+    for b, row in enumerate(cached):
         if row is None:
-            assert decoder is not None
-            rows[b] = sample_batch(decoder, text, seq_len, first, b)
+            assert decoder is not None, "a decoder is made when a batch is to be sampled"
+            row = sample_batch(decoder, text, seq_len, first, b)
             if cache is not None:
-                _store_batch(cache, b, rows[b])
+                _store_batch(cache, b, row)
+        rows.append(row)
         if on_batch is not None:
             on_batch()
     tokens = np.concatenate(rows)[:samples]

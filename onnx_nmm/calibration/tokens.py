@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +18,16 @@ class TokenWindows:
 
     tokens: np.ndarray  # [samples, seq_len], int64
     description: str
-    ids: list[str] | None = None  # one name per window, saying where it came from ("kjv.txt#12", "generated#3")
+    ids: list[str] = field(default_factory=list)  # one name per window, saying where it came from ("kjv.txt#12")
 
     def __post_init__(self):
-        if self.ids is None:
+        if not self.ids:  # none given: the source the description names, and the row
             self.ids = [f"{self.description.split(':')[0]}#{i}" for i in range(len(self.tokens))]
 
     def take(self, rows) -> TokenWindows:
         """The windows at `rows` (indices), with their ids."""
-        rows, ids = list(rows), self.ids or []  # ids: filled in __post_init__
-        return TokenWindows(self.tokens[rows], self.description, [ids[i] for i in rows])
+        rows = list(rows)
+        return TokenWindows(self.tokens[rows], self.description, [self.ids[i] for i in rows])
 
     def batches(self, batch_size: int):
         for start in range(0, len(self.tokens), batch_size):

@@ -134,7 +134,7 @@ def millions(number: int | float) -> str:
     return f"{number / 1e6:.2f}M"
 
 
-def megabytes(number: int) -> str:
+def megabytes(number: int | float) -> str:
     return f"{number / 1e6:,.1f} MB"
 
 

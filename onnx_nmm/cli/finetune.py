@@ -106,6 +106,7 @@ def run(args) -> int:
     if args.plot:
         from onnx_nmm.plots.finetune import plot_loss_curve
 
+        assert result.loss is not None, "finetune decides the loss before it trains"
         plot_loss_curve(result.training, args.plot, _plot_title(source, options, result, args.eval_text),
                         result.loss)
     if args.report:
@@ -134,6 +135,7 @@ def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nm
              f"{training.learning_rate:g}"
              + (f", adapters of rank {training.adapter_rank}" if training.adapter_rank else ""))
     if result.before and result.after:
+        assert eval_text is not None, "the perplexities are measured on the eval text"
         title += (f"\nperplexity {result.before.perplexity:.3f} → {result.after.perplexity:.3f} on "
                   f"{Path(eval_text).name} (held out)")
     return title

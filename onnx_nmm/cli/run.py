@@ -50,7 +50,7 @@ def run(args) -> int:
     for column in ("output", "shape", "dtype", "min", "max", "mean"):
         table.add_column(column)
     for name, info in summary.items():
-        table.add_row(name, str(info["shape"]), info["dtype"], f"{info['min']:.4g}", f"{info['max']:.4g}",
+        table.add_row(name, str(info["shape"]), str(info["dtype"]), f"{info['min']:.4g}", f"{info['max']:.4g}",
                       f"{info['mean']:.4g}")
     _common.stdout.print(table)
     if calls:

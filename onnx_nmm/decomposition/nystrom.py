@@ -138,7 +138,7 @@ class MlpNarrowing:
         for ridge in RIDGE_CANDIDATES:
             self.ridge = ridge
             errors[ridge] = self.relative_error(kept, self.refit(kept), held_out_gram)
-        self.ridge, self.ridge_chosen = min(errors, key=errors.get), True
+        self.ridge, self.ridge_chosen = min(errors, key=errors.__getitem__), True
         return self.ridge
 
     def _scores(self) -> np.ndarray:
@@ -158,7 +158,7 @@ def _elimination_order(gram: np.ndarray, down: np.ndarray, damping: float) -> np
     remaining = np.arange(len(gram))
     inverse = np.linalg.inv(gram + damping * np.eye(len(gram)))
     fit = inverse @ (gram @ down)  # X = A⁻¹B, the refit on the neurons remaining
-    dropped = []
+    dropped: list[int] = []
     while len(remaining) > 1:
         step = max(1, len(remaining) // _ELIMINATION_STEPS)
         cost = np.einsum("ih,ih->i", fit, fit) / np.diag(inverse)

@@ -138,6 +138,7 @@ class GroupObserver:
             tokens += len(x_d)
         if gram_c is None:
             raise DataError("the calibration set is empty")
+        assert cross is not None and gram_d is not None, "the three sums start together"
         return GroupStatistics(gram_c, cross, gram_d, tokens)
 
     def _session(self, proto: onnx.ModelProto, *values: str):

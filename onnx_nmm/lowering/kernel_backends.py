@@ -10,11 +10,13 @@ kernel backends launch the op's kernel in onnx_nmm.kernel_table.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from onnx_nmm.kernel_table import kernel_spec
+from onnx_nmm.kernel_table import KernelSpec, kernel_spec
 from onnx_nmm.passes import svd_ops
 
 BACKENDS = ("torch", "emulator", "neuron")
@@ -68,13 +70,19 @@ def _mlp(x, w1, b1, w2, b2, act):
     return torch.matmul(act(torch.matmul(x, w1) + b1), w2) + b2
 
 
-_TORCH_MATH = {svd_ops.SVD_MATMUL: _svd_matmul, svd_ops.SVD_GATED_MLP: _svd_gated_mlp, svd_ops.SVD_MLP: _svd_mlp,
-               svd_ops.GATED_MLP: _gated_mlp, svd_ops.MLP: _mlp}
+_TORCH_MATH: dict[str, Callable[..., torch.Tensor]] = {
+    svd_ops.SVD_MATMUL: _svd_matmul, svd_ops.SVD_GATED_MLP: _svd_gated_mlp, svd_ops.SVD_MLP: _svd_mlp,
+    svd_ops.GATED_MLP: _gated_mlp, svd_ops.MLP: _mlp}
 
 
-class _KernelLaunches:
+class _KernelLaunches(ABC):
     """An op as its kernel in onnx_nmm.kernel_table: X flattened to [tokens, features], the kernel launched on it
     and the op's weights, the output bias added after, the leading dimensions restored."""
+
+    @abstractmethod
+    def _launch(self, node: str, spec: KernelSpec, rows: torch.Tensor, weights, options: dict[str, str]
+                ) -> torch.Tensor:
+        """The kernel of `spec` on `rows` [tokens, features] and the op's weights: [tokens, outputs]."""
 
     def run(self, node: str, op: str, x, *inputs, activation: str = "silu"):
         spec = kernel_spec(op)

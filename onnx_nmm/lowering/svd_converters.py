@@ -148,7 +148,7 @@ def svd_ops_of(module: nn.Module) -> list[_SvdOp]:
 
 def factor_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """Every SVD factor of a lowered model, by ONNX initializer name (shared factors once)."""
-    found = {}
+    found: dict[str, nn.Parameter] = {}
     for op in svd_ops_of(module):
         found.update(zip(op.factor_names, op.factors))
     return found

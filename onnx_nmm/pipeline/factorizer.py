@@ -24,6 +24,9 @@ from onnx_nmm.passes import FactorizedLayer, LinearLayer
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.ranks.rank_plan import break_even_rank
 
+# a layer's decomposition, plain or whitened: its spectrum, and its factors at any rank
+LayerDecomposition = lowrank.Decomposition | whitening.WhitenedDecomposition
+
 
 class Factorizer:
     """Decomposes layers under `options` with `statistics` (None for plain SVD), their factors `align`-ed.
@@ -35,7 +38,7 @@ class Factorizer:
     def __init__(self, options: FactorizationOptions, statistics: GramStatistics | None, align: int):
         self.options, self.statistics, self.align = options, statistics, align
         self.strategy = options.strategy
-        self.decompositions: dict[str, lowrank.RankedFactors] = {}
+        self.decompositions: dict[str, LayerDecomposition] = {}
 
     @property
     def method(self) -> str:
@@ -46,7 +49,13 @@ class Factorizer:
     def weighted(self) -> bool:
         return self.strategy.weighted
 
-    def decompose(self, layer: LinearLayer, rank: int | None = None) -> lowrank.RankedFactors:
+    @property
+    def _calibration(self) -> GramStatistics:
+        """The statistics a weighted method decomposes with."""
+        assert self.statistics is not None, "a weighted method is given calibration statistics"
+        return self.statistics
+
+    def decompose(self, layer: LinearLayer, rank: int | None = None) -> LayerDecomposition:
         """The layer's decomposition: exact and complete when `rank` is None, else enough for that rank."""
         if layer.name in self.decompositions:
             return self.decompositions[layer.name]
@@ -61,11 +70,11 @@ class Factorizer:
         weight = self._weight(layer)
         if not self.weighted:
             return lowrank.spectrum(weight)
-        return whitening.weighted_spectrum(weight, self.statistics.gram(layer.x.name), self._output_gram(layer))
+        return whitening.weighted_spectrum(weight, self._calibration.gram(layer.x.name), self._output_gram(layer))
 
     def predicted_kl(self, spectrum: lowrank.RankedFactors, rank: int) -> float:
         """Fisher only: the mean KL per token a truncation to `rank` adds."""
-        return fisher.predicted_kl(spectrum.truncated_energy(rank), self.statistics.tokens)
+        return fisher.predicted_kl(spectrum.truncated_energy(rank), self._calibration.tokens)
 
     def factorize(self, layer: LinearLayer, rank: int,
                   group: sequential.GroupStatistics | None = None) -> tuple[LayerOutcome, FactorizedLayer]:
@@ -101,7 +110,10 @@ class Factorizer:
 
     def storage_dtype(self) -> ir.DataType | None:
         """The float dtype asked for the factors, if any."""
-        return {"float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}.get(self.options.factor_dtype)
+        factor_dtype = self.options.factor_dtype
+        if factor_dtype is None:
+            return None
+        return {"float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}[factor_dtype]  # checked by the options
 
     def _quantized(self, layer: LinearLayer, u: np.ndarray, v: np.ndarray):
         """U and V quantized as the weight is, unless a float dtype is asked for (or the weight is float)."""
@@ -115,6 +127,7 @@ class Factorizer:
                  group: sequential.GroupStatistics | None) -> None:
         """The report's error columns: in weight space, on the calibration activations, against plain SVD."""
         rank = outcome.rank
+        assert rank is not None, "a factorized layer's row has its rank"
         if group is not None:
             outcome.relative_error = float(np.linalg.norm(weight - u @ v) / max(np.linalg.norm(weight), 1e-30))
             outcome.whitened_loss = sequential.sequential_loss(weight, u, v, group)
@@ -123,7 +136,7 @@ class Factorizer:
             outcome.whitened_loss = decomposition.whitened_loss(rank)
             outcome.conditioning = decomposition.conditioning
             if decomposition.conditioning != "cholesky":
-                cause = whitening.deficiency(self.statistics.gram(layer.x.name), self.statistics.tokens)
+                cause = whitening.deficiency(self._calibration.gram(layer.x.name), self._calibration.tokens)
                 outcome.conditioning += f" ({cause})"
             if decomposition.two_sided:
                 outcome.predicted_kl = self.predicted_kl(decomposition, rank)
@@ -132,10 +145,10 @@ class Factorizer:
         elif self.statistics is not None and layer.x.name in self.statistics.grams:
             outcome.whitened_loss = whitening.activation_loss(self.statistics.grams[layer.x.name], weight, u, v)
 
-    def _decompose(self, layer: LinearLayer, weight: np.ndarray, rank: int | None, svd: str):
+    def _decompose(self, layer: LinearLayer, weight: np.ndarray, rank: int | None, svd: str) -> LayerDecomposition:
         if not self.weighted:
             return lowrank.decompose(weight, svd, rank_hint=rank, **self._randomized())
-        return whitening.whitened_decomposition(weight, self.statistics.gram(layer.x.name), svd, rank_hint=rank,
+        return whitening.whitened_decomposition(weight, self._calibration.gram(layer.x.name), svd, rank_hint=rank,
                                                 output_gram=self._output_gram(layer), **self._randomized())
 
     def _randomized(self) -> dict[str, int]:
@@ -144,7 +157,7 @@ class Factorizer:
         return {"power_iterations": o.power_iterations, "oversample": o.oversample, "seed": o.seed}
 
     def _output_gram(self, layer: LinearLayer) -> np.ndarray | None:
-        return self.statistics.output_gram(layer.name) if self.strategy.output_grams else None
+        return self._calibration.output_gram(layer.name) if self.strategy.output_grams else None
 
     @staticmethod
     def _weight(layer: LinearLayer) -> np.ndarray:

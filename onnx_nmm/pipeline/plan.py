@@ -80,7 +80,7 @@ class Planner:
     def _plan(self, model: ir.Model, layers: list[LinearLayer], chosen: list[LinearLayer],
               factorizer: Factorizer, mlps: list[Mlp]) -> RankPlan:
         ranks = self.options.ranks
-        if ranks.rule == "ranks_from":
+        if ranks.ranks_from is not None:
             plan = plan_from_report(ranks.ranks_from, chosen, layers)
             if not mlps and any(isinstance(choice, Narrowed) for choice in plan.values()):
                 raise OptionError("{ranks_from} narrows MLPs: give {method} nystrom as the rewrite it reports did",
@@ -92,9 +92,9 @@ class Planner:
             return self._measured(model, chosen, factorizer, mlps)
         if ranks.budget == "global":
             return self._global(chosen, factorizer, mlps)
-        if ranks.rule == "rank":
+        if ranks.rank is not None:
             return explicit_ranks(chosen, ranks.rank)
-        if ranks.rule == "energy":
+        if ranks.energy is not None:
             with self.progress.phase("choosing ranks by energy", total=len(chosen)) as phase:
                 plan = {}
                 for layer in chosen:
@@ -102,6 +102,7 @@ class Planner:
                     plan[layer.name] = energy_choice(layer, spectrum.singular_values, ranks.energy, ranks.align)
                     phase.advance(detail=layer.module_path or layer.name)
                 return plan
+        assert ranks.keep is not None, "keep is the rule when no other is given"
         plan = {layer.name: keep_choice(layer, ranks.keep, ranks.align) for layer in chosen}
         return plan | _by_layer(mlps, {mlp.name: keep_width(mlp.width, ranks.keep, ranks.align) for mlp in mlps})
 
@@ -110,6 +111,7 @@ class Planner:
         most truncation loss, or with Fisher statistics the most predicted KL; with narrowed MLPs, where the
         loss of every layer's output (whitened truncation, or the narrowing's refit error) is least."""
         ranks = self.options.ranks
+        assert ranks.keep is not None, "a global budget spends the parameters keep keeps"
         budget = sum(parameters(layer.k, layer.n, keep_choice(layer, ranks.keep, ranks.align)) for layer in chosen)
         fisher = self.options.strategy.output_grams
         options, spectra = {}, []
@@ -168,7 +170,8 @@ class Planner:
         budget = (None if ranks.budget == "sensitivity"
                   else sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule)))
         dense = sum(layer.parameters for layer in chosen) + sum(mlp.parameters() for mlp in _unique(mlps))
-        to_remove = math.ceil((1 - ranks.keep) * dense) if budget is None else None
+        # the sensitivity budget (keep's rule) removes the parameters keep would, where they do the least damage
+        to_remove = math.ceil((1 - ranks.keep) * dense) if ranks.keep is not None else None
         if ranks.sensitivity_from is not None:
             sensitivity.references_from(ranks.sensitivity_from, candidates, metric)
         kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")

@@ -58,6 +58,7 @@ class Windows:
 
     def spans(self, length: int) -> Iterator[tuple[int, int, int]]:
         """(begin, end, first scored position) of every window over `length` tokens of text."""
+        assert self.stride is not None, "__post_init__ gives disjoint windows their stride"
         scored_up_to, count = self.unscored, 0
         for begin in range(0, max(length - self.unscored, 0), self.stride):
             end = min(begin + self.text_window, length)
@@ -145,6 +146,7 @@ class _NllSum:
         if self.count == 0:
             raise DataError("the text is too short to score a single token; give a longer text")
         mean = self.total / self.count
+        assert windows.stride is not None, "__post_init__ gives disjoint windows their stride"
         return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, tokens_scored=self.count,
                                 windows=self.windows, window=windows.window, stride=windows.stride, bos=windows.bos)
 

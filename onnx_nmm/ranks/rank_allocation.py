@@ -21,12 +21,12 @@ order sorted by it keeps every layer's moves in sequence.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_nmm.ranks.rank_plan import Dense, RankPlan, aligned_ranks, break_even_rank, parameters
+from onnx_nmm.ranks.rank_plan import Dense, RankOrWidth, RankPlan, aligned_ranks, break_even_rank, parameters
 
 KEPT_DENSE = Dense("the global budget keeps it dense")
 
@@ -59,6 +59,7 @@ def allocate_ranks(layers: list[LayerSpectrum], budget: int, align: int) -> Rank
     while heap:
         negative_gain, order, name = heapq.heappop(heap)
         layer, rank = by_name[name], ranks[name]
+        assert isinstance(rank, int), "only layers still factorized are on the heap"
         step_rank, step_cost = _next_step(layer, rank, align)
         if spent + step_cost > budget:
             continue  # does not fit; a cheaper step elsewhere may
@@ -84,7 +85,7 @@ def _push(heap, layer: LayerSpectrum, rank: int, fractions: np.ndarray, align: i
         heapq.heappush(heap, (-removed / cost, order, layer.name))
 
 
-RankOption = tuple[int, int, float]  # (rank, parameters at that rank, damage)
+RankOption = tuple[RankOrWidth, int, float]  # (rank or width, parameters at that choice, damage)
 
 
 def rank_options(k: int, n: int, align: int, damage_of: Callable[[int], float]) -> tuple[int, list[RankOption]]:
@@ -93,8 +94,8 @@ def rank_options(k: int, n: int, align: int, damage_of: Callable[[int], float]) 
     return k * n, [(rank, parameters(k, n, rank), damage_of(rank)) for rank in aligned_ranks(k, n, align)]
 
 
-def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tuple[str, int]]:
-    """(layer, new rank) moves, most parameters removed per damage first.
+def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tuple[str, RankOrWidth]]:
+    """(layer, new rank or width) moves, most parameters removed per damage first.
 
     `options[name]` = (the layer's dense parameter count, its rank options); every layer starts dense, at
     zero damage.
@@ -104,6 +105,7 @@ def cheapest_moves(options: dict[str, tuple[int, list[RankOption]]]) -> list[tup
         hull = _lower_hull([(0, 0.0, KEPT_DENSE)] + sorted((dense - count, damage, rank)
                                                             for rank, count, damage in ranks))
         for (removed_before, damage_before, _), (removed, damage, rank) in zip(hull, hull[1:]):
+            assert not isinstance(rank, Dense), "the hull is dense at its first point only"
             moves.append(((damage - damage_before) / (removed - removed_before), order, removed, name, rank))
     return [(name, rank) for *_, name, rank in sorted(moves)]
 
@@ -123,9 +125,12 @@ def allocate_by_damage(options: dict[str, tuple[int, list[RankOption]]], paramet
     return ranks
 
 
-def _lower_hull(points: list[tuple[int, float, object]]) -> list[tuple[int, float, object]]:
+HullPoint = tuple[int, float, RankOrWidth | Dense]  # (parameters removed, damage, the choice)
+
+
+def _lower_hull(points: Sequence[HullPoint]) -> list[HullPoint]:
     """The lower convex hull of (x, y, label) points sorted by x, from the first point on."""
-    hull: list[tuple[int, float, int | None]] = []
+    hull: list[HullPoint] = []
     for point in points:
         while len(hull) >= 2 and _turns_clockwise_or_straight(hull[-2], hull[-1], point):
             hull.pop()

@@ -41,6 +41,7 @@ class Narrowed:
 
 
 RankPlan = dict[str, "int | Dense | Narrowed"]
+RankOrWidth = int | Narrowed  # a choice that compresses: a matrix's rank, or its MLP's kept width
 
 
 def break_even_rank(k: int, n: int) -> float:

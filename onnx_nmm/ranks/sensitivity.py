@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +39,15 @@ from onnx_nmm.decomposition.nystrom import MlpNarrowing
 from onnx_nmm.errors import OptionError
 from onnx_nmm.quality.metrics import log_softmax
 from onnx_nmm.ranks import rank_allocation
-from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankPlan, aligned_ranks, aligned_widths, parameters
+from onnx_nmm.ranks.rank_plan import (
+    Dense,
+    Narrowed,
+    RankOrWidth,
+    RankPlan,
+    aligned_ranks,
+    aligned_widths,
+    parameters,
+)
 
 METRICS = ("ppl", "kl")
 
@@ -51,31 +59,34 @@ class Candidate:
     name: str
     k: int
     n: int
-    decomposition: lowrank.RankedFactors  # plain or whitened: its spectrum, and factors at any rank
-    references: list[tuple[int, float]] = field(default_factory=list)  # (rank, measured damage)
+    # plain or whitened: its spectrum, and factors at any rank; None for a narrowed MLP, which has none
+    decomposition: lowrank.RankedFactors | None
+    references: list[tuple[RankOrWidth, float]] = field(default_factory=list)  # (rank, measured damage)
     fisher_tokens: int | None = None  # Fisher-weighted decomposition over this many tokens: damage is predicted
 
-    def ranks(self, align: int) -> list[int]:
+    def ranks(self, align: int) -> Sequence[RankOrWidth]:
         """Aligned ranks that save parameters, largest first."""
         return aligned_ranks(self.k, self.n, align)
 
-    def reference_ranks(self, align: int) -> list[int]:
+    def reference_ranks(self, align: int) -> list[RankOrWidth]:
         """Where the damage is measured: the middle and the lowest of `ranks(align)`."""
         ranks = self.ranks(align)
         return sorted({ranks[(len(ranks) - 1) // 2], ranks[-1]}, reverse=True)
 
-    def truncation_loss(self, rank: int) -> float:
+    def truncation_loss(self, rank: RankOrWidth) -> float:
         """L(r)² = Σ_{i>r} σ_i² / Σ σ_i² of the (whitened) spectrum."""
+        assert isinstance(rank, int) and self.decomposition is not None, "a factorized layer's choices are ranks"
         total = self.decomposition.total_energy
         return self.decomposition.truncated_energy(rank) / total if total > 0 else 0.0
 
-    def predicted_damage(self, rank: int | Dense) -> float:
+    def predicted_damage(self, rank: RankOrWidth | Dense) -> float:
         """Piecewise linear in the truncation loss through (0, 0) and the references (kept non-decreasing,
         as measurements are noisy); past the last reference its slope goes on. With Fisher statistics: the
         predicted KL."""
         if isinstance(rank, Dense):
             return 0.0
         if self.fisher_tokens is not None:
+            assert isinstance(rank, int) and self.decomposition is not None, "Fisher statistics weigh factorized layers"
             return fisher.predicted_kl(self.decomposition.truncated_energy(rank), self.fisher_tokens)
         if not self.references:
             return 0.0
@@ -89,7 +100,7 @@ class Candidate:
         slope = (damages[-1] - damages[-2]) / run if run > 0 else 0.0
         return float(damages[-1] + slope * (loss - losses[-1]))
 
-    def parameters(self, rank: int | Dense) -> int:
+    def parameters(self, rank: RankOrWidth | Dense) -> int:
         return parameters(self.k, self.n, rank)
 
 
@@ -99,20 +110,24 @@ class NarrowingCandidate(Candidate):
     refit's relative error E(S)/‖h·W_d‖² on the calibration activations (onnx_nmm.decomposition.nystrom). `k` is
     its width I and `n` the parameters one neuron costs, so k·n is its dense size."""
 
-    narrowing: MlpNarrowing | None = None
+    narrowing: MlpNarrowing = field(kw_only=True)
     _losses: dict[int, float] = field(default_factory=dict, repr=False)
 
     def ranks(self, align: int) -> list[Narrowed]:
         return [Narrowed(width, self.k) for width in aligned_widths(self.k, align)]
 
-    def truncation_loss(self, rank: Narrowed) -> float:
+    def truncation_loss(self, rank: RankOrWidth) -> float:
+        assert isinstance(rank, Narrowed), "a narrowed MLP's choices are widths"
         if rank.width not in self._losses:  # with every width on the same grid: they cost about one
             step = math.gcd(rank.width, 32)
             self._losses |= self.narrowing.relative_errors([*aligned_widths(self.k, step), rank.width])
         return self._losses[rank.width]
 
-    def parameters(self, rank: Narrowed | Dense) -> int:
-        return self.k * self.n if isinstance(rank, Dense) else rank.width * self.n
+    def parameters(self, rank: RankOrWidth | Dense) -> int:
+        if isinstance(rank, Dense):
+            return self.k * self.n
+        assert isinstance(rank, Narrowed), "a narrowed MLP's choices are widths"
+        return rank.width * self.n
 
 
 @dataclass
@@ -127,7 +142,7 @@ class BudgetChoice:
     moves_considered: int
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, damage) measured
     # per candidate: (rank, damage) measured at its references, or predicted at every rank
-    sensitivity: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    sensitivity: dict[str, list[tuple[RankOrWidth, float]]] = field(default_factory=dict)
 
     def to_dict(self, keep: float | None) -> dict:
         """As JSON holds it: a narrowed MLP's choices by their widths."""
@@ -141,14 +156,14 @@ class BudgetChoice:
 DamageOf = Callable[[RankPlan], float]
 
 
-def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, int]]:
+def greedy_moves(candidates: list[Candidate], align: int) -> list[tuple[str, RankOrWidth]]:
     """(candidate, new rank) moves, most parameters saved per predicted damage first, each candidate's
     along the lower convex hull of its (saving, damage) points (rank_allocation.cheapest_moves)."""
     return rank_allocation.cheapest_moves({c.name: (c.parameters(Dense("")), [
         (rank, c.parameters(rank), c.predicted_damage(rank)) for rank in c.ranks(align)]) for c in candidates})
 
 
-def plan_after(moves: list[tuple[str, int]], candidates: list[Candidate], kept_dense: Dense) -> RankPlan:
+def plan_after(moves: list[tuple[str, RankOrWidth]], candidates: list[Candidate], kept_dense: Dense) -> RankPlan:
     plan: RankPlan = {c.name: kept_dense for c in candidates}
     for name, rank in moves:
         plan[name] = rank
@@ -318,6 +333,7 @@ def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric:
     if parameters_to_remove is not None:
         chosen = select_for_parameters(candidates, align, parameters_to_remove, metric, damage_of, kept_dense)
     else:
+        assert budget is not None, "the goal is a budget of damage or a count of parameters to remove"
         chosen = select_within_budget(candidates, align, budget, metric, damage_of, kept_dense)
     chosen.sensitivity = {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)]
                           for c in candidates}

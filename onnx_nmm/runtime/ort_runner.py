@@ -29,7 +29,8 @@ def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"onnxruntime cannot load {label or model}: {message}") from None
+        name = label or ("the serialized model" if isinstance(model, bytes) else model)  # never its bytes
+        raise ModelError(f"onnxruntime cannot load {name}: {message}") from None
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:

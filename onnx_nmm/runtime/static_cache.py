@@ -274,9 +274,10 @@ def static_cache(model: Model | ModelSource, max_context: int, buckets: tuple[in
     layout = CacheLayout(lm.tokens.name, lm.mask.name, lm.positions.name if lm.positions is not None else None,
                          tuple((entry.input.name, entry.present) for entry in lm.cache if entry.present),
                          write_position=None if in_place else CACHE_POSITION)
-    cache_shapes = {entry.input.name: (batch, _fixed(entry.input.shape[1], source.label), max_context,
-                                       _fixed(entry.input.shape[3], source.label, lm.head_size))
-                    for entry in lm.cache}
+    cache_shapes: dict[str, tuple[int, ...]] = {
+        entry.input.name: (batch, _fixed(entry.input.shape[1], source.label), max_context,
+                           _fixed(entry.input.shape[3], source.label, lm.head_size))
+        for entry in lm.cache}
     try:
         prefill = {bucket: static_prefill_graph(ir.from_proto(proto), layout, bucket, max_context)
                    for bucket in buckets}

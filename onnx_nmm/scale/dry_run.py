@@ -21,7 +21,7 @@ from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.pipeline import Factorizer, MlpNarrowings, Planner, Statistics, find_targets
 from onnx_nmm.progress import Progress
-from onnx_nmm.ranks.rank_plan import Dense
+from onnx_nmm.ranks.rank_plan import Dense, Narrowed
 from onnx_nmm.scale.jobs import blas_threads
 
 
@@ -81,22 +81,27 @@ def plan_rewrite(model: str | os.PathLike, options: RewriteOptions | None = None
     cost = {}
     if ranked:
         sample = max(ranked, key=_svd_cost)
+        sample_rank = ranks[sample.name]
+        assert isinstance(sample_rank, int), "a plan without calibration narrows no MLP"
         with threadpool_limits(limits=plan.threads):
             start = time.perf_counter()
-            factorizer.factorize(sample, ranks[sample.name])
+            factorizer.factorize(sample, sample_rank)
             plan.sample_seconds = time.perf_counter() - start
         plan.sample = f"{sample.module_path or sample.name} ({sample.k}×{sample.n})"
         cost = {layer.name: plan.sample_seconds * _svd_cost(layer) / _svd_cost(sample) for layer in ranked}
-    storage = {"float16": 2, "float32": 4}.get(options.factorization.factor_dtype)
+    storage = factorizer.storage_dtype()
     for layer in chosen:
         choice = ranks[layer.name]
-        dense = isinstance(choice, Dense)
+        assert not isinstance(choice, Narrowed), "a plan without calibration narrows no MLP"
         itemsize = layer.dtype.itemsize
-        after = layer.parameters if dense else choice * (layer.k + layer.n)
+        if isinstance(choice, Dense):
+            rank, reason, after, after_itemsize = None, choice.reason, layer.parameters, itemsize
+        else:
+            rank, reason, after = choice, "", choice * (layer.k + layer.n)
+            after_itemsize = storage.itemsize if storage is not None else itemsize
         plan.layers.append(PlannedLayer(
-            layer.name, layer.module_path, layer.role, layer.k, layer.n, layer.dtype.name.lower(),
-            None if dense else choice, choice.reason if dense else "", layer.parameters, after,
-            int(layer.parameters * itemsize), int(after * (itemsize if dense else storage or itemsize)),
+            layer.name, layer.module_path, layer.role, layer.k, layer.n, layer.dtype.name.lower(), rank, reason,
+            layer.parameters, after, int(layer.parameters * itemsize), int(after * after_itemsize),
             cost.get(layer.name, 0.0)))
     return plan
 

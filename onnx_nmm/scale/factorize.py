@@ -45,8 +45,9 @@ class StreamFactorizeLayers(ir.passes.InPlacePass):
             raise ModelError(f"{quantized[0].module_path or quantized[0].name} is stored quantized: a streamed "
                              "rewrite factorizes float weights (bf16, fp16, fp32); rewrite quantized models in memory")
         factorizer, plan = self.factorizer, self.plan
-        jobs = [FactorJob(index, layer.name, plan[layer.name]) for index, layer in enumerate(chosen)
-                if not isinstance(plan[layer.name], Dense)]
+        # a rank for every target the plan does not keep dense: a streamed rewrite never narrows an MLP
+        jobs = [FactorJob(index, layer.name, rank) for index, layer in enumerate(chosen)
+                if isinstance(rank := plan[layer.name], int)]
         outcomes: dict[str, LayerOutcome] = {}
         with self.progress.phase("factorizing", total=len(chosen)) as phase:
             for layer in chosen:
@@ -69,17 +70,16 @@ class StreamFactorizeLayers(ir.passes.InPlacePass):
                 phase.advance(detail=f"{outcome.module_path or outcome.name} ({outcome.seconds:.1f} s)")
         every_site = targets.sites()
         for job in jobs:
-            self._swap(model, [site for site in every_site if site.name == job.layer], job, outcomes[job.layer],
-                       factorizer)
+            self._swap(model, [site for site in every_site if site.name == job.layer], job, factorizer)
         rows = [outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
                 for layer in {layer.name: layer for layer in layers}.values()]
         return StreamedResult(model, modified=bool(jobs), rows=rows)
 
-    def _swap(self, model: ir.Model, layer_sites, job: FactorJob, outcome: LayerOutcome, factorizer) -> None:
+    def _swap(self, model: ir.Model, layer_sites, job: FactorJob, factorizer) -> None:
         """Every site of one target → SvdMatMul, its U and V read from the work folder's files."""
         layer = layer_sites[0]
         dtype = stored_dtype(factorizer, layer)
-        u, v = factor_arrays(self.work, job.index, dtype.numpy(), layer.k, layer.n, outcome.rank)
+        u, v = factor_arrays(self.work, job.index, dtype.numpy(), layer.k, layer.n, job.rank)
         options = self.options
         first = FactorizedLayer(layer=layer, u=u, v=v, align=options.ranks.align, storage=factorizer.storage_dtype(),
                                 method=f"{options.method}/{options.factorization.svd}")
@@ -87,6 +87,8 @@ class StreamFactorizeLayers(ir.passes.InPlacePass):
         surgery(model)
         for which, name in zip("uv", surgery.factor_names[layer.name]):
             value = model.graph.initializers[name]
+            factor = value.const_value
+            assert factor is not None and isinstance(factor.shape, ir.Shape), "the surgery made the factor a tensor"
             path = self.work.factor_path(job.index, which)
-            value.const_value = ir.ExternalTensor(path.name, 0, path.stat().st_size, value.const_value.dtype,
-                                                  shape=value.const_value.shape, name=name, base_dir=self.work.folder)
+            value.const_value = ir.ExternalTensor(path.name, 0, path.stat().st_size, factor.dtype,
+                                                  shape=factor.shape, name=name, base_dir=self.work.folder)

@@ -45,6 +45,7 @@ def write_streamed(model: ir.Model, output: Path, staging: Path,
     for name, (offset, length) in placed.items():
         value = model.graph.initializers[name]
         tensor = value.const_value
+        assert tensor is not None and isinstance(tensor.shape, ir.Shape), "a placed initializer is a tensor"
         value.const_value = ir.ExternalTensor(data_name, offset, length, tensor.dtype, shape=tensor.shape, name=name,
                                               base_dir=staging)
     staged_model.write_bytes(ir.to_proto(model).SerializeToString())
@@ -62,9 +63,10 @@ def write_streamed(model: ir.Model, output: Path, staging: Path,
 def _copy_tensor(tensor: ir.TensorProtocol, out) -> None:
     """The tensor's bytes as ONNX stores them: read from its file in chunks, or serialized if in memory."""
     if isinstance(tensor, ir.ExternalTensor):
-        remaining = tensor.length if tensor.length is not None else os.path.getsize(tensor.path) - tensor.offset
+        offset = tensor.offset or 0  # none given: the tensor starts the file
+        remaining = tensor.length if tensor.length is not None else os.path.getsize(tensor.path) - offset
         with open(tensor.path, "rb") as source:
-            source.seek(tensor.offset or 0)
+            source.seek(offset)
             while remaining:
                 chunk = source.read(min(CHUNK, remaining))
                 if not chunk:

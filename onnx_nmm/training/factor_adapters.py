@@ -50,7 +50,7 @@ def add_adapters(module: nn.Module, rank: int, seed: int = 0) -> dict[str, LowRa
 def merge_adapters(module: nn.Module, adapters: dict[str, LowRankDelta]) -> None:
     """F ← F + A·B for every adapted factor, then remove the adapters from `module`."""
     with torch.no_grad():
-        merged = {}
+        merged: dict[str, torch.Tensor] = {}
         for op in svd_ops_of(module):
             for index, name in enumerate(op.factor_names):
                 merged.setdefault(name, adapters[name](op.factors.parametrizations[str(index)].original))

@@ -192,6 +192,7 @@ def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options:
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits
     if options.loss == "next-token":
         return next_token_loss(logits, torch.from_numpy(batch))
+    assert teacher is not None, "the distillation loss is checked to have a teacher"
     return distillation_loss(logits, torch.from_numpy(np.asarray(teacher(batch))), options.temperature)
 
 

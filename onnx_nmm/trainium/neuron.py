@@ -69,10 +69,15 @@ class KernelSummary:
     def to_dict(self) -> dict:
         totals = {}
         if self.modelled and self.entries:
-            totals = {"modelled_us": sum(e.modelled_us for e in self.entries),
-                      "modelled_dense_us": sum(e.modelled_dense_us for e in self.entries)}
+            totals = {"modelled_us": sum(_known_cost(e.modelled_us) for e in self.entries),
+                      "modelled_dense_us": sum(_known_cost(e.modelled_dense_us) for e in self.entries)}
         return {"target": self.target, "modelled": self.modelled, **totals,
                 "kernels": [asdict(entry) for entry in self.entries]}
+
+
+def _known_cost(cost: float | None) -> float:
+    assert cost is not None, "a modelled summary models every kernel"
+    return cost
 
 
 def plan_kernels(proto: onnx.ModelProto, tokens: int, target: str, model_costs: bool) -> KernelSummary:

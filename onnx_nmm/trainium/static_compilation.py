@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from onnx_nmm.model_io import write_text_atomically
 from onnx_nmm.model_source import ModelSource
@@ -44,13 +45,15 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     with progress.phase("building the static graphs"):
         graphs = static_cache(source, options.max_context, options.buckets, options.batch)
     with progress.phase("choosing MLP kernels", total=len(graphs.graphs())) as phase:
-        mlps = {}
+        mlps, models = {}, {}
         for name, model, tokens in graphs.graphs():
+            assert isinstance(model, ir.Model), "static_cache builds its graphs in memory"
             mlps[name] = compile_steps.fuse_mlps(model, options.batch * tokens, options.target, options.fuse_mlp)
+            models[name] = model
             phase.advance(detail=name)
     with compile_steps.staged_folder(output) as folder:
         with progress.phase("writing the folder"):
-            compiled_folder.write_graphs(folder, {name: model for name, model, _ in graphs.graphs()})
+            compiled_folder.write_graphs(folder, models)
             _copy_tokenizer(source, folder)
         with progress.phase("checking the graphs against the model as given"):
             generation = check_generation(source, _as_written(graphs, folder))
