@@ -116,16 +116,17 @@ def test_bench_measures_models_side_by_side(capsys, export, tmp_path):
     onnx_nmm.rewrite(dense, onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=8))).save(rewritten)
     plot = tmp_path / "speed.png"
     code = main(["bench", str(dense), str(rewritten), str(_model("dynamo-no-cache", export)), "--prompt-lengths",
-                 "8,16", "--contexts", "8,32", "--steps", "3", "--rounds", "2", "--threads", "1", "--json",
-                 "--plot", str(plot)])
+                 "8,16", "--contexts", "8,32", "--steps", "3", "--rounds", "2", "--time-budget", "0", "--threads", "1",
+                 "--json", "--plot", str(plot)])
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
     first, factorized, uncached = result["models"]
     assert [row["prompt_tokens"] for row in first["prefill"]] == [8, 16]
     assert [row["context"] for row in first["decode"]] == [8, 32]
-    assert all(len(row["rounds_s"]) == 2 for row in first["prefill"])
+    assert result["rounds"] == 2 and all(len(row["passes_s"]) == 4 for row in first["prefill"])  # 2 passes a round
     assert first["decode_speedup"] == {"8": 1.0, "32": 1.0} and first["ideal_decode_speedup"]["32"] == 1.0
+    assert factorized["decode_speedup_interval"]["8"]["verdict"] == "too few rounds for an interval"
     assert factorized["step_weight_bytes"] < first["step_weight_bytes"] and factorized["ideal_decode_speedup"]["8"] > 1
     assert uncached["cache_bytes_per_token"] == 0 and first["cache_bytes_per_token"] > 0
     row = first["decode"][1]
@@ -138,6 +139,16 @@ def test_bench_tables_name_every_model(capsys, export):
     code = main(["bench", str(model), "--prompt-lengths", "4", "--contexts", "4", "--steps", "1", "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "Prefill" in out and "Decode" in out and out.count(model.name) >= 3
+    assert "1 round in" in out and "peak RSS, alone" in out
+
+
+def test_bench_says_when_its_rounds_cannot_resolve_a_speedup(capsys, export):
+    model = _model("dynamo", export)
+    code = main(["bench", str(model), str(model), "--prompt-lengths", "4", "--contexts", "4", "--steps", "1",
+                 "--rounds", "2", "--time-budget", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("the reference") == 2 and out.count("too few rounds for an interval") == 2
+    assert "2 rounds in" in out and "stopped by the 0 s time budget before every interval was within ±2%" in out
 
 
 def test_bench_options_are_checked(capsys, export):
