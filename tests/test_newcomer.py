@@ -505,7 +505,7 @@ def _help_of(command: str) -> str:
 
 def test_the_demo_runs_commands_the_cli_takes(tmp_path):
     """`make demo`'s steps (tools/demo.py) are real commands with flags the CLI accepts; a renamed flag would
-    otherwise surface only in a 16-minute run."""
+    otherwise surface only in a run of several minutes."""
     import demo
 
     from onnx_nmm.cli import build_parser

@@ -22,25 +22,10 @@ def describe_machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores{memory}, Python {platform.python_version()}"
 
 
-def resident_bytes() -> int | None:
-    """The memory this process holds now (VmRSS), or None where /proc does not say."""
-    kib = _status_kib("/proc/self/status", "VmRSS")
-    return None if kib is None else kib * 1024
-
-
 def peak_resident_bytes() -> int | None:
-    """The most memory this process has held since the last reset_peak (VmHWM)."""
+    """The most memory this process has held (VmHWM), or None where /proc does not say."""
     kib = _status_kib("/proc/self/status", "VmHWM")
     return None if kib is None else kib * 1024
-
-
-def reset_peak() -> bool:
-    """Start peak_resident_bytes afresh from the memory held now (Linux: "5" to clear_refs); False if it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _status_kib(path: str, key: str) -> int | None:
