@@ -166,11 +166,12 @@ def test_force_names_every_file_it_replaces(capsys, export, tmp_path):
     source, existing = export("llama", "dynamo"), tmp_path / "existing"
     existing.write_bytes(b"keep me")
     named = {"rewrite": ["--report", "--plot", "--save-calib-stats"], "finetune": ["--report", "--plot"],
-             "bench": ["--plot"]}
+             "bench": ["--plot"], "bench --target": ["--plot"]}
     argv = {"rewrite": ["rewrite", source, "-o", tmp_path / "o.onnx", "--method", "whiten", "--calib", "random"],
-            "finetune": ["finetune", source, "-o", tmp_path / "t.onnx"], "bench": ["bench", source]}
+            "finetune": ["finetune", source, "-o", tmp_path / "t.onnx"], "bench": ["bench", source],
+            "bench --target": ["bench", source, "--target", "trn1"]}
     for command, flags in named.items():
-        said = _flag_help(command, "--force")
+        said = _flag_help(command.split()[0], "--force")
         assert all(f"{flag} " in said or f"{flag}," in said for flag in flags), said
         for flag in flags:
             code, _, err = _cli(capsys, *argv[command], flag, existing)

@@ -49,6 +49,7 @@ def refuse_modelled_options(args) -> None:
 
 
 def run(args) -> int:
+    _common.refuse_existing(args, "--plot")  # said before the pricing, as without --target
     options = onnx_nmm.TrainiumOptions(args.target, args.prompt_lengths, args.contexts, tuple(args.generation),
                                        args.tp)
     with _common.progress(quiet=args.json or args.quiet) as progress:
