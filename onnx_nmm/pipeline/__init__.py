@@ -31,7 +31,7 @@ from onnx_nmm.pipeline.narrow import MlpNarrowings, NarrowedResult, NarrowMlps
 from onnx_nmm.pipeline.plan import Planner, RankChoice
 from onnx_nmm.pipeline.report import LayerOutcome, RewriteReport, RewriteResult
 from onnx_nmm.pipeline.statistics import Statistics, calibration_data, gather_statistics
-from onnx_nmm.pipeline.targets import Targets, find_targets
+from onnx_nmm.pipeline.targets import Targets, find_layers, find_targets
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import check_report_files
 from onnx_nmm.teacher import record_calibration, record_dense_model
@@ -70,11 +70,11 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     check_source_files(options.calibration)  # a missing file is said before the model loads
     check_report_files(options.ranks)
     source = ModelSource.of(model)
+    targets = find_targets(source.model, options)
     data = calibration_data(options, source, progress)  # a bad calibration source is refused before any work
     report = RewriteReport(rule=options.ranks.describe(), selection=options.selection.describe(),
                            method=options.factorization.describe() + f", {options.ranks.budget} budget",
                            weight_bytes_before=weight_bytes(source.model))
-    targets = find_targets(source.model, options)
     with _timed(report, "calibration"):
         statistics = gather_statistics(targets, data, options, source, progress)
     report.calibration, report.calibration_windows = statistics.description, statistics.windows
@@ -150,6 +150,6 @@ def _check_answers(source: ModelSource, report: RewriteReport, tokenizer, progre
         warnings.warn(check.warning(), stacklevel=3)
 
 
-__all__ = ["Factorizer", "FactorizedResult", "FactorizeLayers", "find_targets", "FusedResult", "FuseMlps",
-           "gather_statistics", "calibration_data", "LayerOutcome", "MlpNarrowings", "NarrowedResult", "NarrowMlps",
-           "Planner", "RankChoice", "RewriteReport", "RewriteResult", "rewrite", "Statistics", "Targets"]
+__all__ = ["calibration_data", "Factorizer", "FactorizedResult", "FactorizeLayers", "find_layers", "find_targets",
+           "FusedResult", "FuseMlps", "gather_statistics", "LayerOutcome", "MlpNarrowings", "NarrowedResult",
+           "NarrowMlps", "Planner", "RankChoice", "RewriteReport", "RewriteResult", "rewrite", "Statistics", "Targets"]

@@ -22,7 +22,7 @@ from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.report import LayerOutcome
-from onnx_nmm.pipeline.targets import find_targets
+from onnx_nmm.pipeline.targets import find_layers
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankPlan
 
@@ -50,7 +50,7 @@ class FactorizeLayers(ir.passes.InPlacePass):
         self.narrowed, self.not_narrowed, self.observer = narrowed or {}, not_narrowed or {}, observer
 
     def call(self, model: ir.Model) -> FactorizedResult:
-        targets = find_targets(model, self.options)
+        targets = find_layers(model, self.options)  # afresh: the narrowing changed the model
         layers, chosen, skipped = targets.layers, targets.chosen, targets.skipped
         plan, factorizer, observer = self.plan, self.factorizer, self.observer
         factor_names: dict[str, tuple[str, str]] = {}

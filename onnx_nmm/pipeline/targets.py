@@ -32,7 +32,22 @@ class Targets:
 
 
 def find_targets(model: ir.Model, options: RewriteOptions) -> Targets:
-    """The targets of `model` as `options` select them; refused when there is nothing to target."""
+    """The targets of `model` as `options` select them, with the MLPs its method narrows; refused when there is
+    nothing to target."""
+    targets = find_layers(model, options)
+    if not options.strategy.narrows_mlps:
+        return targets
+    mlps, unmatched = find_mlps(targets.layers)
+    by_name = {layer.name: layer for layer in targets.layers}
+    not_narrowed = {by_name[down].module_path.rsplit(".", 1)[0]: why for down, why in unmatched.items()}
+    chosen = {layer.name for layer in targets.chosen}
+    targeted = [mlp for mlp in mlps if all(layer.name in chosen for layer in mlp.layers)]
+    return Targets(targets.layers, targets.chosen, targets.skipped, targeted, not_narrowed)
+
+
+def find_layers(model: ir.Model, options: RewriteOptions) -> Targets:
+    """The linear layers of `model` the selection targets (no MLPs looked for); refused when there is nothing to
+    target."""
     layers = find_linear_layers(model)
     _refuse_unread_targets(model, layers, options)
     if not layers:
@@ -46,13 +61,7 @@ def find_targets(model: ir.Model, options: RewriteOptions) -> Targets:
     first_sites: dict[str, LinearLayer] = {}
     for layer in chosen:
         first_sites.setdefault(layer.name, layer)
-    if not options.strategy.narrows_mlps:
-        return Targets(layers, list(first_sites.values()), skipped)
-    mlps, unmatched = find_mlps(layers)
-    by_name = {layer.name: layer for layer in layers}
-    not_narrowed = {by_name[down].module_path.rsplit(".", 1)[0]: why for down, why in unmatched.items()}
-    targeted = [mlp for mlp in mlps if all(layer.name in first_sites for layer in mlp.layers)]
-    return Targets(layers, list(first_sites.values()), skipped, targeted, not_narrowed)
+    return Targets(layers, list(first_sites.values()), skipped)
 
 
 def _refuse_unread_targets(model: ir.Model, layers: list[LinearLayer], options: RewriteOptions) -> None:

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_nmm.errors import ModelError
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
-from onnx_nmm.pipeline import Factorizer, LayerOutcome, find_targets
+from onnx_nmm.pipeline import Factorizer, LayerOutcome, find_layers
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Dense, RankPlan
 from onnx_nmm.scale.jobs import FactorJob, factor_arrays, stored_dtype
@@ -38,7 +38,7 @@ class StreamFactorizeLayers(ir.passes.InPlacePass):
         self.work, self.make_executor, self.progress = work, make_executor, progress
 
     def call(self, model: ir.Model) -> StreamedResult:
-        targets = find_targets(model, self.options)
+        targets = find_layers(model, self.options)
         layers, chosen, skipped = targets.layers, targets.chosen, targets.skipped
         quantized = [layer for layer in chosen if layer.weight.quantized is not None]
         if quantized:
