@@ -25,27 +25,25 @@ RANDOM = "random"
 
 
 @dataclass(frozen=True)
-class TextFile:
+class _SourceFile:
+    """A source read from a file, named by its path as given."""
+
     path: str | os.PathLike
 
     def __str__(self) -> str:
         return str(self.path)
 
 
-@dataclass(frozen=True)
-class TokenIdsFile:
-    path: str | os.PathLike
-
-    def __str__(self) -> str:
-        return str(self.path)
+class TextFile(_SourceFile):
+    """A text, read with a tokenizer and cut into windows."""
 
 
-@dataclass(frozen=True)
-class StatisticsFile:
-    path: str | os.PathLike
+class TokenIdsFile(_SourceFile):
+    """An .npz holding input_ids [samples, seq_len]."""
 
-    def __str__(self) -> str:
-        return str(self.path)
+
+class StatisticsFile(_SourceFile):
+    """An .npz of statistics an earlier rewrite saved."""
 
 
 @dataclass(frozen=True)
