@@ -37,7 +37,7 @@ SIZE_INPUTS: dict[str, tuple[int, ...]] = {
     "Resize": (3,), "TopK": (1,), "Split": (1,), "Range": (0, 1, 2), "Slice": (1, 2, 3, 4),
 }
 _SHAPE_READERS = ("Shape", "Size")
-_ALIASES = ("Identity", "Cast", "Concat")  # pass a tensor's shape on unchanged (one input each)
+SHAPE_ALIASES = ("Identity", "Cast", "Concat")  # pass a tensor's shape on unchanged (one input each)
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,13 @@ def _source_shapes(graph: ir.Graph, sources: list[LengthSource], position: ir.Va
             if not start <= source.axis < end:
                 continue
             shaped = reader.inputs[0]
-            pieces = [*([_node(graph, "Shape", [shaped], f"{reader.name}.before", start=start, end=source.axis)]
+            pieces = [*([append_node(graph, "Shape", [shaped], f"{reader.name}.before", start=start, end=source.axis)]
                         if source.axis > start else []),
                       _length(graph, position, source.beyond, lengths),
-                      *([_node(graph, "Shape", [shaped], f"{reader.name}.after", start=source.axis + 1, end=end)]
+                      *([append_node(graph, "Shape", [shaped], f"{reader.name}.after", start=source.axis + 1, end=end)]
                         if end > source.axis + 1 else [])]
             values[reader.outputs[0]] = (pieces[0] if len(pieces) == 1 else
-                                         _node(graph, "Concat", pieces, f"{reader.name}.as_value", axis=0))
+                                         append_node(graph, "Concat", pieces, f"{reader.name}.as_value", axis=0))
     return values
 
 
@@ -108,7 +108,7 @@ def _shape_readers(value: ir.Value) -> list[ir.Node]:
         for use in pending.pop().uses():
             if use.node.op_type == "Shape":
                 readers.append(use.node)
-            elif use.node.op_type in _ALIASES and len(use.node.inputs) == 1:
+            elif use.node.op_type in SHAPE_ALIASES and len(use.node.inputs) == 1:
                 pending.extend(use.node.outputs)
     return readers
 
@@ -190,9 +190,9 @@ def _bounded_as_value(graph: ir.Graph, node: ir.Node, values: dict[ir.Value, ir.
     if data is not None and data in values:
         inputs[0] = values[data]
     if start in values:
-        length = _node(graph, "Sub", [node.inputs[start_index + 1], start], f"{node.name}.length")
+        length = append_node(graph, "Sub", [node.inputs[start_index + 1], start], f"{node.name}.length")
         inputs[start_index] = values[start]
-        inputs[start_index + 1] = _node(graph, "Add", [values[start], length], f"{node.name}.end_as_value")
+        inputs[start_index + 1] = append_node(graph, "Add", [values[start], length], f"{node.name}.end_as_value")
     twin = ir.Node("", node.op_type, inputs, list(node.attributes.values()), num_outputs=1,
                    name=f"{node.name}.as_value")
     graph.append(twin)
@@ -210,7 +210,8 @@ def _remove_unread(graph: ir.Graph, region: set[ir.Value]) -> None:
             graph.remove(node, safe=True)
 
 
-def _node(graph: ir.Graph, op_type: str, inputs: list, name: str, **attributes: int) -> ir.Value:
+def append_node(graph: ir.Graph, op_type: str, inputs: list, name: str, **attributes: int) -> ir.Value:
+    """A node of the default domain appended to `graph`, its one output named `name`."""
     node = ir.Node("", op_type, inputs, [ir.AttrInt64(key, value) for key, value in attributes.items()],
                    num_outputs=1, name=name)
     node.outputs[0].name = name
@@ -218,12 +219,18 @@ def _node(graph: ir.Graph, op_type: str, inputs: list, name: str, **attributes: 
     return node.outputs[0]
 
 
+def int64_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """`array` (int64) as an initializer of `graph`."""
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.INT64),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
 def _length(graph: ir.Graph, position: ir.Value, beyond: int, made: dict[int, ir.Value]) -> ir.Value:
     """position + beyond, made once per `beyond` (in `made`)."""
     if beyond not in made:
         name = f"{position.name}.plus_{beyond}"
-        step = ir.Value(name=f"{name}.step", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
-                        const_value=ir.tensor(np.array([beyond], np.int64), name=f"{name}.step"))
-        graph.register_initializer(step)
-        made[beyond] = _node(graph, "Add", [position, step], name)
+        step = int64_constant(graph, f"{name}.step", np.array([beyond], np.int64))
+        made[beyond] = append_node(graph, "Add", [position, step], name)
     return made[beyond]

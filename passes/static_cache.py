@@ -31,11 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnx_nmm.passes.cache_length import LengthSource, derive_from_lengths
+from onnx_nmm.passes.cache_length import (
+    SHAPE_ALIASES,
+    LengthSource,
+    append_node,
+    derive_from_lengths,
+    int64_constant,
+)
 
 CACHE_POSITION = "cache_position"  # the decode graph's new input: where its token's keys and values go
 LENGTH_AXIS = 2  # the cache's [batch, heads, length, head_dim]
-_ALIASES = ("Identity", "Cast", "Concat")  # what may stand between a past input and its Concat (one input each)
 _WRITING_ATTENTION = ("com.microsoft", "GroupQueryAttention", (3, 4))  # reads the cache as inputs 3 and 4
 
 
@@ -70,8 +75,8 @@ def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) 
     position = ir.Value(name=CACHE_POSITION, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(position)
     batch = _set_batch_shapes(inputs, layout, new_tokens=1, mask_length=max_context)
-    where_shape = _constant(graph, "cache.where_shape", np.array([1, 1, 1, 1], np.int64))
-    where = _node(graph, "Reshape", [position, where_shape], "cache.where")  # one position, every cache tensor's
+    where_shape = int64_constant(graph, "cache.where_shape", np.array([1, 1, 1, 1], np.int64))
+    where = append_node(graph, "Reshape", [position, where_shape], "cache.where")  # one position, every cache tensor's
     lengths = [LengthSource(inputs[layout.mask], axis=1, beyond=1)]  # the mask covers the step's token too
     for past_name, present_name in layout.cache:
         past = inputs[past_name]
@@ -79,8 +84,8 @@ def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) 
         _static(past, batch, max_context)
         seen = _seen_as(graph, past, max_context - 1)  # so that the keys the step reads number max_context
         lengths.append(LengthSource(seen, LENGTH_AXIS))
-        shape = _node(graph, "Shape", [concat.inputs[1]], f"{past_name}.new_shape")
-        indices = _node(graph, "Expand", [where, shape], f"{past_name}.indices")
+        shape = append_node(graph, "Shape", [concat.inputs[1]], f"{past_name}.new_shape")
+        indices = append_node(graph, "Expand", [where, shape], f"{past_name}.indices")
         _write_in_place(graph, concat, past, indices, concat.inputs[1], present_name)
     derive_from_lengths(graph, lengths, position)  # positions and masks where the step writes, not at max - 1
     graph.sort()
@@ -98,15 +103,15 @@ def static_prefill_graph(model: ir.Model, layout: CacheLayout, tokens: int, max_
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
     batch = _set_batch_shapes(inputs, layout, new_tokens=tokens, mask_length=tokens)
-    where = _constant(graph, "cache.prefill_positions",
+    where = int64_constant(graph, "cache.prefill_positions",
                       np.arange(tokens, dtype=np.int64).reshape(1, 1, tokens, 1))
     for past_name, present_name in layout.cache:
         past = inputs[past_name]
         concat = _cache_concat(past)
         _static(past, batch, max_context)
         _seen_as(graph, past, 0)  # the step attends to its own tokens, causally
-        shape = _node(graph, "Shape", [concat.outputs[0]], f"{past_name}.new_shape")
-        indices = _node(graph, "Expand", [where, shape], f"{past_name}.indices")
+        shape = append_node(graph, "Shape", [concat.outputs[0]], f"{past_name}.new_shape")
+        indices = append_node(graph, "Expand", [where, shape], f"{past_name}.indices")
         _write_in_place(graph, concat, past, indices, None, present_name)
     graph.sort()
     model.metadata_props["onnx_nmm.cache_aliases"] = _aliases(layout)
@@ -135,9 +140,9 @@ def _seen_as(graph: ir.Graph, past: ir.Value, length: int) -> ir.Value:
     """Every reader of the cache input reads its first `length` positions instead (returned): the past the
     exported graph computes its key count and causal mask from (the write in place reads the whole cache)."""
     readers = list(past.uses())
-    bounds = [_constant(graph, f"{past.name}.seen_{name}", np.array([value], np.int64))
+    bounds = [int64_constant(graph, f"{past.name}.seen_{name}", np.array([value], np.int64))
               for name, value in (("start", 0), ("end", length), ("axis", LENGTH_AXIS))]
-    seen = _node(graph, "Slice", [past, *bounds], f"{past.name}.seen")
+    seen = append_node(graph, "Slice", [past, *bounds], f"{past.name}.seen")
     for reader, index in readers:
         reader.replace_input_with(index, seen)
     return seen
@@ -156,7 +161,7 @@ def _cache_concat(past: ir.Value) -> ir.Node:
                     raise ValueError(f"the cache input '{past.name}' is appended to inside a subgraph (a merged "
                                      "decoder's branch): take the with-past branch out of its If first")
                 return node
-            if node.op_type in _ALIASES and len(node.inputs) == 1:
+            if node.op_type in SHAPE_ALIASES and len(node.inputs) == 1:
                 pending.extend(node.outputs)
     raise ValueError(f"the cache input '{past.name}' is neither appended to with a Concat on its length axis nor "
                      "written in place by a GroupQueryAttention, the two forms a static cache is made from")
@@ -200,20 +205,6 @@ def _static(past: ir.Value, batch, max_context: int) -> None:
     dims = list(past.shape) if past.shape is not None else [batch, None, None, None]
     dims[0], dims[LENGTH_AXIS] = batch, max_context
     past.shape = ir.Shape(dims)
-
-
-def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
-def _node(graph: ir.Graph, op_type: str, inputs: list, name: str) -> ir.Value:
-    node = ir.Node("", op_type, inputs, num_outputs=1, name=name)
-    node.outputs[0].name = name
-    graph.append(node)
-    return node.outputs[0]
 
 
 def _aliases(layout: CacheLayout) -> str:
