@@ -72,9 +72,7 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     source = ModelSource.of(model)
     targets = find_targets(source.model, options)
     data = calibration_data(options, source, progress)  # a bad calibration source is refused before any work
-    report = RewriteReport(rule=options.ranks.describe(), selection=options.selection.describe(),
-                           method=options.factorization.describe() + f", {options.ranks.budget} budget",
-                           weight_bytes_before=weight_bytes(source.model))
+    report = RewriteReport.of(options, source.model)
     with _timed(report, "calibration"):
         statistics = gather_statistics(targets, data, options, source, progress)
     report.calibration, report.calibration_windows = statistics.description, statistics.windows

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnx_nmm.model_io import save_derived
+from onnx_nmm.model_io import save_derived, weight_bytes
+from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import LinearLayer
 
 
@@ -134,6 +135,14 @@ class RewriteReport:
     answers: dict = field(default_factory=dict)  # the check prompts' greedy answers, dense and rewritten (answers.py)
     weight_bytes_before: int = 0  # of every initializer of the model, before and after the rewrite
     weight_bytes_after: int = 0
+
+    @classmethod
+    def of(cls, options: RewriteOptions, model: ir.Model) -> RewriteReport:
+        """The report of a rewrite of `model` under `options`, before any step: its rule, selection and method,
+        and the bytes of the model's weights."""
+        return cls(rule=options.ranks.describe(), selection=options.selection.describe(),
+                   method=options.factorization.describe() + f", {options.ranks.budget} budget",
+                   weight_bytes_before=weight_bytes(model))
 
     @property
     def budget_summary(self) -> str:

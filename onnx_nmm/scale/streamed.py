@@ -66,11 +66,9 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     source = ModelSource(model_path)
     check_output_path(model_path, output, overwrite_input=False)
     data = calibration_data(options, source, progress)  # a bad calibration source is refused here
-    report = RewriteReport(rule=options.ranks.describe(), selection=options.selection.describe(),
-                           method=options.factorization.describe() + f", {options.ranks.budget} budget")
+    report = RewriteReport.of(options, source.model)
     with ray_cluster(stream.ray, stream.threads):  # so is a cluster that cannot run the tasks
         work = WorkDir.open(output, fingerprint(model_path, _settings(options, stream)), stream.resume)
-        report.weight_bytes_before = weight_bytes(source.model)
         try:
             report.layers = _factorized(source, model_path, data, options, stream, work, report, progress).rows
         except Exception:
