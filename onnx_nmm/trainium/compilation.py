@@ -58,9 +58,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         from onnx_nmm.lowering import TorchMath, lower
 
         module = lower(proto, TorchMath())
-        reference_graph = source.graph_proto()
-        reference = (source.session_of(reference_graph) if compile_steps.float_reference(reference_graph)
-                     else source.session())
+        reference = compile_steps.source_reference_session(source)
         inputs = CausalLm.of_source(source).random_feeds(options.batch, options.seq_len, seed=0)
         check = compile_steps.check_lowering(module, reference, inputs)
         kernels = neuron.plan_kernels(proto, tokens, options.target, model_costs=USING_EMULATOR)

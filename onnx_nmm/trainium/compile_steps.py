@@ -17,6 +17,7 @@ from onnx_nmm.errors import LoweringMismatch, OptionError, OutputError
 from onnx_nmm.kernel_table import kernel_spec
 from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.passes.mlp_densify import DensifyMlpPass
 from onnx_nmm.quality import metrics
@@ -124,6 +125,12 @@ def reference_session(path: Path):
         return ort_runner.create_session(path)
     return ort_runner.create_session(proto.SerializeToString(), label=path, extra_config={
         "session.model_external_initializers_file_folder_path": str(path.parent)})
+
+
+def source_reference_session(source: ModelSource):
+    """onnxruntime on the model as given, as what the compiled programs are checked against (float_reference)."""
+    proto = source.graph_proto()
+    return source.session_of(proto) if float_reference(proto) else source.session()
 
 
 def check_lowering(module, session, inputs: dict[str, np.ndarray]) -> dict:

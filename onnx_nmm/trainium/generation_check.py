@@ -23,7 +23,7 @@ from onnx_nmm.quality import metrics
 from onnx_nmm.runtime import ort_runner
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.static_cache import StaticCache, StaticDecoder
-from onnx_nmm.trainium.compile_steps import float_reference
+from onnx_nmm.trainium.compile_steps import source_reference_session
 
 DECODE_STEPS = 4
 # Wrong positions or masks move logits by a good part of their range; padding and float rounding by ~1e-5 of it.
@@ -79,8 +79,7 @@ class _Reference:
     in float, as the compiled graphs compute them: compile_steps.float_reference)."""
 
     def __init__(self, source: ModelSource):
-        proto = source.graph_proto()
-        self.session = source.session_of(proto) if float_reference(proto) else source.session()
+        self.session = source_reference_session(source)
         self.model = CausalLm.of_source(source)
         self.logits = self.session.get_outputs()[0].name
         self.cache: dict[str, np.ndarray] | None = None
