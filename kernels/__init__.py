@@ -16,15 +16,15 @@ On a CPU: `run(kernel, *arrays, target=...)` executes on the emulator; `estimate
 dtype=..., target=...)` returns a modelled KernelCost without doing the arithmetic.
 """
 
-from onnx_nmm.kernels.cost_model import KernelCost
-from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
-from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import silu_mul, silu_mul_transposed
-from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
-from onnx_nmm.kernels.nki_api import USING_EMULATOR
-from onnx_nmm.kernels.runner import estimate, run, trace
+from onnx_nmm.kernels.bench.runner import estimate, run, trace
+from onnx_nmm.kernels.nki_kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.nki_kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.nki_kernels.gated_activation import silu_mul, silu_mul_transposed
+from onnx_nmm.kernels.nki_kernels.lowrank_unfused import lowrank_unfused
+from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
+from onnx_nmm.kernels.pricing.cost_model import KernelCost
 
 __all__ = [
     "USING_EMULATOR",

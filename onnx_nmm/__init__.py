@@ -16,7 +16,6 @@ __version__ = "0.1.0"
 
 from onnx_nmm.calibration.sources import GeneratedText
 from onnx_nmm.calibration.tokens import is_tokenizer_folder, load_tokenizer
-from onnx_nmm.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.errors import (
     DataError,
     ExecutionError,
@@ -31,6 +30,7 @@ from onnx_nmm.errors import (
     TrainingDiverged,
 )
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
+from onnx_nmm.generation.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect

@@ -16,7 +16,8 @@ Each op's `projections` are the dense products of the same layer with its origin
 and the estimate price it against. An MLP op's separate launches are its projections one launch each, the
 alternative to its fused kernel (trainium/launch_costs.choose_mlp_kernel picks the faster): fused_xuv on each
 of a factorized MLP's `factors`, dense_matmul on each of a dense MLP's projections (above 128 tokens the last
-one as dense_matmul_lhsT, on the activation handed over transposed: kernels.gated_activation.leaves_transposed).
+one as dense_matmul_lhsT, on the activation handed over transposed:
+kernels.nki_kernels.gated_activation.leaves_transposed).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class KernelSpec:
     def separate_launches(self, tokens: int, dims: dict[str, int]) -> list[tuple[str, tuple[Shape, ...]]]:
         """An MLP op's projections as one launch each (fused_xuv for factors, dense_matmul for weights): the kernel
         and the shapes it is launched on at `tokens` rows. The activation between them is not a launch here."""
-        from onnx_nmm.kernels.gated_activation import leaves_transposed
+        from onnx_nmm.kernels.nki_kernels.gated_activation import leaves_transposed
 
         factors = self.factors(*dims.values())
         if not factors:
@@ -81,7 +82,7 @@ class KernelSpec:
 
     def plan(self, tokens: int, dims: dict[str, int], target: str, dtype: str = "bfloat16"):
         """The kernel's blocking at `tokens` rows (ValueError when none fits the target's SBUF)."""
-        from onnx_nmm.kernels.blocking import plan_blocks
+        from onnx_nmm.kernels.pricing.blocking import plan_blocks
 
         return plan_blocks(self.kernel, (tokens, *dims.values()), dtype, target)
 

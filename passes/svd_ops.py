@@ -38,7 +38,7 @@ MIN_IR_VERSION = 10
 SVD_GATED_MLP = "SvdGatedMLP"
 SVD_MLP = "SvdMLP"
 MLP_OPS = (SVD_GATED_MLP, SVD_MLP)
-# Dense MLPs, fused for the Trainium kernels that compute them in one launch (kernels/dense_mlp.py).
+# Dense MLPs, fused for the Trainium kernels that compute them in one launch (kernels/nki_kernels/dense_mlp.py).
 GATED_MLP = "GatedMLP"
 MLP = "MLP"
 DENSE_MLP_OPS = (GATED_MLP, MLP)

@@ -93,6 +93,13 @@ def test_the_top_level_holds_the_api_and_few_modules_besides():
     assert len(modules) <= 15, f"onnx_nmm/ holds {len(modules)} modules: give the new one a subpackage ({modules})"
 
 
+def test_the_kernels_folder_holds_its_modules_in_folders_by_role():
+    """kernels/: the NKI kernels, the emulator, the pricing (cost model and planner), the bench (running, timing)."""
+    assert sorted(path.name for path in (ROOT / "kernels").glob("*.py")) == ["__init__.py"]
+    folders = sorted(path.parent.name for path in (ROOT / "kernels").glob("*/__init__.py"))
+    assert folders == ["bench", "emulator", "nki_kernels", "pricing"]
+
+
 # What each subpackage must never import: the layers above it (docs/architecture.md).
 ABOVE = {
     "quality": ("decomposition", "generation", "ranks", "training", "trainium"),  # measurements run models on text

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import onnx_nmm
-from onnx_nmm.decode_speed import ModelSpeed, Speedup, median_interval_rank, speedup_of_passes
+from onnx_nmm.generation.decode_speed import ModelSpeed, Speedup, median_interval_rank, speedup_of_passes
 
 
 @pytest.mark.parametrize("samples, confidence, rank", [

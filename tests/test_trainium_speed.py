@@ -8,7 +8,7 @@ import onnx_nmm
 from onnx_nmm import kernels
 from onnx_nmm.cli import main
 from onnx_nmm.export import TinyShape, build_config
-from onnx_nmm.kernels.hardware import TRN1
+from onnx_nmm.kernels.pricing.hardware import TRN1
 from onnx_nmm.ranks.rank_plan import block_aligned_rank
 from onnx_nmm.trainium.decoder_shape import DenseMlp, FusedMlp, Linear
 from onnx_nmm.trainium.speed import ELEMENT_BYTES, KERNEL, ROOFLINE, price

@@ -19,8 +19,8 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from onnx_nmm.kernels.blocking import estimate_plan
-from onnx_nmm.kernels.plan_tracing import fitting_plans, planned, traced_cost
+from onnx_nmm.kernels.pricing.blocking import estimate_plan
+from onnx_nmm.kernels.pricing.plan_tracing import fitting_plans, planned, traced_cost
 
 # (kernel, plan_* dimensions, dtype, target)
 CASES = [

@@ -21,7 +21,7 @@ import trainium_study  # noqa: E402
 from commands import CommandLog, invocation, write_section  # noqa: E402
 
 import onnx_nmm  # noqa: E402
-from onnx_nmm.kernels.hardware import INSTANCES, TRAINIUM_TARGETS  # noqa: E402
+from onnx_nmm.kernels.pricing.hardware import INSTANCES, TRAINIUM_TARGETS  # noqa: E402
 
 TPS = (1, 2, 8, 32)
 KEEP = 0.8

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_study  # noqa: E402
 from commands import CommandLog, write_section  # noqa: E402
 
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS  # noqa: E402
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS  # noqa: E402
 
 CONTEXTS = speed_study.CONTEXTS
 PROMPT = speed_study.PROMPT

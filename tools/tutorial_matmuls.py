@@ -21,12 +21,12 @@ import argparse
 import dataclasses
 
 from onnx_nmm.kernels import dense_matmul_lhsT
-from onnx_nmm.kernels.blocking import DensePlan
-from onnx_nmm.kernels.cost_model import model_trace
 from onnx_nmm.kernels.emulator import Placeholder, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
 from onnx_nmm.kernels.emulator import language as nl
-from onnx_nmm.kernels.hardware import TRN1
+from onnx_nmm.kernels.pricing.blocking import DensePlan
+from onnx_nmm.kernels.pricing.cost_model import model_trace
+from onnx_nmm.kernels.pricing.hardware import TRN1
 
 K, M, N = 8192, 4096, 8192  # lhsT [K, M] @ rhs [K, N]
 TILE_K, TILE_M, TILE_N = 128, 128, 512  # contraction partitions, stationary free size, moving free size

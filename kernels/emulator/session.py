@@ -15,7 +15,7 @@ import numpy as np
 from onnx_nmm.kernels.emulator import dtypes
 from onnx_nmm.kernels.emulator.memory import MemoryRegion, OnChipMemory, Storage
 from onnx_nmm.kernels.emulator.trace import Instruction, KernelTrace
-from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
+from onnx_nmm.kernels.pricing.hardware import NeuronCore, neuron_core
 
 _PLATFORM_NAMES = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2"}
 

@@ -14,8 +14,9 @@ from rich.progress import Progress
 
 from onnx_nmm import NeuronSdkMissing, OptionError
 from onnx_nmm.cli import _common, _parsing
-from onnx_nmm.kernels import USING_EMULATOR, benchmark, device, device_fit
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.kernels import USING_EMULATOR
+from onnx_nmm.kernels.bench import benchmark, device, device_fit
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public, write_text_atomically
 
 DEFAULT_OUT = Path("out/bench-kernels")

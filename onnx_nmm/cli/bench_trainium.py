@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx_nmm
 from onnx_nmm.cli import _common, _parsing
-from onnx_nmm.kernels.hardware import instance
+from onnx_nmm.kernels.pricing.hardware import instance
 from onnx_nmm.options import DEFAULT_ALIGN
 from onnx_nmm.plots.bench import plot_trainium
 

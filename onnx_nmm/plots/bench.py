@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from onnx_nmm.decode_speed import Benchmark
 from onnx_nmm.errors import MissingDependencyError
+from onnx_nmm.generation.decode_speed import Benchmark
 from onnx_nmm.trainium.speed import TrainiumEstimate
 
 

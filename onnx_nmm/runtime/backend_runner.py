@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import DataError, OptionError
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import ort_runner

@@ -13,7 +13,7 @@ routed writes over-subscribe links, which this leaves out: like the roofline, a 
 
 A rank sends at its NeuronCore's DMA bandwidth while the group is on one chip, and at its share of the chip's
 NeuronLink bandwidth (the ranks of a chip send at once) when it spans chips, whichever is less; ranks fill chips
-in order. kernels/hardware.py has the instance figures and where each comes from.
+in order. kernels/pricing/hardware.py has the instance figures and where each comes from.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from onnx_nmm.kernels.hardware import instance, neuron_core
+from onnx_nmm.kernels.pricing.hardware import instance, neuron_core
 from onnx_nmm.trainium.launch_costs import ELEMENT_BYTES
 
 ALL_REDUCE, ALL_GATHER = "all-reduce", "all-gather"

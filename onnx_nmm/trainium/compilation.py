@@ -43,7 +43,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
         source = ModelSource.of(model)
     if options.max_context is not None:
         return compile_for_generation(source, output, options, progress)
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+    from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
 
     tokens = options.batch * options.seq_len
     with progress.phase("choosing MLP kernels"):

@@ -15,7 +15,7 @@ import onnx
 
 from onnx_nmm.errors import LoweringMismatch, OptionError, OutputError
 from onnx_nmm.kernel_table import kernel_spec
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS
 from onnx_nmm.model_io import make_public
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
@@ -82,7 +82,7 @@ class MlpKernels:
 def fuse_mlps(model, tokens: int, target: str, fuse: bool) -> MlpKernels:
     """Each MLP of `model` (changed in place) on its fastest kernel at `tokens` rows: fused, its projections one
     by one, or — a factorized MLP whose dense MLP kernel beats both — densified (passes/mlp_densify.py)."""
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+    from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
 
     if not fuse:
         return MlpKernels([], {}, [])

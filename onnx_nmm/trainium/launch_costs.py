@@ -30,7 +30,7 @@ def kernel_cost(kernel: str, shapes: tuple, target: str) -> Cost:
 
 def roofline(bytes_: float, target: str, tensor_flops: float = 0.0, elementwise: float = 0.0) -> Cost:
     """One op at its physical limit on one NeuronCore."""
-    from onnx_nmm.kernels.hardware import neuron_core
+    from onnx_nmm.kernels.pricing.hardware import neuron_core
 
     core = neuron_core(target)
     seconds = max(bytes_ / core.dma_bytes_per_s, tensor_flops / core.pe_bf16_flops,

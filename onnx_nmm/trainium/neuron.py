@@ -25,7 +25,7 @@ NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", 
 
 def missing_neuron_packages() -> list[str]:
     """The pip names of the Neuron SDK packages this machine lacks (PyPI placeholders count as lacking)."""
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+    from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
 
     missing = [pip for module, pip in NEURON_PACKAGES.items() if module != "nki"
                and importlib.util.find_spec(module) is None]

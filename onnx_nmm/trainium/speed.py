@@ -4,7 +4,7 @@ in trainium/collectives.py), dense against rewritten, beside NeuronMM's end-to-e
 
 Every linear product is priced by the kernels' cost model (trace-only emulation of the kernel `compile`
 would launch: dense_matmul, fused_xuv, fused_svd_mlp or fused_svd_ungated_mlp, in bfloat16). Everything else is priced
-by a roofline on the same NeuronCore parameters (kernels/hardware.py), each op on its own:
+by a roofline on the same NeuronCore parameters (kernels/pricing/hardware.py), each op on its own:
 
     time = max(bytes / DMA bandwidth, TensorE FLOPs / TensorE peak, elementwise work / VectorE rate)
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from onnx_nmm.errors import OptionError
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS, instance
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS, instance
 from onnx_nmm.passes import roles
 from onnx_nmm.progress import Progress
 from onnx_nmm.runtime import compiled_folder

@@ -78,7 +78,7 @@ def _compiled_graph(name: str, model, tokens: int, mlps: MlpKernels, graphs: Sta
     """The graph `name` as the folder holds it: its kernels planned, lowered and checked against onnxruntime,
     and traced unless a dry run; its manifest entry (with `mlps`, the MLP kernels chosen for it) and kernel
     summary."""
-    from onnx_nmm.kernels.nki_api import USING_EMULATOR
+    from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
 
     path = folder / f"{name}.onnx"
     summary = neuron.plan_kernels(onnx.load(path, load_external_data=False), options.batch * tokens, options.target,

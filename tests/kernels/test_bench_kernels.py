@@ -5,7 +5,7 @@ import json
 import pytest
 
 from onnx_nmm.cli import main
-from onnx_nmm.kernels import benchmark
+from onnx_nmm.kernels.bench import benchmark
 
 LLAMA_1B = benchmark.MODELS[0]
 

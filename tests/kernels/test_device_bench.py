@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from onnx_nmm.cli import main
-from onnx_nmm.kernels import device, device_fit
-from onnx_nmm.kernels.benchmark import MlpShape
+from onnx_nmm.kernels.bench import device, device_fit
+from onnx_nmm.kernels.bench.benchmark import MlpShape
 
 TINY = MlpShape("tiny", hidden=256, intermediate=512, rank=128)
 TOKENS = (1, 64)

@@ -5,11 +5,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from onnx_nmm.kernels.cost_model import model_trace
 from onnx_nmm.kernels.emulator import NkiValidationError, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
 from onnx_nmm.kernels.emulator import language as nl
-from onnx_nmm.kernels.hardware import KIB, TRN1
+from onnx_nmm.kernels.pricing.cost_model import model_trace
+from onnx_nmm.kernels.pricing.hardware import KIB, TRN1
 
 TILE = (128, 4096)  # bf16: 8 KiB per partition
 TILE_BYTES = 8 * KIB

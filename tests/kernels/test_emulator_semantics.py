@@ -4,10 +4,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from onnx_nmm.kernels import nki_api
 from onnx_nmm.kernels.emulator import NkiValidationError, Placeholder, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
 from onnx_nmm.kernels.emulator import language as nl
+from onnx_nmm.kernels.nki_kernels import nki_api
 
 BF16 = ml_dtypes.bfloat16
 

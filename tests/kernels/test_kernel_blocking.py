@@ -5,7 +5,9 @@ from collections import Counter
 import pytest
 
 from onnx_nmm.kernels import dense_matmul, fused_svd_mlp, fused_xuv
-from onnx_nmm.kernels.blocking import (
+from onnx_nmm.kernels.bench.runner import estimate, trace
+from onnx_nmm.kernels.nki_kernels.tiles import k_blocks, ramped_k_blocks, row_pieces
+from onnx_nmm.kernels.pricing.blocking import (
     SBUF_RESERVE_BYTES,
     column_groups,
     contraction_blocks,
@@ -13,9 +15,7 @@ from onnx_nmm.kernels.blocking import (
     plan_mlp,
     plan_xuv,
 )
-from onnx_nmm.kernels.hardware import neuron_core
-from onnx_nmm.kernels.runner import estimate, trace
-from onnx_nmm.kernels.tiles import k_blocks, ramped_k_blocks, row_pieces
+from onnx_nmm.kernels.pricing.hardware import neuron_core
 
 # Llama-3.2-3B's MLP: the largest rank of the benchmark grid.
 H, I, R = 3072, 8192, 1792

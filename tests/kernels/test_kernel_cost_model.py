@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 from onnx_nmm.kernels import dense_matmul_lhsT, estimate, lowrank_unfused
-from onnx_nmm.kernels.blocking import DensePlan, plan_dense
-from onnx_nmm.kernels.cost_model import model_trace, model_traces
 from onnx_nmm.kernels.emulator import Placeholder, emulation, jit
 from onnx_nmm.kernels.emulator import isa as nisa
 from onnx_nmm.kernels.emulator import language as nl
-from onnx_nmm.kernels.hardware import TRN1, TRN2, dma_efficiency
+from onnx_nmm.kernels.pricing.blocking import DensePlan, plan_dense
+from onnx_nmm.kernels.pricing.cost_model import model_trace, model_traces
+from onnx_nmm.kernels.pricing.hardware import TRN1, TRN2, dma_efficiency
 
 # AWS's fully optimized NKI matmul tutorial, bf16 [4096,8192] @ [8192,8192] on trn1.32xlarge: 6.97 ms, 85.24 %
 # HFU (SDK v2.26.0 general/nki/tutorials/matrix_multiplication.rst).

@@ -21,7 +21,8 @@ from onnx_nmm.kernels import (
     silu_mul,
     silu_mul_transposed,
 )
-from onnx_nmm.kernels.blocking import (
+from onnx_nmm.kernels.nki_kernels.tiles import k_blocks
+from onnx_nmm.kernels.pricing.blocking import (
     DenseMlpPlan,
     DensePlan,
     MlpPlan,
@@ -32,7 +33,6 @@ from onnx_nmm.kernels.blocking import (
     down_tiles_per_load,
     output_column_blocks,
 )
-from onnx_nmm.kernels.tiles import k_blocks
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Error relative to the output's largest magnitude: bf16 rounds the intermediates and the output

@@ -3,8 +3,8 @@ run with that plan."""
 
 import pytest
 
-from onnx_nmm.kernels.blocking import ENGINES, TIE, estimate_plan
-from onnx_nmm.kernels.plan_tracing import fitting_plans, planned, traced_cost
+from onnx_nmm.kernels.pricing.blocking import ENGINES, TIE, estimate_plan
+from onnx_nmm.kernels.pricing.plan_tracing import fitting_plans, planned, traced_cost
 
 # (kernel, the planner's dimensions, dtype, target). M from 1 to 2048, most not a multiple of the token block;
 # K, N, I and the ranks mostly not multiples of 128 or 512.

@@ -6,7 +6,7 @@ rows of a weight (long contiguous runs, hardware.dma_efficiency), and the contra
 row of both operands. Only the order of the fp32 sum over k changes.
 """
 
-from onnx_nmm.kernels.nki_api import nisa, nl
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nl
 
 PMAX = nl.tile_size.pmax  # 128 partitions: the contraction tile and the largest on-chip tile
 TILE_M = nl.tile_size.gemm_stationary_fmax  # 128: stationary free size = result partitions

@@ -45,14 +45,8 @@ TensorE takes to use it (512 tokens on trn1), TensorE then starts after a piece 
 several MiB, and each later piece streams in behind the matmuls of the one before.
 """
 
-from onnx_nmm.kernels.blocking import (
-    column_groups,
-    contraction_blocks,
-    output_column_blocks,
-    plan_dense,
-)
-from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.tiles import (
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.nki_kernels.tiles import (
     PMAX,
     TILE_M,
     TILE_N,
@@ -69,6 +63,12 @@ from onnx_nmm.kernels.tiles import (
     row_pieces,
     store_row_tiles,
     transpose_rows,
+)
+from onnx_nmm.kernels.pricing.blocking import (
+    column_groups,
+    contraction_blocks,
+    output_column_blocks,
+    plan_dense,
 )
 
 

@@ -36,18 +36,18 @@ from typing import Protocol
 
 import numpy as np
 
-from onnx_nmm.kernels.benchmark import PROGRAMS, MlpShape, mlp_shapes
-from onnx_nmm.kernels.cost_model import model_traces
-from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.dense_mlp import dense_gated_mlp
+from onnx_nmm.kernels.bench.benchmark import PROGRAMS, MlpShape, mlp_shapes
+from onnx_nmm.kernels.bench.runner import estimate
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator.dtypes import as_dtype
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
-from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import silu_mul, silu_mul_transposed
-from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
-from onnx_nmm.kernels.nki_api import USING_EMULATOR
-from onnx_nmm.kernels.runner import estimate
+from onnx_nmm.kernels.nki_kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.nki_kernels.dense_mlp import dense_gated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.nki_kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.nki_kernels.gated_activation import silu_mul, silu_mul_transposed
+from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
+from onnx_nmm.kernels.pricing.cost_model import model_traces
+from onnx_nmm.kernels.pricing.hardware import NeuronCore, neuron_core
 
 KERNELS = {kernel.__name__: kernel for kernel in (dense_matmul, dense_matmul_lhsT, dense_gated_mlp, fused_xuv, silu_mul,
                                                   silu_mul_transposed, fused_svd_mlp)}
@@ -271,8 +271,8 @@ class NeuronDevice:
     def _compile_and_run(self, launch: Launch, names: list[str], work: Path) -> np.ndarray:
         env = {**os.environ, "NKI_ARTIFACTS_DIR": str(work), "NEURON_PLATFORM_TARGET_OVERRIDE": launch.target}
         env.pop("ONNX_NMM_NKI", None)
-        _check_call([sys.executable, "-m", "onnx_nmm.kernels.device", launch.kernel, launch.dtype, str(work), *names],
-                    env=env)
+        _check_call([sys.executable, "-m", "onnx_nmm.kernels.bench.device", launch.kernel, launch.dtype, str(work),
+                     *names], env=env)
         return np.load(work / "output.npy")
 
     def _time_with_neuron_explorer(self, neff: Path, names: list[str], work: Path) -> list[float]:

@@ -5,7 +5,7 @@ launch writes z = x · U [M, r] to HBM, the second reads it back (and transposes
 It is the reference the fused kernel is measured against.
 """
 
-from onnx_nmm.kernels.dense_matmul import dense_matmul
+from onnx_nmm.kernels.nki_kernels.dense_matmul import dense_matmul
 
 
 def lowrank_unfused(x, u, v):

@@ -9,9 +9,9 @@ For each block of tokens:
 Block sizes (tokens per strip, contraction block, output column block) come from blocking.plan_xuv.
 """
 
-from onnx_nmm.kernels.blocking import plan_xuv
-from onnx_nmm.kernels.nki_api import nki, nl
-from onnx_nmm.kernels.strip_stages import expand_strip, project_tokens
+from onnx_nmm.kernels.nki_kernels.nki_api import nki, nl
+from onnx_nmm.kernels.nki_kernels.strip_stages import expand_strip, project_tokens
+from onnx_nmm.kernels.pricing.blocking import plan_xuv
 
 
 @nki.jit

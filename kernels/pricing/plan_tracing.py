@@ -4,7 +4,12 @@ tests/kernels/test_planner_agrees_with_trace.py and tools/planner_check.py compa
 
 from __future__ import annotations
 
-from onnx_nmm.kernels.blocking import (
+from onnx_nmm.kernels.bench.runner import estimate
+from onnx_nmm.kernels.nki_kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.nki_kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.pricing.blocking import (
     SBUF_RESERVE_BYTES,
     candidate_plans,
     estimate_plan,
@@ -14,13 +19,8 @@ from onnx_nmm.kernels.blocking import (
     plan_ungated_mlp,
     plan_xuv,
 )
-from onnx_nmm.kernels.cost_model import KernelCost
-from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.dense_mlp import dense_gated_mlp, dense_ungated_mlp
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp, fused_svd_ungated_mlp
-from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.hardware import neuron_core
-from onnx_nmm.kernels.runner import estimate
+from onnx_nmm.kernels.pricing.cost_model import KernelCost
+from onnx_nmm.kernels.pricing.hardware import neuron_core
 
 KERNEL_FUNCTIONS = {"dense_matmul": dense_matmul, "dense_matmul_lhsT": dense_matmul_lhsT, "fused_xuv": fused_xuv,
                     "fused_svd_mlp": fused_svd_mlp, "fused_svd_ungated_mlp": fused_svd_ungated_mlp,

@@ -17,10 +17,10 @@ For each block of tokens:
 Block sizes come from blocking.plan_mlp and blocking.plan_ungated_mlp.
 """
 
-from onnx_nmm.kernels.blocking import plan_mlp, plan_ungated_mlp
-from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.strip_stages import accumulate_strip, expand_strip, load_v_block, project_tokens
-from onnx_nmm.kernels.tiles import PMAX, TILE_N, cdiv, k_blocks
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.nki_kernels.strip_stages import accumulate_strip, expand_strip, load_v_block, project_tokens
+from onnx_nmm.kernels.nki_kernels.tiles import PMAX, TILE_N, cdiv, k_blocks
+from onnx_nmm.kernels.pricing.blocking import plan_mlp, plan_ungated_mlp
 
 # The gate activations by the names SvdGatedMLP's `activation` attribute uses.
 ACTIVATIONS = {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}

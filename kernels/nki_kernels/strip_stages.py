@@ -9,8 +9,8 @@ stationary operand (rank on partitions = the contraction), V streams as the movi
 comes out in natural [tokens, columns] layout, ready to store.
 """
 
-from onnx_nmm.kernels.nki_api import nisa, nl
-from onnx_nmm.kernels.tiles import (
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nl
+from onnx_nmm.kernels.nki_kernels.tiles import (
     PMAX,
     TILE_M,
     TILE_N,

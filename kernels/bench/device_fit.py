@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_nmm.kernels.cost_model import model_traces
-from onnx_nmm.kernels.device import KERNELS, launch_of, scaled_core
-from onnx_nmm.kernels.hardware import neuron_core
-from onnx_nmm.kernels.runner import trace
+from onnx_nmm.kernels.bench.device import KERNELS, launch_of, scaled_core
+from onnx_nmm.kernels.bench.runner import trace
+from onnx_nmm.kernels.pricing.cost_model import model_traces
+from onnx_nmm.kernels.pricing.hardware import neuron_core
 
 PARAMETERS = ("pe_hz", "dma_engine_bytes_per_s", "dma_fixed_latency_s", "dma_issue_interval_s",
               "dma_descriptor_overhead_s", "act_hz", "dve_hz")

@@ -24,8 +24,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from onnx_nmm.kernels.emulator.trace import ENGINES, Instruction, KernelTrace
-from onnx_nmm.kernels.hardware import NeuronCore, neuron_core
-from onnx_nmm.kernels.instruction_costs import (
+from onnx_nmm.kernels.pricing.hardware import NeuronCore, neuron_core
+from onnx_nmm.kernels.pricing.instruction_costs import (
     dma_seconds,
     elementwise_seconds,
     takes_psum_port,

@@ -21,15 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from onnx_nmm.kernels.cost_model import KernelCost, model_trace
-from onnx_nmm.kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
-from onnx_nmm.kernels.dense_mlp import dense_gated_mlp
 from onnx_nmm.kernels.emulator import Placeholder, emulation
-from onnx_nmm.kernels.fused_mlp import fused_svd_mlp
-from onnx_nmm.kernels.fused_xuv import fused_xuv
-from onnx_nmm.kernels.gated_activation import leaves_transposed, silu_mul, silu_mul_transposed
-from onnx_nmm.kernels.hardware import TRAINIUM_TARGETS
-from onnx_nmm.kernels.lowrank_unfused import lowrank_unfused
+from onnx_nmm.kernels.nki_kernels.dense_matmul import dense_matmul, dense_matmul_lhsT
+from onnx_nmm.kernels.nki_kernels.dense_mlp import dense_gated_mlp
+from onnx_nmm.kernels.nki_kernels.fused_mlp import fused_svd_mlp
+from onnx_nmm.kernels.nki_kernels.fused_xuv import fused_xuv
+from onnx_nmm.kernels.nki_kernels.gated_activation import leaves_transposed, silu_mul, silu_mul_transposed
+from onnx_nmm.kernels.nki_kernels.lowrank_unfused import lowrank_unfused
+from onnx_nmm.kernels.pricing.cost_model import KernelCost, model_trace
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS
 
 
 @dataclass(frozen=True)

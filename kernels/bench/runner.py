@@ -6,10 +6,10 @@ launches several (lowrank_unfused); a cost covers every launch, one after anothe
 
 from __future__ import annotations
 
-from onnx_nmm.kernels.cost_model import KernelCost, model_traces
 from onnx_nmm.kernels.emulator import Placeholder, emulation
 from onnx_nmm.kernels.emulator.trace import KernelTrace
-from onnx_nmm.kernels.nki_api import USING_EMULATOR
+from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
+from onnx_nmm.kernels.pricing.cost_model import KernelCost, model_traces
 
 
 def run(kernel, *arrays, target: str = "trn2", **options):

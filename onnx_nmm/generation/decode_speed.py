@@ -290,7 +290,7 @@ def peak_rss_alone(model: Model, options: BenchOptions) -> int | None:
     if not isinstance(model, (str, os.PathLike)):
         return None
     longest = max(*options.prompt_lengths, *options.contexts)
-    program = ("import sys; from onnx_nmm.decode_speed import decode_alone; "
+    program = ("import sys; from onnx_nmm.generation.decode_speed import decode_alone; "
                "print(decode_alone(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "
                "None if sys.argv[4] == 'None' else int(sys.argv[4]), int(sys.argv[5])))")
     child = subprocess.run([sys.executable, "-c", program, str(model), str(longest), str(options.steps),

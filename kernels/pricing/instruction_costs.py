@@ -13,7 +13,7 @@ with the same ones, so the two agree on every engine's busy time by construction
   descriptor (hardware.dma_efficiency).
 """
 
-from onnx_nmm.kernels.hardware import NeuronCore, dma_efficiency
+from onnx_nmm.kernels.pricing.hardware import NeuronCore, dma_efficiency
 
 
 def tensor_engine_seconds(core: NeuronCore, moving: int, fp32: bool, transpose: bool = False) -> float:

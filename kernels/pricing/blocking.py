@@ -29,10 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from onnx_nmm.kernels.hardware import TRN1, TRN2, neuron_core
-from onnx_nmm.kernels.instruction_costs import dma_seconds, elementwise_seconds, takes_psum_port, tensor_engine_seconds
-from onnx_nmm.kernels.nki_api import nisa, nl
-from onnx_nmm.kernels.tiles import (
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nl
+from onnx_nmm.kernels.nki_kernels.tiles import (
     HALF_BANK,
     PMAX,
     PSUM_BANK_BYTES,
@@ -44,6 +42,13 @@ from onnx_nmm.kernels.tiles import (
     k_blocks,
     ramped_k_blocks,
     row_pieces,
+)
+from onnx_nmm.kernels.pricing.hardware import TRN1, TRN2, neuron_core
+from onnx_nmm.kernels.pricing.instruction_costs import (
+    dma_seconds,
+    elementwise_seconds,
+    takes_psum_port,
+    tensor_engine_seconds,
 )
 
 # nki-library leaves 16 KiB + 264 B of each SBUF partition to the compiler (DMA scratch, reserved locations,

@@ -30,10 +30,9 @@ Nothing is summed in SBUF, so no VectorE addition per block of I (a [1, 512] one
 [128, 512] one). Block sizes come from blocking.plan_dense_mlp.
 """
 
-from onnx_nmm.kernels.blocking import down_tiles_per_load, plan_dense_mlp, sums_in_psum
-from onnx_nmm.kernels.fused_mlp import ACTIVATIONS
-from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.tiles import (
+from onnx_nmm.kernels.nki_kernels.fused_mlp import ACTIVATIONS
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.nki_kernels.tiles import (
     PMAX,
     PSUM_BANK_BYTES,
     TILE_M,
@@ -46,6 +45,7 @@ from onnx_nmm.kernels.tiles import (
     ramped_k_blocks,
     transpose_rows,
 )
+from onnx_nmm.kernels.pricing.blocking import down_tiles_per_load, plan_dense_mlp, sums_in_psum
 
 
 @nki.jit

@@ -10,8 +10,8 @@ guide's "partition vectorization"). silu_mul_transposed keeps tokens on partitio
 which an element-wise kernel leaves idle.
 """
 
-from onnx_nmm.kernels.nki_api import nisa, nki, nl
-from onnx_nmm.kernels.tiles import PMAX, cdiv, dtype_bytes, k_blocks, load_row_tiles, transpose_rows
+from onnx_nmm.kernels.nki_kernels.nki_api import nisa, nki, nl
+from onnx_nmm.kernels.nki_kernels.tiles import PMAX, cdiv, dtype_bytes, k_blocks, load_row_tiles, transpose_rows
 
 DMA_BYTES_PER_PARTITION = 4096  # ">= 4 KiB per partition (target for full saturation)", nki-dma-bandwidth-guide.rst
 
