@@ -109,20 +109,14 @@ def collect_gram_matrices(source: ModelSource, inputs: dict[str, int], batches: 
     causal_lm.CausalLm). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
     Raises ExecutionError if onnxruntime fails or an activation is not finite.
     """
-    plan = GramPlan(inputs)
+    plan = _GramPlan(inputs)
     make_feeds = make_feeds or CausalLm.of_source(source).feeds
-    session = source.session_of(gram_graph(first_step(source.graph_proto()), plan))
-    return accumulated_grams(session, plan, (make_feeds(batch) for batch in batches), description, on_batch)
-
-
-def accumulated_grams(session, plan: GramPlan, feeds: Iterable[dict], description: str = "",
-                      on_batch: Callable[[int], None] | None = None) -> GramStatistics:
-    """Σ XᵀX of `plan`'s inputs over the runs of `session` (a gram_graph) on each of `feeds`."""
+    session = source.session_of(_gram_graph(first_step(source.graph_proto()), plan))
     sums: list[np.ndarray] | None = None
     tokens = 0
-    for index, feed in enumerate(feeds):
+    for index, batch in enumerate(batches):
         try:
-            *blocks, rows = session.run(None, feed)
+            *blocks, rows = session.run(None, make_feeds(batch))
         except Exception as error:
             raise ExecutionError(f"onnxruntime failed on calibration batch {index}: "
                                  f"{str(error).splitlines()[0]}") from None
@@ -143,7 +137,7 @@ def accumulated_grams(session, plan: GramPlan, feeds: Iterable[dict], descriptio
     return GramStatistics(plan.assemble(sums), tokens, description)
 
 
-class GramPlan:
+class _GramPlan:
     """Which column blocks each input is split into, and which block products the graph outputs."""
 
     def __init__(self, inputs: dict[str, int]):
@@ -180,7 +174,7 @@ class GramPlan:
         return grams
 
 
-def gram_graph(proto: onnx.ModelProto, plan: GramPlan) -> onnx.ModelProto:
+def _gram_graph(proto: onnx.ModelProto, plan: _GramPlan) -> onnx.ModelProto:
     """`proto` (changed in place) whose outputs are the Gram blocks X_aᵀX_b (float32) of every planned input,
     then the number of rows; nodes the blocks do not need are pruned."""
     graph = proto.graph
