@@ -32,6 +32,10 @@ def register(subparsers) -> None:
     parser.add_argument("--buckets", type=_common.token_counts, metavar="N,N",
                         help="prompt lengths a prefill is compiled for (default: 128, 512, 2048 below "
                              "--max-context, and --max-context)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="with --max-context: split the model over N NeuronCores as NxD Inference splits it "
+                             "(q/k/v, gate/up column-parallel; o, down row-parallel then an all-reduce; heads and KV "
+                             "cache by head): N rank programs per graph, joined by collectives (default 1)")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
@@ -44,7 +48,7 @@ def run(args) -> int:
     options = onnx_nmm.CompileOptions(**_common.given(target=args.target, batch=args.batch, seq_len=args.seq_len,
                                                       fuse_mlp=False if args.no_fuse_mlp else None,
                                                       dry_run=args.dry_run or None, max_context=args.max_context,
-                                                      buckets=args.buckets))
+                                                      buckets=args.buckets, tp=args.tp))
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".neuron")
     with _common.progress() as progress:
@@ -96,17 +100,20 @@ def _print_summary(compilation: onnx_nmm.Compilation) -> None:
 def _print_graphs(compilation: onnx_nmm.Compilation) -> None:
     """A model that generates: one row per graph, its MLP kernels and modelled times."""
     manifest = compilation.manifest
+    tp = manifest.get("tp", 1)
+    split = f", split over {tp} NeuronCores ({manifest['sharding']['note']})" if tp > 1 else ""
     table = _common.Table(title=f"Graphs for {manifest['target']}, batch {manifest['batch']}, a cache of "
-                                f"{manifest['max_context']} positions", title_justify="left")
+                                f"{manifest['max_context']} positions{split}", title_justify="left")
     for column in ("graph", "tokens", "custom ops", "MLPs fused", "MLPs as projections", "modelled µs",
-                   "best dense µs (modelled)"):
+                   "best dense µs (modelled)", *(("rank programs", "collectives") if tp > 1 else ())):
         table.add_column(column)
     for graph in manifest["graphs"]:
         chosen = graph["mlp_kernels"] if isinstance(graph["mlp_kernels"], list) else []
         times = graph.get("modelled_us"), graph.get("modelled_dense_us")
         table.add_row(graph["name"], str(graph["tokens"]), str(len(graph["kernels"])), str(len(graph["fused_mlps"])),
                       str(sum(1 for choice in chosen if not choice["fused"])),
-                      *(f"{time:,.1f}" if time is not None else "—" for time in times))
+                      *(f"{time:,.1f}" if time is not None else "—" for time in times),
+                      *((str(len(graph["ranks"])), _collectives(graph["collectives"])) if tp > 1 else ()))
     _common.stdout.print(table)
     worst = max(graph["lowering_check"]["max_abs"] for graph in manifest["graphs"])
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {worst:.2e} over every graph. "
@@ -114,6 +121,14 @@ def _print_graphs(compilation: onnx_nmm.Compilation) -> None:
                             if manifest["traced"] else "Dry run: no trace. ")
                          + f"Wrote {compilation.folder}/; run it with: {_generate_command(compilation.folder)}",
                          soft_wrap=True)
+
+
+def _collectives(joins: list[dict]) -> str:
+    """"60 AllReduce, 2 AllGather": the collectives joining a graph's rank programs."""
+    counts: dict[str, int] = {}
+    for join in joins:
+        counts[join["op"]] = counts.get(join["op"], 0) + 1
+    return ", ".join(f"{count} {op}" for op, count in counts.items())
 
 
 def _generate_command(folder: Path) -> str:

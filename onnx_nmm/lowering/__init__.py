@@ -22,7 +22,7 @@ if importlib.util.find_spec("onnx2torch") is None or importlib.util.find_spec("t
                     "pip install --no-deps onnx2torch==1.5.15 (its torchvision dependency is not needed)")
 
 # Each registers its converters on import.
-from onnx_nmm.lowering import microsoft_ops, quantized_converters, standard_ops  # noqa: F401
+from onnx_nmm.lowering import collective_converters, microsoft_ops, quantized_converters, standard_ops  # noqa: F401
 from onnx_nmm.lowering.kernel_backends import (
     BACKENDS,
     EmulatorKernels,

@@ -14,7 +14,11 @@ from onnx_nmm.progress import Progress
 from onnx_nmm.quality import metrics
 from onnx_nmm.quality.evaluation import TextOptions
 from onnx_nmm.quality.perplexity import TextComparison, compare_on_text, window_count
+from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner, check_backend
+from onnx_nmm.runtime.static_cache import StaticDecoder
+
+COMPILED_DECODE_STEPS = 4  # decode steps a compiled folder is compared on after its prompt
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,12 @@ class Diff:
 def diff(reference: Model, candidate: Model, options: DiffOptions | None = None) -> Diff:
     """Every output of `candidate` against `reference` on the same inputs: largest errors, cosine, and for
     logits top-1 agreement and mean KL. Raises ModelError when the two models do not take the same inputs
-    or give outputs of different shapes."""
+    or give outputs of different shapes. A compiled folder (`compile --max-context`, split over NeuronCores or not)
+    as the candidate: its logits on a prompt of seq_len tokens and then COMPILED_DECODE_STEPS decode steps fed the
+    reference's greedy tokens."""
     o = options or DiffOptions()
+    if isinstance(candidate, (str, os.PathLike)) and compiled_folder.is_compiled_folder(candidate):
+        return _diff_compiled(reference, candidate, o)
     expected_runner, actual_runner = ModelRunner(reference), ModelRunner(candidate, o.backend, o.target)
     _check_same_interface(expected_runner, actual_runner)
     if o.past_len:
@@ -101,6 +109,36 @@ def diff(reference: Model, candidate: Model, options: DiffOptions | None = None)
     return Diff(expected_runner.label, actual_runner.label, o.backend,
                 {name: list(array.shape) for name, array in inputs.items()}, o.atol, o.rtol, comparisons,
                 random_tokens=o.inputs is None, calibrated=actual_runner.calibrated)
+
+
+def _diff_compiled(reference: Model, folder: str | os.PathLike, o: DiffOptions) -> Diff:
+    """The folder's static graphs (its rank programs in lock-step, when split) against the reference model with its
+    own cache: the prompt's logits, then each decode step's."""
+    if o.inputs is not None or o.past_len or o.batch != 1:
+        raise OptionError("a compiled folder is compared on a prompt of {seq_len} random tokens and the decode steps "
+                          "after it: leave out {inputs}, {past_len} and {batch}", seq_len="seq_len", inputs="inputs",
+                          past_len="past_len", batch="batch")
+    expected_runner, (_, graphs) = ModelRunner(reference), compiled_folder.read(folder)
+    graphs.check_fits(o.seq_len, COMPILED_DECODE_STEPS)
+    compiled = StaticDecoder(graphs, o.backend, o.target)
+    model, logits = expected_runner.causal_lm, expected_runner.output_names[0]
+    tokens = expected_runner.random_tokens(1, o.seq_len, o.seed)
+    outputs = expected_runner(model.feeds(tokens))
+    expected, actual = [outputs[logits]], [compiled.prompt_logits(tokens)]
+    steps_expected: list[np.ndarray] = []
+    steps_actual: list[np.ndarray] = []
+    for _ in range(COMPILED_DECODE_STEPS):
+        token = expected[-1][:, -1].argmax(-1).reshape(1, 1) if not steps_expected else \
+            steps_expected[-1].argmax(-1).reshape(1, 1)
+        outputs = expected_runner(model.feeds(token, model.cache_after(outputs)))
+        steps_expected.append(outputs[logits][:, -1])
+        steps_actual.append(compiled.step(token))
+    comparisons = [metrics.compare(f"{logits} (prompt of {o.seq_len})", expected[0], actual[0], o.atol, o.rtol),
+                   metrics.compare(f"{logits} ({COMPILED_DECODE_STEPS} decode steps)", np.stack(steps_expected, 1),
+                                   np.stack(steps_actual, 1), o.atol, o.rtol)]
+    return Diff(expected_runner.label, str(folder), o.backend, {model.tokens.name if model.tokens else "tokens":
+                                                                 list(tokens.shape)}, o.atol, o.rtol, comparisons,
+                random_tokens=True, calibrated=expected_runner.calibrated)
 
 
 def _after_prefill(runner: ModelRunner, tokens: np.ndarray, past: int) -> tuple[dict, dict]:

@@ -14,7 +14,9 @@ backends) runs exactly the programs the trace is made from.
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
@@ -22,6 +24,8 @@ import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
 from onnx_nmm.passes.static_cache import CacheLayout
+from onnx_nmm.runtime.backend_runner import Model
+from onnx_nmm.runtime.rank_programs import RankPrograms
 from onnx_nmm.runtime.static_cache import StaticCache
 
 MANIFEST, WEIGHTS = "manifest.json", "weights.data"
@@ -43,12 +47,13 @@ def _manifest(folder: Path) -> dict | None:
     return manifest if "cache" in manifest else None
 
 
-def write_graphs(folder: Path, graphs: dict[str, ir.Model]) -> None:
+def write_graphs(folder: Path, graphs: dict[str, ir.Model] | Iterable[tuple[str, ir.Model]]) -> None:
     """Each graph as folder/<name>.onnx; their weights in folder/weights.data, each weight once however many
-    graphs read it (the same name and bytes). One graph's proto is in memory at a time."""
+    graphs read it (the same name and bytes). One graph's proto is in memory at a time (and given as pairs made
+    one at a time, one graph)."""
     written: dict[tuple[str, int], tuple[int, int]] = {}
     with open(folder / WEIGHTS, "wb") as data:
-        for name, model in graphs.items():
+        for name, model in graphs.items() if isinstance(graphs, dict) else graphs:
             proto = ir.to_proto(model)
             for tensor in proto.graph.initializer:
                 raw = tensor.raw_data
@@ -65,6 +70,16 @@ def write_graphs(folder: Path, graphs: dict[str, ir.Model]) -> None:
             onnx.save(proto, folder / f"{name}.onnx")
 
 
+def copy_tokenizer(model: Path | None, folder: Path) -> None:
+    """The tokenizer files beside the model at `model`, so that `generate DIR` finds them as it does beside a
+    model."""
+    if model is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (model.parent / name).is_file():
+            shutil.copy2(model.parent / name, folder / name)
+
+
 def read(folder) -> tuple[dict, StaticCache]:
     """The manifest of a compiled folder, and its graphs as a StaticCache (by path: each is loaded when run)."""
     folder = Path(folder)
@@ -76,15 +91,22 @@ def read(folder) -> tuple[dict, StaticCache]:
     layout = CacheLayout(cache["tokens"], cache["mask"], cache["positions"],
                          tuple((entry["input"], entry["aliases_output"]) for entry in cache["tensors"]),
                          cache["write_position"])
-    graphs = {graph["name"]: folder / graph["file"] for graph in manifest["graphs"]}
-    missing = [path.name for path in (*graphs.values(), folder / WEIGHTS) if not path.is_file()]
+    graphs: dict[str, Path | RankPrograms] = {
+        graph["name"]: RankPrograms(tuple(folder / file for file in graph["ranks"])) if "ranks" in graph
+        else folder / graph["file"] for graph in manifest["graphs"]}
+    files = [path for graph in graphs.values()
+             for path in (graph.paths if isinstance(graph, RankPrograms) else (graph,))]
+    missing = [path.name for path in (*files, folder / WEIGHTS) if not path.is_file()]
     if missing:
         raise ModelError(f"{folder} lacks {', '.join(missing)}: compile it again")
-    prefill = {graph["tokens"]: graphs[graph["name"]] for graph in manifest["graphs"] if graph["kind"] == "prefill"}
+    tp = manifest.get("tp", 1)
+    stacked = (tp,) if tp > 1 else ()
+    prefill: dict[int, Model | RankPrograms] = {graph["tokens"]: graphs[graph["name"]] for graph in manifest["graphs"]
+                                                if graph["kind"] == "prefill"}
     traced = {graph["name"]: folder / graph["torchscript"] for graph in manifest["graphs"] if "torchscript" in graph}
     state = {graph["name"]: graph["cache_state"] for graph in manifest["graphs"] if "cache_state" in graph}
     return manifest, StaticCache(manifest["model"], layout,
-                                 {entry["input"]: tuple(entry["shape"]) for entry in cache["tensors"]},
+                                 {entry["input"]: (*stacked, *entry["shape"]) for entry in cache["tensors"]},
                                  manifest["max_context"], prefill, graphs["decode"], traced, state)
 
 
@@ -95,5 +117,5 @@ def cache_manifest(graphs: StaticCache) -> dict:
     layout = graphs.layout
     return {"tokens": layout.tokens, "mask": layout.mask, "positions": layout.positions,
             "write_position": layout.write_position, "max_context": graphs.max_context,
-            "tensors": [{"input": past, "aliases_output": present, "shape": list(graphs.cache_shapes[past]),
+            "tensors": [{"input": past, "aliases_output": present, "shape": list(graphs.cache_shapes[past][-4:]),
                          "dtype": "float32"} for past, present in layout.cache]}

@@ -31,6 +31,7 @@ from onnx_nmm.passes.static_cache import (
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import with_past_step
+from onnx_nmm.runtime.rank_programs import RankPrograms, RankProgramsRunner
 
 USUAL_BUCKETS = (128, 512, 2048)  # prompt lengths a prefill is compiled for, capped at max_context
 STATE_PREFIX = "cache."  # a decode trace's cache parameters (trainium/cache_state.CacheState.cache)
@@ -44,14 +45,15 @@ def default_buckets(max_context: int) -> tuple[int, ...]:
 @dataclass
 class StaticCache:
     """The prefill graphs (by bucket) and the decode graph of one model, and the layout of their cache. A graph
-    is an onnx-ir model, or the path of one (a compiled folder's)."""
+    is an onnx-ir model, or the path of one (a compiled folder's), or the rank programs of one split over
+    NeuronCores (`compile --tp`: then each cache tensor is the ranks' caches stacked, [tp, batch, ...])."""
 
     label: str
     layout: CacheLayout
     cache_shapes: dict[str, tuple[int, ...]]  # per past input: [batch, heads, max_context, head_dim]
     max_context: int
-    prefill: dict[int, Model]
-    decode: Model
+    prefill: dict[int, Model | RankPrograms]
+    decode: Model | RankPrograms
     traced: dict[str, Path] = field(default_factory=dict)  # graph name → its Neuron trace (a compiled folder's)
     # graph name → how its trace holds the cache as state (trainium/cache_state.py): {"step_inputs", "aliased"}
     state: dict[str, dict] = field(default_factory=dict)
@@ -62,9 +64,9 @@ class StaticCache:
 
     @property
     def batch(self) -> int:
-        return next(iter(self.cache_shapes.values()))[0]
+        return next(iter(self.cache_shapes.values()))[-4]
 
-    def graphs(self) -> list[tuple[str, Model, int]]:
+    def graphs(self) -> list[tuple[str, Model | RankPrograms, int]]:
         """(name, graph, tokens per sequence) of every graph: each prefill bucket, then the decode step."""
         return [*((f"prefill_{bucket}", self.prefill[bucket], bucket) for bucket in self.buckets),
                 ("decode", self.decode, 1)]
@@ -118,7 +120,7 @@ class StaticCache:
         position = self.max_context // 2
         cache = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in self.cache_shapes.items()}
         for values in cache.values():
-            values[:, :, position:] = 0
+            values[..., position:, :] = 0
         return self.decode_feeds(rng.integers(0, 100, (self.batch, 1)), position, cache)
 
     def generate_greedy(self, ids: np.ndarray, new_tokens: int, backend: str = "ort") -> list[int]:
@@ -146,13 +148,17 @@ class StaticDecoder:
                               "machine with the Neuron SDK (without {dry_run})", backend="backend", dry_run="dry_run")
         self.graphs, self.backend, self.target, self.threads = graphs, backend, target, threads
         self.label = graphs.label
-        self._runners: dict[str, ModelRunner | TracedRunner] = {}
+        self._runners: dict[str, ModelRunner | TracedRunner | RankProgramsRunner] = {}
         self.vocabulary = self._runner("decode", graphs.decode).vocabulary
         self.position = 0
         self.cache: dict[str, np.ndarray] = {}
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Start a sequence with token ids [1, n]; the logits of its last position [1, vocabulary]."""
+        return self.prompt_logits(tokens)[:, -1]
+
+    def prompt_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Start a sequence with token ids [1, n]; the logits of each of its positions [1, n, vocabulary]."""
         tokens = np.asarray(tokens, np.int64)
         bucket = self.graphs.bucket_for(tokens.shape[1])
         logits = self._run(f"prefill_{bucket}", self.graphs.prefill[bucket], self.graphs.prefill_feeds(
@@ -161,7 +167,7 @@ class StaticDecoder:
         if isinstance(decode, StateRunner):  # the decode trace holds the cache as its state from here on
             decode.hold(self.cache)
         self.position = tokens.shape[1]
-        return logits[:1, self.position - 1]
+        return logits[:1, :self.position]
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Append one token [1, 1]; the logits of the new position [1, vocabulary]."""
@@ -173,9 +179,12 @@ class StaticDecoder:
         self.position += 1
         return logits[:1, -1]
 
-    def _runner(self, name: str, graph: Model) -> ModelRunner | TracedRunner:
+    def _runner(self, name: str, graph: Model | RankPrograms) -> ModelRunner | TracedRunner | RankProgramsRunner:
         if name not in self._runners:
-            if self.backend != "neuron":
+            if isinstance(graph, RankPrograms):  # a graph split over NeuronCores: its ranks in lock-step
+                self._runners[name] = RankProgramsRunner(graph, dict(self.graphs.layout.cache), self.backend,
+                                                         self.target)
+            elif self.backend != "neuron":
                 self._runners[name] = ModelRunner(graph, self.backend, self.target, self.threads)
             elif name in self.graphs.state:
                 self._runners[name] = StateRunner(self.graphs.traced[name], ModelSource.of(graph), self.graphs.layout,
@@ -184,7 +193,7 @@ class StaticDecoder:
                 self._runners[name] = TracedRunner(self.graphs.traced[name], ModelSource.of(graph))
         return self._runners[name]
 
-    def _run(self, name: str, graph: Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    def _run(self, name: str, graph: Model | RankPrograms, feeds: dict[str, np.ndarray]) -> np.ndarray:
         runner = self._runner(name, graph)
         outputs = runner(feeds)
         if not isinstance(runner, StateRunner):  # a state runner keeps the cache in its trace

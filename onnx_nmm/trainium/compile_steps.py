@@ -15,7 +15,7 @@ import onnx
 
 from onnx_nmm.errors import LoweringMismatch, OptionError, OutputError
 from onnx_nmm.kernel_table import kernel_spec
-from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS
+from onnx_nmm.kernels.pricing.hardware import TRAINIUM_TARGETS, instance
 from onnx_nmm.model_io import make_public
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
@@ -39,7 +39,10 @@ class CompileOptions:
 
     max_context: compile a model that generates instead of one shape (static_compilation): a prefill graph per
     bucket (prompt lengths; default 128, 512, 2048 below max_context, and max_context) and a decode step over a
-    KV cache of max_context positions; seq_len is then unused."""
+    KV cache of max_context positions; seq_len is then unused.
+
+    tp: split the model that generates over that many NeuronCores (sharded_compilation): each graph becomes tp
+    rank programs joined by collectives."""
 
     target: str = "trn2"
     batch: int = 1
@@ -48,6 +51,7 @@ class CompileOptions:
     dry_run: bool = False
     max_context: int | None = None
     buckets: tuple[int, ...] | None = None
+    tp: int = 1
 
     def __post_init__(self):
         if self.target not in TRAINIUM_TARGETS:
@@ -55,6 +59,13 @@ class CompileOptions:
                               target="target")
         if self.batch < 1 or self.seq_len < 1:
             raise OptionError("{batch} and {seq_len} must be positive", batch="batch", seq_len="seq_len")
+        machine = instance(self.target)
+        if not 1 <= self.tp <= machine.cores:
+            raise OptionError(f"{{tp}} must be from 1 to {machine.cores}, the NeuronCores of a {machine.name}, "
+                              f"got {self.tp}", tp="tp")
+        if self.tp > 1 and self.max_context is None:
+            raise OptionError("{tp} splits a model that generates: give {max_context} too", tp="tp",
+                              max_context="max_context")
         if self.buckets is not None and self.max_context is None:
             raise OptionError("{buckets} are prompt lengths of a model that generates: give {max_context} too",
                               buckets="buckets", max_context="max_context")
@@ -209,7 +220,8 @@ def _entries_compile_wrote(folder: Path) -> set[str]:
         return set()
     if "cache" in manifest and isinstance(manifest.get("graphs"), list):
         graphs = [graph for graph in manifest["graphs"] if isinstance(graph, dict)]
-        return {compiled_folder.MANIFEST, compiled_folder.WEIGHTS, *compiled_folder.TOKENIZER_FILES,
+        ranks = [str(file) for graph in graphs if isinstance(graph.get("ranks"), list) for file in graph["ranks"]]
+        return {compiled_folder.MANIFEST, compiled_folder.WEIGHTS, *compiled_folder.TOKENIZER_FILES, *ranks,
                 *(str(graph.get("file")) for graph in graphs), *(str(graph.get("name")) for graph in graphs)}
     if "lowering_check" in manifest and "seq_len" in manifest:
         return {compiled_folder.MANIFEST, TORCHSCRIPT, NEURON_WORKDIR}

@@ -19,7 +19,6 @@ every choice and the modelled times it compared. Without the SDK compile stops b
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions, MlpKernels
 from onnx_nmm.trainium.generation_check import check_generation
+from onnx_nmm.trainium.sharded_compilation import compile_sharded
 
 
 def compile_for_generation(source: ModelSource, output: Path, options: CompileOptions,
@@ -42,6 +42,8 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     """The static-cache graphs of `source` for `options.max_context` positions, compiled into `output`;
     `progress` hears each step."""
     assert options.max_context is not None
+    if options.tp > 1:
+        return compile_sharded(source, output, options, progress)
     with progress.phase("building the static graphs"):
         graphs = static_cache(source, options.max_context, options.buckets, options.batch)
     with progress.phase("choosing MLP kernels", total=len(graphs.graphs())) as phase:
@@ -54,7 +56,7 @@ def compile_for_generation(source: ModelSource, output: Path, options: CompileOp
     with compile_steps.staged_folder(output) as folder:
         with progress.phase("writing the folder"):
             compiled_folder.write_graphs(folder, models)
-            _copy_tokenizer(source, folder)
+            compiled_folder.copy_tokenizer(source.path, folder)
         with progress.phase("checking the graphs against the model as given"):
             generation = check_generation(source, _as_written(graphs, folder))
         entries, summaries = [], {}
@@ -125,12 +127,3 @@ def _lowered_and_checked(path: Path, feeds: dict[str, np.ndarray]):
     module = lower(path, TorchMath())
     check = compile_steps.check_lowering(module, compile_steps.reference_session(path), feeds)
     return module, {key: value for key, value in check.items() if key != "shapes"}
-
-
-def _copy_tokenizer(source: ModelSource, folder: Path) -> None:
-    """The tokenizer files beside the model, so that `generate DIR` finds them as it does beside a model."""
-    if source.path is None:
-        return
-    for name in compiled_folder.TOKENIZER_FILES:
-        if (source.path.parent / name).is_file():
-            shutil.copy2(source.path.parent / name, folder / name)

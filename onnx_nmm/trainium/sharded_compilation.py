@@ -1,0 +1,183 @@
+"""Compile a model that generates split over N NeuronCores (`compile --max-context C --tp N`): every static-cache
+graph becomes N rank programs joined by collectives.
+
+    static cache (runtime/static_cache.py): a prefill per bucket, one decode step, the whole model's
+      └ per graph: run once on onnxruntime for its shapes (shape_propagation.probe)
+        └ per rank: the rank's program (graph_sharding.rank_program), then each MLP on its fastest kernel at the
+          rank's widths; written as <graph>.rank<r>.onnx, one weights file for all
+    generation checked against the model as given, the rank programs in lock-step (generation_check.py)
+    per graph: the rank programs joined, against onnxruntime on the whole graph; kernels planned per rank
+    manifest: tp, how the heads split, per graph its rank programs, the collectives joining them and where, and
+      how each layer split
+
+The rank programs are not traced yet: with `--tp` compile writes the folder as a dry run does (see
+docs/trainium.md for running it on a trn1.32xlarge).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnx_nmm.errors import LoweringMismatch, ModelError
+from onnx_nmm.model_io import write_text_atomically
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.passes import find_linear_layers, roles, svd_ops
+from onnx_nmm.progress import Progress
+from onnx_nmm.quality import metrics
+from onnx_nmm.runtime import compiled_folder, ort_runner
+from onnx_nmm.runtime.collective_ops import ALL_GATHER, ALL_REDUCE, DOMAIN
+from onnx_nmm.runtime.rank_programs import RankPrograms, RankProgramsRunner
+from onnx_nmm.runtime.static_cache import StaticCache, static_cache
+from onnx_nmm.trainium import compile_steps, neuron
+from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
+from onnx_nmm.trainium.generation_check import check_generation
+from onnx_nmm.trainium.graph_sharding import rank_program
+from onnx_nmm.trainium.rank_shares import RankShares
+from onnx_nmm.trainium.shape_propagation import probe
+
+
+def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, progress: Progress) -> Compilation:
+    """The static-cache graphs of `source` split over `options.tp` ranks, compiled into `output`."""
+    assert options.max_context is not None and options.tp > 1
+    with progress.phase("building the static graphs"):
+        graphs = static_cache(source, options.max_context, options.buckets, options.batch)
+        shares = rank_shares(graphs, options.tp)
+    layers: dict[str, dict] = {}
+    with compile_steps.staged_folder(output) as folder:
+        with progress.phase(f"splitting each graph over {options.tp} NeuronCores",
+                            total=len(graphs.graphs()) * options.tp) as phase:
+            compiled_folder.write_graphs(folder, _rank_programs(graphs, shares, options, layers, phase))
+            compiled_folder.copy_tokenizer(source.path, folder)
+        sharded = as_written(graphs, folder, options.tp)
+        with progress.phase("checking the rank programs against the model as given"):
+            generation = check_generation(source, sharded)
+        entries, summaries = [], {}
+        with progress.phase("checking each graph's rank programs against onnxruntime",
+                            total=len(graphs.graphs())) as phase:
+            for (name, model, tokens), (_, programs, _) in zip(graphs.graphs(), sharded.graphs()):
+                assert isinstance(model, ir.Model) and isinstance(programs, RankPrograms)
+                check = _joined_check(model, programs, graphs, shares, name)
+                kernels = [neuron.plan_kernels(onnx.load(path, load_external_data=False), options.batch * tokens,
+                                               options.target, model_costs=_model_costs()) for path in programs.paths]
+                summaries[name] = kernels[0]
+                entries.append({"name": name, "kind": "decode" if name == "decode" else "prefill", "tokens": tokens,
+                                "ranks": [path.name for path in programs.paths], **layers[name],
+                                "lowering_check": check, **kernels[0].to_dict(),
+                                "modelled_us_per_rank": [k.to_dict().get("modelled_us") for k in kernels]})
+                phase.advance(detail=name)
+        manifest = {"model": source.label, "target": options.target, "batch": options.batch,
+                    "max_context": options.max_context, "buckets": list(graphs.buckets), "tp": options.tp,
+                    "sharding": sharding_manifest(shares), "collective_ops": COLLECTIVE_OPS,
+                    "cache": compiled_folder.cache_manifest(sharded), "weights": compiled_folder.WEIGHTS,
+                    "graphs": entries, "generation_check": generation.to_dict(), "dry_run": True, "traced": False}
+        write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
+    return Compilation(output, manifest, summaries["decode"], summaries)
+
+
+COLLECTIVE_OPS = {
+    "domain": DOMAIN,
+    ALL_REDUCE: "every rank's input summed; every rank gets the sum (NxD: reduce_from_tensor_model_parallel_region)",
+    ALL_GATHER: "every rank's input concatenated along `axis`, rank 0 first; every rank gets it "
+                "(NxD: gather_from_tensor_model_parallel_region)",
+}
+
+
+def rank_shares(graphs: StaticCache, tp: int) -> RankShares:
+    """How `graphs` split over `tp` ranks: their query heads (from the attention's output projection's input
+    width), their KV heads and head size (from the cache). OptionError when tp does not divide them."""
+    batch, kv_heads, _, head_dim = next(iter(graphs.cache_shapes.values()))
+    decode = graphs.decode
+    assert isinstance(decode, ir.Model), "static_cache builds its graphs in memory"
+    q_width = next((layer.k for layer in find_linear_layers(decode) if layer.role == "o"), None) or \
+        next((_input_width(node) for node in decode.graph if node.domain == svd_ops.DOMAIN and
+              node.op_type == svd_ops.SVD_MATMUL and (roles.classify(roles.module_path(node)) or ("", ""))[1] == "o"),
+             None)
+    if not isinstance(q_width, int) or q_width % head_dim:
+        raise ModelError(f"{graphs.label}: no attention output projection (o_proj, out_proj, ...) whose input is whole "
+                         f"heads of {head_dim}, so its query heads cannot be counted and split")
+    return RankShares(tp, q_width // head_dim, kv_heads, head_dim)
+
+
+def _input_width(node: ir.Node) -> int | None:
+    """The rows of a factorized layer's U."""
+    u = node.inputs[1]
+    return int(u.const_value.shape.numpy()[0]) if u is not None and u.const_value is not None else None
+
+
+def sharding_manifest(shares: RankShares) -> dict:
+    return {"query_heads": shares.heads, "kv_heads": shares.kv_heads, "head_dim": shares.head_dim,
+            "query_heads_per_rank": shares.local_heads, "kv_heads_per_rank": shares.local_kv_heads,
+            "kv_heads_replicated": shares.replicated_kv,
+            "kv_heads_of_rank": [list(shares.kv_head_indices(rank)) for rank in range(shares.tp)],
+            "note": shares.note()}
+
+
+def as_written(graphs: StaticCache, folder: Path, tp: int) -> StaticCache:
+    """`graphs` as the folder holds them: each graph's rank programs, the cache stacked over the ranks."""
+    def programs(name: str) -> RankPrograms:
+        return RankPrograms(tuple(folder / f"{name}.rank{rank}.onnx" for rank in range(tp)))
+
+    shares = {name: (tp, shape[0], max(1, shape[1] // tp), *shape[2:]) for name, shape in graphs.cache_shapes.items()}
+    return replace(graphs, prefill={tokens: programs(name) for name, _, tokens in graphs.graphs() if name != "decode"},
+                   decode=programs("decode"), cache_shapes=shares)
+
+
+def _rank_programs(graphs: StaticCache, shares: RankShares, options: CompileOptions, layers: dict[str, dict],
+                   phase) -> Iterator[tuple[str, ir.Model]]:
+    """Each graph's rank programs, one at a time, each MLP on its fastest kernel at the rank's widths; what each
+    graph's joins and splits are into `layers`."""
+    for name, model, tokens in graphs.graphs():
+        assert isinstance(model, ir.Model)
+        found = probe(model, graphs.example_feeds(name))
+        for rank in range(shares.tp):
+            program = rank_program(model, rank, shares, found.copy(), list(graphs.cache_shapes),
+                                   options.batch * tokens, options.target, graphs.layout.tokens)
+            mlps = compile_steps.fuse_mlps(program.model, options.batch * tokens, options.target, options.fuse_mlp)
+            if rank == 0:
+                layers[name] = {"collectives": [join.to_dict() for join in program.joins], "splits": program.splits,
+                                "fused_mlps": mlps.fused, "unfused_mlps": mlps.unfused, "mlp_kernels": mlps.chosen}
+            yield f"{name}.rank{rank}", program.model
+            phase.advance(detail=f"{name}, rank {rank}")
+
+
+def _joined_check(model: ir.Model, programs: RankPrograms, graphs: StaticCache, shares: RankShares,
+                  name: str) -> dict:
+    """The rank programs lowered to PyTorch and run together against onnxruntime on the whole graph, on the
+    graph's example feeds: every output (the cache as each rank holds it)."""
+    feeds = graphs.example_feeds(name)
+    expected = ort_runner.run(ModelSource.of(model).session(), feeds)
+    cache = dict(graphs.layout.cache)
+    stacked = {key: _by_rank(value, shares) if key in cache else value for key, value in feeds.items()}
+    actual = RankProgramsRunner(programs, cache)(stacked)
+    worst = 0.0
+    for output, reference in expected.items():
+        if output in cache.values():
+            reference = _by_rank(reference, shares)
+        comparison = metrics.compare(output, reference, actual[output],
+                                     atol=compile_steps.LOWERING_ATOL_SCALE * float(np.abs(reference).max()),
+                                     rtol=compile_steps.LOWERING_RTOL)
+        if comparison.mismatched:
+            raise LoweringMismatch(f"{name}'s {shares.tp} rank programs differ from onnxruntime on the whole graph on "
+                                   f"output '{output}' (max |Δ| {comparison.max_abs:.3g}): please report it with the "
+                                   "model")
+        worst = max(worst, comparison.max_abs)
+    return {"max_abs": worst, "against": "onnxruntime CPU on the whole graph, the rank programs lowered to PyTorch "
+                                         "and run together"}
+
+
+def _by_rank(cache: np.ndarray, shares: RankShares) -> np.ndarray:
+    """A cache tensor [batch, KV heads, ...] as the ranks hold it, stacked [tp, batch, KV heads per rank, ...]."""
+    return np.stack([cache[:, shares.kv_head_indices(rank)] for rank in range(shares.tp)])
+
+
+def _model_costs() -> bool:
+    from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
+
+    return USING_EMULATOR
