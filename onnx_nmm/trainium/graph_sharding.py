@@ -172,10 +172,9 @@ class _Splitter:
                 self._set_last(node.outputs[0], len(columns))
                 return
             rows = self.shares.even(k, self.rank)
-            x_part = self._add("Slice", [x, *(self._constant(np.array(values, np.int64), f"{name}.x_part.{what}")
-                                              for what, values in (("starts", [rows[0]]), ("ends", [rows[-1] + 1]),
-                                                                   ("axes", [-1])))],
-                               node, self.local.probe.shapes[x.name or ""][:-1] + (k,))
+            bounds = [self._constant(np.array(values, np.int64), f"{name}.x_part.{what}")
+                      for what, values in (("starts", [rows[0]]), ("ends", [rows[-1] + 1]), ("axes", [-1]))]
+            x_part = self._add(f"{name}.x_part", "Slice", [x, *bounds], node, self.local.full(x))
             self._set_last(x_part, len(rows))
             self._low_rank(node, x_part, _array(u)[rows], _array(v)[:, columns], b[columns] if b is not None else None,
                            name, rank, n)
@@ -200,7 +199,7 @@ class _Splitter:
         assert x is not None
         self._refuse_changed(node, node.name or "")
         names = svd_ops.MLP_OP_INPUTS[node.op_type]
-        arrays = {name: _array(value) for name, value in zip(names, node.inputs) if value is not None}
+        arrays = {name: _array(value) for name, value in zip(names[1:], node.inputs[1:]) if value is not None}
         inputs_side = {"Vg", "Vu", "V1", "Wg", "Wu", "W1", "b1"}
         output_side = {"Ud", "U2", "Wd", "W2"}
         width = next(arrays[name].shape[-1] for name in ("Vg", "V1", "Wg", "W1") if name in arrays)
@@ -213,7 +212,7 @@ class _Splitter:
                 self._set_weight(node, index, arrays[name][columns], dtype, f"rows{self.rank}")
             elif name == "b2":
                 self._set_weight(node, index, arrays[name] * (self.rank == 0), dtype, f"rank{self.rank}")
-        path = roles.module_path(node) or node.name or ""
+        path = node.name or roles.module_path(node)  # a fused MLP is named after its module
         self._join(ALL_REDUCE, node.outputs[0], path, hidden)
         self.splits[path] = f"{node.op_type}: its intermediate split, output all-reduced"
 
@@ -249,13 +248,14 @@ class _Splitter:
         """`node` (X·U·V) as X·U, all-reduced (rank wide), then ·V (+ bias): on the rank's U rows and V columns."""
         dtype, out = self._dtype(x), node.outputs[0]
         full = self.local.probe.shapes[out.name or ""]
-        xu = self._add("MatMul", [x, self._weight(u, dtype, f"{name}.U.rows{self.rank}")], node, full[:-1] + (rank,))
+        xu = self._add(f"{name}.xu", "MatMul", [x, self._weight(u, dtype, f"{name}.U.rows{self.rank}")], node,
+                       full[:-1] + (rank,))
         joined = self._join(ALL_REDUCE, xu, f"{name}'s X·U", rank)
-        result = self._add("MatMul", [joined, self._weight(v, dtype, f"{name}.V.rank{self.rank}")], xu.producer(),
-                           full)
+        v_part = self._weight(v, dtype, f"{name}.V.rank{self.rank}")
+        result = self._add(f"{name}.xuv", "MatMul", [joined, v_part], xu.producer(), full)
         if bias is not None:
-            result = self._add("Add", [result, self._weight(bias, dtype, f"{name}.bias.rank{self.rank}")],
-                               result.producer(), full)
+            bias_part = self._weight(bias, dtype, f"{name}.bias.rank{self.rank}")
+            result = self._add(f"{name}.xuv_bias", "Add", [result, bias_part], result.producer(), full)
         self._replace(out, result)
         self.graph.remove(node, safe=True)
         self._output_of_low_rank = result
@@ -293,8 +293,10 @@ class _Splitter:
         old.name, new.name = part, name
         self.graph.outputs[index] = new
 
-    def _add(self, op: str, inputs: list[ir.Value], after: ir.Node | None, full: tuple[int, ...]) -> ir.Value:
-        node = ir.Node("", op, inputs, name=f"{inputs[0].name}.{op.lower()}.rank{self.rank}")
+    def _add(self, name: str, op: str, inputs: list[ir.Value], after: ir.Node | None,
+             full: tuple[int, ...]) -> ir.Value:
+        """A new node `name` after `after`; its output's shape in the whole model is `full`."""
+        node = ir.Node("", op, inputs, name=name)
         assert after is not None
         self.graph.insert_after(after, node)
         output = node.outputs[0]

@@ -63,7 +63,7 @@ def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, 
                             total=len(graphs.graphs())) as phase:
             for (name, model, tokens), (_, programs, _) in zip(graphs.graphs(), sharded.graphs()):
                 assert isinstance(model, ir.Model) and isinstance(programs, RankPrograms)
-                check = _joined_check(model, programs, graphs, shares, name)
+                check = check_joined(model, programs, graphs, shares, name)
                 kernels = [neuron.plan_kernels(onnx.load(path, load_external_data=False), options.batch * tokens,
                                                options.target, model_costs=_model_costs()) for path in programs.paths]
                 summaries[name] = kernels[0]
@@ -147,8 +147,8 @@ def _rank_programs(graphs: StaticCache, shares: RankShares, options: CompileOpti
             phase.advance(detail=f"{name}, rank {rank}")
 
 
-def _joined_check(model: ir.Model, programs: RankPrograms, graphs: StaticCache, shares: RankShares,
-                  name: str) -> dict:
+def check_joined(model: ir.Model, programs: RankPrograms, graphs: StaticCache, shares: RankShares,
+                 name: str) -> dict:
     """The rank programs lowered to PyTorch and run together against onnxruntime on the whole graph, on the
     graph's example feeds: every output (the cache as each rank holds it)."""
     feeds = graphs.example_feeds(name)
