@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 DENSE_MODEL = "onnx_nmm.dense_model"
 CALIBRATION = "onnx_nmm.calibration"  # what a calibrated rewrite was fitted to, in words
+CALIBRATION_TEXT = "onnx_nmm.calibration_text"  # the text file it was calibrated on: finetune's prompts
 
 
 def record_dense_model(model: ir.Model, source: Path | None) -> None:
@@ -30,6 +31,22 @@ def record_calibration(model: ir.Model, description: str) -> None:
     """Write what the rewrite was calibrated on into `model`, when it was (`diff` reads it)."""
     if description:
         model.metadata_props[CALIBRATION] = description
+
+
+def record_calibration_text(model: ir.Model, sources: tuple) -> None:
+    """Write the absolute path of the first text file among the calibration `sources` (CalibrationOptions'
+    parsed sources) into `model`, unless it names one already: `finetune` starts windows with its passages."""
+    from onnx_nmm.calibration.sources import TextFile
+
+    text = next((source for source in sources if isinstance(source, TextFile)), None)
+    if text is not None and CALIBRATION_TEXT not in model.metadata_props:
+        model.metadata_props[CALIBRATION_TEXT] = str(Path(text.path).resolve())
+
+
+def recorded_calibration_text(model: ir.Model) -> Path | None:
+    """The text `model` was calibrated on, when the rewrite recorded it and the file is still there."""
+    recorded = model.metadata_props.get(CALIBRATION_TEXT)
+    return Path(recorded) if recorded and Path(recorded).is_file() else None
 
 
 def recorded_dense_model(model: ir.Model) -> Path | None:

@@ -1,6 +1,7 @@
 """Fine-tuning the SVD factors in PyTorch and writing them back into the ONNX model."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -180,6 +181,7 @@ def test_write_back_keeps_the_dtype_and_refuses_non_finite_factors(rewritten_lla
     (["--steps", "0"], "steps must be a positive integer"),
     (["--batch", "9"], "batch of 9 windows"),
     (["--time-budget", "-1"], "--time-budget must be positive"),
+    (["--minutes", "0"], "--minutes must be positive, got 0"),
 ])
 def test_bad_options_are_one_line_errors(capsys, rewritten_llama, tmp_path, extra, message):
     np.savez(tmp_path / "train.npz", input_ids=_token_ids(8, 16))
@@ -274,3 +276,47 @@ def test_finetune_trains_a_narrowed_mlp(capsys, tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4])
     tokens = _token_ids(2, 12, seed=3)
     assert ModelRunner(output).logits(tokens).shape == (2, 12, VOCAB)
+
+
+def test_default_training_data_continues_passages_of_the_recorded_calibration_text(capsys, tmp_path, monkeypatch):
+    """A rewrite calibrated on a text records it; finetune's generated data then also holds windows the dense
+    model writes after passages of that text, each starting with its passage; --prompted 0 leaves them out."""
+    import onnx_nmm
+    from onnx_nmm.calibration.calibration_data import text_tokens
+    from onnx_nmm.calibration.tokens import load_tokenizer
+    from onnx_nmm.training.finetuning import PROMPT_TOKENS
+
+    monkeypatch.setenv("ONNX_NMM_CACHE", "off")
+    tokenizer = Path(__file__).resolve().parent / "data" / "formats" / "genai-fp32"
+    text = tmp_path / "calibration.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and runs far away into the forest " * 60)
+    rewritten = tmp_path / "whitened.onnx"
+    assert main(["rewrite", str(exported_model("llama", "dynamo")), "-o", str(rewritten), "--method", "whiten",
+                 "--calib", str(text), "--tokenizer", str(tokenizer), "--calib-samples", "4", "--seq-len", "16",
+                 "--keep", "0.5", "--align", "32", "--quiet", "--no-answer-check"]) == 0
+    generated = onnx_nmm.GeneratedText(samples=2, batch=2, start_token=3)
+    data = onnx_nmm.TrainingData(generated, tokenizer, seq_len=PROMPT_TOKENS + 8, prompted=2)
+    result = onnx_nmm.finetune(rewritten, data, onnx_nmm.FinetuneOptions(TrainingOptions(steps=1, batch=1)))
+    assert f"continuing prompts of {PROMPT_TOKENS} tokens of" in result.data and "calibration.txt" in result.data
+    windows = onnx_nmm.TrainingData(generated, tokenizer, seq_len=PROMPT_TOKENS + 8, prompts=text,
+                                    prompted=2).windows(exported_model("llama", "dynamo"))
+    ids = text_tokens(text, load_tokenizer(tokenizer))
+    assert windows.tokens.shape == (4, PROMPT_TOKENS + 8) and (windows.tokens[:2, 0] == 3).all()
+    assert np.array_equal(windows.tokens[2, :PROMPT_TOKENS], ids[:PROMPT_TOKENS])  # spread: the first passage first
+    assert any(window[:PROMPT_TOKENS].tolist() in [ids[i:i + PROMPT_TOKENS].tolist() for i in range(len(ids))]
+               for window in windows.tokens[3:])
+    off = onnx_nmm.finetune(rewritten, onnx_nmm.TrainingData(generated, tokenizer, seq_len=PROMPT_TOKENS + 8,
+                                                             prompted=0),
+                            onnx_nmm.FinetuneOptions(TrainingOptions(steps=1, batch=1)))
+    assert "continuing prompts" not in off.data
+
+
+def test_minutes_is_the_training_time_budget(capsys, rewritten_llama, tmp_path):
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    report = tmp_path / "report.json"
+    code, _, err = _cli(capsys, "finetune", rewritten_llama, "--text", tmp_path / "train.npz", "--minutes", "0.0001",
+                        "--steps", "1000", "--batch", "1", "-o", tmp_path / "tuned.onnx", "--report", report, "--quiet")
+    assert code == 0, err
+    written = json.loads(report.read_text())
+    assert written["options"]["time_budget"] == pytest.approx(0.006) and written["stopped_by"] == "time"
+    assert len(written["records"]) < 1000

@@ -50,26 +50,36 @@ def start_token(tokenizer) -> int:
 
 
 def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, samples: int | None = None,
-                      on_batch: Callable[[], None] | None = None) -> TokenWindows:
+                      on_batch: Callable[[], None] | None = None, prompts: TokenWindows | None = None
+                      ) -> TokenWindows:
     """`samples` (default text.samples) windows of `seq_len` tokens sampled from `text.generator` or `model`;
-    `on_batch()` after each batch of them, generated or read from the cache."""
+    `on_batch()` after each batch of them, generated or read from the cache. With `prompts` (at least `samples`
+    windows of fewer than `seq_len` tokens), window i continues prompt i instead of starting from one token."""
     samples = samples or text.samples
     writer = text.generator if text.generator is not None else model
-    first = text.start_token
-    if first is None:
-        if tokenizer is None:
-            raise OptionError("generated windows start with the tokenizer's BOS token: give the "
-                              "{tokenizer}", tokenizer="calibration.tokenizer")
-        first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
-    cache = _cache_file(writer, text, seq_len, first)
+    if prompts is not None:
+        if len(prompts.tokens) < samples or prompts.tokens.shape[1] >= seq_len:
+            raise DataError(f"{samples} generated windows of {seq_len} tokens continue {len(prompts.tokens)} "
+                            f"prompts of {prompts.tokens.shape[1]} tokens: give more prompts, or shorter ones")
+        starts = prompts.tokens[:text.batches(samples) * text.batch]
+    else:
+        first = text.start_token
+        if first is None:
+            if tokenizer is None:
+                raise OptionError("generated windows start with the tokenizer's BOS token: give the "
+                                  "{tokenizer}", tokenizer="calibration.tokenizer")
+            first = start_token(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
+                                else tokenizer)
+        starts = np.full((text.batches(samples) * text.batch, 1), first, np.int64)  # whole batches
+    cache = _cache_file(writer, text, seq_len, starts)
     cached = [_cached_batch(cache, b) if cache is not None else None for b in range(text.batches(samples))]
     to_sample = sum(row is None for row in cached)
-    decoder = _decoder(writer, text, seq_len, first, to_sample) if to_sample else None
+    decoder = _decoder(writer, text, seq_len, starts, to_sample) if to_sample else None
     rows = []
     for b, row in enumerate(cached):
         if row is None:
             assert decoder is not None, "a decoder is made when a batch is to be sampled"
-            row = sample_batch(decoder, text, seq_len, first, b)
+            row = sample_batch(decoder, text, seq_len, starts[b * text.batch:(b + 1) * text.batch], b)
             if cache is not None:
                 _store_batch(cache, b, row)
         rows.append(row)
@@ -77,17 +87,19 @@ def generated_windows(text: GeneratedText, model, seq_len: int, tokenizer=None, 
             on_batch()
     tokens = np.concatenate(rows)[:samples]
     described = GeneratedText(**{**text.__dict__, "samples": samples}).describe(seq_len)
+    if prompts is not None:
+        described += f", continuing prompts of {prompts.tokens.shape[1]} tokens of {prompts.description}"
     return TokenWindows(tokens, described, [f"{GENERATED}#{i}" for i in range(samples)])
 
 
-def _decoder(model, text: GeneratedText, seq_len: int, first: int, batches: int):
+def _decoder(model, text: GeneratedText, seq_len: int, starts: np.ndarray, batches: int):
     """A Decoder of `model` to sample `batches` batches with; for a model without a KV cache, which re-reads the
     whole sequence at every step, first a warning of how long that will take and how to go faster."""
     from onnx_nmm.generation.decoding import Decoder
 
     decoder = Decoder(model)
     if not decoder.uses_cache:
-        seconds = _cache_free_sampling_seconds(decoder, text, seq_len, first) * batches
+        seconds = _cache_free_sampling_seconds(decoder, text, seq_len, int(starts[0, 0])) * batches
         warnings.warn(f"{decoder.label} has no KV cache, so sampling {batches * text.batch} windows of {seq_len} "
                       f"tokens re-reads the whole sequence at every step: about {_duration(seconds)} (estimated from "
                       "one pass). An export of the same model with a KV cache (onnx-nmm export writes one) as the "
@@ -113,11 +125,11 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
-def sample_batch(decoder, text: GeneratedText, seq_len: int, first: int, index: int) -> np.ndarray:
-    """Batch `index`: text.batch windows [batch, seq_len] sampled with `decoder` (a generation.decoding.Decoder),
-    seeded by text.seed + index."""
+def sample_batch(decoder, text: GeneratedText, seq_len: int, starts: np.ndarray, index: int) -> np.ndarray:
+    """Batch `index`: windows [len(starts), seq_len] sampled with `decoder` (a generation.decoding.Decoder) after
+    their first tokens `starts` [rows, P], seeded by text.seed + index."""
     rng = np.random.default_rng(text.seed + index)
-    tokens = np.full((text.batch, 1), first, np.int64)
+    tokens = np.asarray(starts, np.int64)
     logits = decoder.prefill(tokens)
     while tokens.shape[1] < seq_len:
         new = sample_nucleus(logits, text.temperature, text.top_p, rng)
@@ -142,8 +154,9 @@ def sample_nucleus(logits: np.ndarray, temperature: float, top_p: float, rng: np
     return order[np.arange(len(logits)), np.minimum(picks, logits.shape[-1] - 1)].astype(np.int64)
 
 
-def _cache_file(model, text: GeneratedText, seq_len: int, first: int) -> Path | None:
-    """Where the batches of this model and these options are cached; None for a model held in memory."""
+def _cache_file(model, text: GeneratedText, seq_len: int, starts: np.ndarray) -> Path | None:
+    """Where the batches of this model, these options and these first tokens are cached; None for a model held
+    in memory."""
     path = getattr(model, "path", model)  # a ModelSource's file
     if not isinstance(path, (str, os.PathLike)) or os.environ.get("ONNX_NMM_CACHE") == "off":
         return None
@@ -151,6 +164,9 @@ def _cache_file(model, text: GeneratedText, seq_len: int, first: int) -> Path | 
     if not path.is_file():
         return None
     stat = path.stat()
+    # windows from one start token keep the key they always had; prompted ones add their prompts' digest
+    first = str(int(starts[0, 0])) if starts.shape[1] == 1 and (starts == starts[0, 0]).all() \
+        else hashlib.sha256(np.ascontiguousarray(starts, np.int64).tobytes()).hexdigest()
     key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{seq_len}|{first}|{text.temperature}|{text.top_p}|" \
           f"{text.seed}|{text.batch}"
     root = Path(os.environ.get("ONNX_NMM_CACHE", Path.home() / ".cache" / "onnx-nmm"))

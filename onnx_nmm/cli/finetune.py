@@ -26,6 +26,11 @@ def register(subparsers) -> None:
                       help="a UTF-8 text file (with --tokenizer), an .npz with input_ids [samples, seq_len], or "
                            "'generated[:N]' (N windows sampled from the dense model, default 64); repeat to mix "
                            f"(default {D.text}: text the model writes itself teaches no corpus's style)")
+    data.add_argument("--prompts", metavar="FILE",
+                      help="a text whose passages the dense model continues into --prompted more generated windows "
+                           "(default: the calibration text the rewrite recorded, when no --text is given)")
+    data.add_argument("--prompted", type=int, metavar="N",
+                      help=f"windows continuing passages of --prompts (default {default(D, 'prompted')}; 0: none)")
     data.add_argument("--generator", "--calib-generator", dest="generator", metavar="MODEL.onnx",
                       help="sample generated windows from this export of the dense model (e.g. one with a KV cache, "
                            "much faster) instead of the teacher")
@@ -51,9 +56,11 @@ def register(subparsers) -> None:
                                              "--temperature, which in generate means sampling)")
     _parsing.add_former_name(training, "--temperature", temperature)
     training.add_argument("--steps", type=int, help=f"optimizer steps at most (default {default(T, 'steps')})")
-    training.add_argument("--time-budget", type=float, metavar="SECONDS",
-                          help="stop training before it would run longer than this (lowering, evaluation and "
-                               "writing come on top); the first of --steps and --time-budget ends training")
+    budget = training.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, metavar="M",
+                        help="stop training before it would run longer than M minutes (sampling, lowering, "
+                             "evaluation and writing come on top); the first of --steps and --minutes ends training")
+    budget.add_argument("--time-budget", type=float, metavar="SECONDS", help="--minutes, in seconds")
     training.add_argument("--lr", type=float,
                           help="peak AdamW learning rate, cosine-decayed to a tenth over the budget (default "
                                f"{default(T, 'learning_rate'):g}; adapters want more, e.g. 1e-3)")
@@ -86,7 +93,8 @@ def run(args) -> int:
     text = _common.calibration_sources(args.text or [onnx_nmm.TrainingData.text], args.generator,
                                         ("--text", "--generator"))
     data = onnx_nmm.TrainingData(**_common.given(text=text, tokenizer=args.tokenizer, seq_len=args.seq_len,
-                                                 samples=args.samples, bos=False if args.no_bos else None))
+                                                 samples=args.samples, bos=False if args.no_bos else None,
+                                                 prompts=args.prompts, prompted=args.prompted))
     options = finetune_options(args)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
@@ -118,8 +126,11 @@ def run(args) -> int:
 
 
 def finetune_options(args) -> onnx_nmm.FinetuneOptions:
+    if args.minutes is not None and not args.minutes > 0:
+        raise onnx_nmm.OptionError(f"--minutes must be positive, got {args.minutes:g}")
     training = onnx_nmm.TrainingOptions(**_common.given(
-        steps=args.steps, time_budget=args.time_budget, learning_rate=args.lr, batch=args.batch, loss=args.loss,
+        steps=args.steps, time_budget=args.minutes * 60 if args.minutes is not None else args.time_budget,
+        learning_rate=args.lr, batch=args.batch, loss=args.loss,
         temperature=args.temperature, adapter_rank=args.adapters, max_grad_norm=args.max_grad_norm, seed=args.seed))
     evaluation = None
     if args.eval_text:

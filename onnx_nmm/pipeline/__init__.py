@@ -34,7 +34,7 @@ from onnx_nmm.pipeline.statistics import Statistics, calibration_data, gather_st
 from onnx_nmm.pipeline.targets import Targets, find_layers, find_targets
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import check_report_files
-from onnx_nmm.teacher import record_calibration, record_dense_model
+from onnx_nmm.teacher import record_calibration, record_calibration_text, record_dense_model
 
 
 @dataclass
@@ -102,6 +102,8 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
         _check_answers(source, report, calibration.tokenizer, progress)
     record_dense_model(source.model, source.path)  # finetune's teacher by default
     record_calibration(source.model, report.calibration)
+    if calibration is not None:
+        record_calibration_text(source.model, calibration.sources)  # finetune's prompts by default
     return RewriteResult(source.model, report, source.path, source.used_external_data)
 
 

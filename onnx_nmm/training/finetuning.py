@@ -40,13 +40,15 @@ from onnx_nmm.quality.perplexity import PerplexityResult, Windows, perplexity, w
 from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import vocabulary_size
 from onnx_nmm.runtime.graph_probe import first_step
-from onnx_nmm.teacher import recorded_dense_model
+from onnx_nmm.teacher import recorded_calibration_text, recorded_dense_model
 from onnx_nmm.training.schedule import TrainingOptions
 
 if TYPE_CHECKING:
     from onnx_nmm.training.factor_training import TrainingResult
 
 DEFAULT_TRAINING_TEXT = "generated:64"
+DEFAULT_PROMPTED = 32
+PROMPT_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -55,42 +57,65 @@ class TrainingData:
     an array, "generated[:N]" or a GeneratedText (windows sampled from the dense model: the default, as
     text the model writes itself teaches no corpus's style), or a list of these, mixed; cut into windows of
     `seq_len` tokens (an .npz or array sets its own), the first `samples` of each text; each window of a
-    text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`."""
+    text starts with the BOS token its tokenizer adds (when it adds one), unless not `bos`.
+
+    prompts: a text whose passages of PROMPT_TOKENS tokens (spread over it) the dense model continues into
+    `prompted` more generated windows: the calibration domain's openings in the model's own words. When the
+    text is generated only and no prompts are given, finetune takes the calibration text the rewrite recorded;
+    `prompted` 0 turns them off."""
 
     text: object = DEFAULT_TRAINING_TEXT
     tokenizer: str | os.PathLike | None = None
     seq_len: int = 256
     samples: int | None = None
     bos: bool = True
+    prompts: str | os.PathLike | None = None
+    prompted: int = DEFAULT_PROMPTED
 
     def __post_init__(self):
         if self.seq_len < 2:
             raise OptionError(f"{{seq_len}} must be at least 2, got {self.seq_len}", seq_len="data.seq_len")
         if self.samples is not None and self.samples < 1:
             raise OptionError(f"{{samples}} must be a positive integer, got {self.samples}", samples="data.samples")
+        if self.prompted < 0:
+            raise OptionError(f"{{prompted}} must be 0 (no prompted windows) or more, got {self.prompted}",
+                              prompted="data.prompted")
 
     def check(self) -> None:
         """The texts and token files are there (a text not empty, with a tokenizer that is one): said before a
         model loads, not after."""
-        check_token_sources(list(calibration_sources(self.text)), self.tokenizer, "data.tokenizer")
+        prompts = calibration_sources(self.prompts) if self.prompts is not None and self.prompted else ()
+        check_token_sources([*calibration_sources(self.text), *prompts], self.tokenizer, "data.tokenizer")
 
     def windows(self, dense_model=None, progress: Progress | None = None) -> TokenWindows:
         """The training windows; generated ones sampled from `dense_model` (unless they name a generator), which
         `progress` hears."""
         parts = []
-        for source in calibration_sources(self.text):
+        sources = list(calibration_sources(self.text))
+        for source in sources:
             if not isinstance(source, GeneratedText):
                 parts.append(token_windows(source, self.tokenizer, self.samples, self.seq_len,
                                            tokenizer_option="data.tokenizer", bos=self.bos))
-            elif dense_model is None and source.generator is None:
-                raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
-                                  teacher="teacher")
             else:
-                description = f"sampling training text ({source.describe(self.seq_len)})"
-                with (progress or Progress()).phase(description, total=source.batches()) as phase:
-                    parts.append(generated_windows(source, dense_model, self.seq_len, self.tokenizer,
-                                                   on_batch=phase.advance))
+                parts.append(self._generated(source, dense_model, progress))
+        if self.prompts is not None and self.prompted:
+            # sampled by the generator the other generated windows name, if any
+            generator = next((source.generator for source in sources if isinstance(source, GeneratedText)), None)
+            prompts = token_windows(self.prompts, self.tokenizer, self.prompted, PROMPT_TOKENS, spread=True,
+                                    tokenizer_option="data.tokenizer", bos=self.bos)
+            parts.append(self._generated(GeneratedText(samples=self.prompted, generator=generator), dense_model,
+                                         progress, prompts))
         return joined_windows(parts)
+
+    def _generated(self, source: GeneratedText, dense_model, progress: Progress | None,
+                   prompts: TokenWindows | None = None) -> TokenWindows:
+        if dense_model is None and source.generator is None:
+            raise OptionError("generated training text is sampled from the dense model: give the {teacher}",
+                              teacher="teacher")
+        description = f"sampling training text ({source.describe(self.seq_len)})"
+        with (progress or Progress()).phase(description, total=source.batches()) as phase:
+            return generated_windows(source, dense_model, self.seq_len, self.tokenizer, on_batch=phase.advance,
+                                     prompts=prompts)
 
 
 @dataclass(frozen=True)
@@ -162,10 +187,13 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     from onnx_nmm.training.factor_training import check_windows, replace_factors
 
     options, progress = options or FinetuneOptions(), progress or Progress()
+    source = ModelSource.of(model)
+    generated_only = all(isinstance(s, GeneratedText) for s in calibration_sources(data.text))
+    if generated_only and data.prompts is None and data.prompted and data.tokenizer is not None:
+        data = replace(data, prompts=recorded_calibration_text(source.model))  # the default data: both kinds
     data.check()
     if options.evaluation is not None:
         options.evaluation.check()
-    source = ModelSource.of(model)
     narrowed = narrowed_weights(source.model)
     custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
     if not narrowed and not custom:
