@@ -320,3 +320,23 @@ def test_minutes_is_the_training_time_budget(capsys, rewritten_llama, tmp_path):
     written = json.loads(report.read_text())
     assert written["options"]["time_budget"] == pytest.approx(0.006) and written["stopped_by"] == "time"
     assert len(written["records"]) < 1000
+
+
+def test_save_at_writes_the_model_trained_so_far_at_each_step(capsys, rewritten_llama, tmp_path):
+    """--save-at 1,2 writes OUT.step1.onnx and OUT.step2.onnx during a 3-step run: each holds the factors trained
+    that far (the last step's file is the written model itself)."""
+    np.savez(tmp_path / "train.npz", input_ids=_token_ids(4, 16))
+    output = tmp_path / "tuned.onnx"
+    code, _, err = _cli(capsys, "finetune", rewritten_llama, "--text", tmp_path / "train.npz", "--steps", "3",
+                        "--batch", "1", "--lr", "1e-2", "--save-at", "1,3", "-o", output, "--quiet")
+    assert code == 0, err
+    first, last, final = (_factor_arrays(tmp_path / name) for name in ("tuned.step1.onnx", "tuned.step3.onnx",
+                                                                       "tuned.onnx"))
+    before = _factor_arrays(rewritten_llama)
+    trained = [name for name in before if ".svd_" in name]
+    assert trained and all(np.array_equal(last[name], final[name]) for name in before)
+    assert all(not np.array_equal(first[name], before[name]) and not np.array_equal(first[name], final[name])
+               for name in trained)
+    with pytest.raises(SystemExit):
+        _cli(capsys, "finetune", rewritten_llama, "--save-at", "0", "-o", output)
+    assert "--save-at: 0: steps are positive" in capsys.readouterr().err

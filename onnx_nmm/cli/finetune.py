@@ -3,6 +3,7 @@ weights, write them back (onnx_nmm.finetune)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import onnx_nmm
@@ -81,6 +82,9 @@ def register(subparsers) -> None:
                                  "the input_ids of this .npz read as one sequence")
     evaluation.add_argument("--eval-window", type=int, help="tokens per perplexity window (default: --train-window)")
     evaluation.add_argument("--eval-windows", type=int, default=16, help="disjoint windows to score (default 16)")
+    parser.add_argument("--save-at", metavar="STEP,STEP", type=_steps,
+                        help="also write the model trained so far at these steps, as OUT.stepN.onnx beside -o (a "
+                             "curve of quality against steps from one run)")
     parser.add_argument("--report", metavar="FILE.json", help="write the loss curve and the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the loss curve")
     parser.add_argument("--quiet", action="store_true", help=_common.quiet_help("summary"))
@@ -95,9 +99,11 @@ def run(args) -> int:
     data = onnx_nmm.TrainingData(**_common.given(text=text, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                                  samples=args.samples, bos=False if args.no_bos else None,
                                                  prompts=args.prompts, prompted=args.prompted))
-    options = finetune_options(args)
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
+    options = finetune_options(args, checkpoint_paths(output, args.save_at or ()))
+    for checkpoint in options.checkpoints.values():
+        check_new_output(Path(checkpoint), args.force)
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
     check_new_output(output, args.force)
     _common.refuse_existing(args, "--report", "--plot")
@@ -125,7 +131,22 @@ def run(args) -> int:
     return 0
 
 
-def finetune_options(args) -> onnx_nmm.FinetuneOptions:
+def checkpoint_paths(output: Path, steps) -> dict[int, Path]:
+    """Where --save-at writes each step's model: OUT.stepN.onnx beside OUT."""
+    return {step: output.with_name(f"{output.stem}.step{step}{output.suffix}") for step in steps}
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(step) for step in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: give steps as STEP,STEP,... (e.g. 50,100,200)") from None
+    if any(step < 1 for step in steps):
+        raise argparse.ArgumentTypeError(f"{text}: steps are positive")
+    return steps
+
+
+def finetune_options(args, checkpoints: dict[int, Path] | None = None) -> onnx_nmm.FinetuneOptions:
     if args.minutes is not None and not args.minutes > 0:
         raise onnx_nmm.OptionError(f"--minutes must be positive, got {args.minutes:g}")
     training = onnx_nmm.TrainingOptions(**_common.given(
@@ -136,7 +157,7 @@ def finetune_options(args) -> onnx_nmm.FinetuneOptions:
     if args.eval_text:
         evaluation = onnx_nmm.TextOptions(args.eval_text, args.tokenizer, window=args.eval_window,
                                           max_windows=args.eval_windows, bos=not args.no_bos)
-    return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads)
+    return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads, dict(checkpoints or {}))
 
 
 def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nmm.FinetuneResult,

@@ -123,18 +123,24 @@ class FinetuneOptions:
     """training: the loop's options; its loss, unless given, is distillation from the `teacher` — the dense
     model the rewrite started from, by default the one the rewrite recorded (onnx_nmm.teacher). evaluation:
     held-out text scored before and after (its window defaults to the training windows' length). threads:
-    PyTorch's CPU threads."""
+    PyTorch's CPU threads. checkpoints: step → path, where the model trained so far is also written when
+    training reaches that step (a steps-against-quality curve from one run)."""
 
     training: TrainingOptions = field(default_factory=TrainingOptions)
     teacher: Model | None = None
     evaluation: TextOptions | None = None
     threads: int | None = None
+    checkpoints: dict[int, str | os.PathLike] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.training.loss is None and self.teacher is not None:
             object.__setattr__(self, "training", replace(self.training, loss="distill"))
         if self.threads is not None and self.threads < 1:
             raise OptionError(f"{{threads}} must be a positive integer, got {self.threads}", threads="threads")
+        if self.checkpoints and self.training.adapter_rank is not None:
+            raise OptionError("{checkpoints} write the trained weights as they are, and adapters are merged into "
+                              "them only at the end: train without {adapter_rank}", checkpoints="checkpoints",
+                              adapter_rank="training.adapter_rank")
 
 
 @dataclass
@@ -240,10 +246,9 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
                                             total=options.training.steps) as phase:
         from onnx_nmm.training.factor_training import train_factors
 
+        on_step = _advancing_and_saving(phase, options.checkpoints, source, module, weights)
         training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
-                                        teacher.logits if teacher is not None else None,
-                                        on_step=lambda record: phase.advance(detail=f"loss {record.loss:.4f}"),
-                                        weights=weights)
+                                 teacher.logits if teacher is not None else None, on_step=on_step, weights=weights)
     result = FinetuneResult(source.model, training, windows.description, options.training.loss,
                             None if teacher is None else teacher.label, before=before, seconds=phases.seconds,
                             source_path=source.path, source_used_external_data=source.used_external_data)
@@ -256,6 +261,21 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
             result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress,
                                        "perplexity after")
     return result
+
+
+def _advancing_and_saving(phase, checkpoints: dict, source: ModelSource, module, weights: dict):
+    """What each training step calls: the progress advances, and at a checkpoint's step the weights trained so
+    far are written into the graph and the model saved there."""
+    from onnx_nmm.lowering import factor_parameters
+    from onnx_nmm.training.factor_training import replace_factors
+
+    def on_step(record) -> None:
+        phase.advance(detail=f"loss {record.loss:.4f}")
+        if record.step in checkpoints:
+            replace_factors(source.model, factor_parameters(module) | weights)
+            save_derived(source.model, checkpoints[record.step], source.path, source.used_external_data)
+
+    return on_step
 
 
 def narrowed_weights(model: ir.Model) -> list[str]:
