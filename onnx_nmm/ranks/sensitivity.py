@@ -108,20 +108,21 @@ class Candidate:
 class NarrowingCandidate(Candidate):
     """A targeted MLP, narrowed as a module: its choices are kept widths (Narrowed), its truncation loss the
     refit's relative error E(S)/‖h·W_d‖² on the calibration activations (onnx_nmm.decomposition.nystrom). `k` is
-    its width I and `n` the parameters one neuron costs, so k·n is its dense size."""
+    its width I and `n` the parameters one neuron costs, so k·n is its dense size. `losses` (width → error) are
+    computed from `narrowing` when asked for, or given (the layer-wise rewrite keeps them, not the narrowing)."""
 
-    narrowing: MlpNarrowing = field(kw_only=True)
-    _losses: dict[int, float] = field(default_factory=dict, repr=False)
+    narrowing: MlpNarrowing | None = field(default=None, kw_only=True)
+    losses: dict[int, float] = field(default_factory=dict, repr=False, kw_only=True)
 
     def ranks(self, align: int) -> list[Narrowed]:
         return [Narrowed(width, self.k) for width in aligned_widths(self.k, align)]
 
     def truncation_loss(self, rank: RankOrWidth) -> float:
         assert isinstance(rank, Narrowed), "a narrowed MLP's choices are widths"
-        if rank.width not in self._losses:  # with every width on the same grid: they cost about one
-            step = math.gcd(rank.width, 32)
-            self._losses |= self.narrowing.relative_errors([*aligned_widths(self.k, step), rank.width])
-        return self._losses[rank.width]
+        if rank.width not in self.losses:  # with every width on the same grid: they cost about one
+            assert self.narrowing is not None, "a candidate without its narrowing is given every loss"
+            self.losses |= self.narrowing.relative_errors(loss_widths(self.k, rank.width))
+        return self.losses[rank.width]
 
     def parameters(self, rank: RankOrWidth | Dense) -> int:
         if isinstance(rank, Dense):
@@ -312,6 +313,11 @@ class DamageProbe:
 
         outputs = call_lowered(self.module, *self.inputs)
         return (outputs[0] if isinstance(outputs, (tuple, list)) else outputs).numpy()
+
+
+def loss_widths(width: int, asked: int) -> list[int]:
+    """The widths whose refit errors are computed together when one of them (`asked`) is asked for."""
+    return [*aligned_widths(width, math.gcd(asked, 32)), asked]
 
 
 def measure_references(candidates: list[Candidate], damage_of: DamageOf, align: int,

@@ -1,0 +1,128 @@
+"""The dense sweep: one decoder layer at a time, what narrowing its MLP would cost.
+
+For layer i, with Xᵢ the dense model's residual stream before it on every calibration window (on disk):
+
+    hᵀh       the Gram of its MLP's intermediate activation, on Xᵢ (kept on disk for the narrowing)
+    ridge     chosen on the held-out windows' Gram, as the in-memory rewrite chooses it
+    losses    the refit's relative error at every aligned width
+    damage    at two reference widths: the held-out windows run through this layer narrowed and every later
+              layer dense, to the logits (paths: one per reference, all carried together, so each layer's
+              weights are read once)
+
+then Xᵢ₊₁ = layer i (dense) of Xᵢ. The damages and losses are what the quality budget spends
+(sensitivity.choose), exactly as in memory; nothing but one layer and its Gram is ever held.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from onnx_nmm.calibration.activation_stats import accumulated_grams
+from onnx_nmm.calibration.tokens import TokenWindows
+from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.layerwise.carried import CarriedValues
+from onnx_nmm.layerwise.probe import Paths, damage_of_paths
+from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.layerwise.work import LayerWork
+from onnx_nmm.progress import Progress
+from onnx_nmm.ranks.rank_plan import Narrowed, aligned_widths
+from onnx_nmm.ranks.sensitivity import NarrowingCandidate
+
+
+@dataclass
+class LayerAnalysis:
+    """What the dense sweep found for layer `layer`'s MLP."""
+
+    layer: int
+    name: str
+    width: int
+    parameters_per_neuron: int
+    ridge: float
+    losses: dict[int, float] = field(default_factory=dict)
+    references: list[tuple[int, float]] = field(default_factory=list)  # (width, damage at the output)
+
+    def candidate(self) -> NarrowingCandidate:
+        return NarrowingCandidate(self.name, self.width, self.parameters_per_neuron, None, losses=dict(self.losses),
+                                  references=[(Narrowed(width, self.width), damage)
+                                              for width, damage in self.references])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"losses": {str(k): v for k, v in self.losses.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> LayerAnalysis:
+        values = json.loads(text)
+        values["losses"] = {int(k): v for k, v in values["losses"].items()}
+        values["references"] = [tuple(pair) for pair in values["references"]]
+        return cls(**values)
+
+
+def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out: TokenWindows, batch: int,
+                   metric: str, work: LayerWork, progress: Progress) -> list[LayerAnalysis]:
+    """Every layer's analysis, taking up the layers a killed run finished."""
+    options = segments.options
+    align, score = options.ranks.align, options.factorization.neuron_score
+    stream = CarriedValues(work.folder / "dense-calibration")
+    batches = list(calibration.batches(batch))
+    done = [LayerAnalysis.from_json(text) for text in work.finished("analysis")]
+    paths = work.paths("analysis", len(done)) if done else Paths.start(held_out.tokens)
+    with progress.phase("layer by layer: what narrowing each MLP costs", total=segments.layers) as phase:
+        for _ in done:
+            phase.advance(detail="resumed")
+        for layer in range(len(done), segments.layers):
+            segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
+            carried = _carried_inputs(stream, segment.carried_inputs, len(batches))
+            gram_session, plan = segments.gram_session(layer)
+            x = mlp.down.x.name or ""
+            grams = accumulated_grams(gram_session, plan, (segments.feeds(segment, tokens, carried(index))
+                                                           for index, tokens in enumerate(batches)))
+            held = accumulated_grams(gram_session, plan, paths.dense_feeds(segments, layer))
+            del gram_session
+            narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
+            narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
+            del held
+            candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
+            losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
+            references = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
+            session = segments.session(segment)
+            branches = {}
+            for width in references:
+                kept = narrowing.kept(width)
+                branches[(layer, width)] = segments.narrowed_session(layer, kept, narrowing.refit(kept))
+            paths = paths.through(segments, layer, session, branches)
+            if layer + 1 < segments.layers:
+                _carry(stream, segments, segment, session, batches, carried)
+            work.save_gram(layer, narrowing.gram)
+            analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, narrowing.ridge, losses)
+            work.finish_layer("analysis", layer, analysis.to_json(), paths)
+            done.append(analysis)
+            drop_unread(stream, segments, layer)
+            phase.advance(detail=mlp.name)
+    damages = damage_of_paths(segments, paths, metric)
+    for analysis in done:
+        analysis.references = [(width, float(damages[(origin, width)].mean())) for origin, width in damages
+                               if origin == analysis.layer]
+    return done
+
+
+def _carried_inputs(stream: CarriedValues, names: list[str], batches: int) -> Callable[[int], dict[str, np.ndarray]]:
+    return lambda index: {name: stream.get(name, index) for name in names}
+
+
+def _carry(stream: CarriedValues, segments: LayerSegments, segment, session, batches: list[np.ndarray],
+           carried: Callable[[int], dict[str, np.ndarray]]) -> None:
+    """The segment's outputs for every calibration batch, into the stream."""
+    for index, tokens in enumerate(batches):
+        outputs = session.run(segment.outputs, segments.feeds(segment, tokens, carried(index)))
+        for name, value in zip(segment.outputs, outputs):
+            stream.put(name, index, value)
+
+
+def drop_unread(stream: CarriedValues, segments: LayerSegments, layer: int) -> None:
+    """Values no segment after `layer` reads."""
+    for name in segments.unread_after(layer):
+        stream.drop(name)

@@ -1,0 +1,171 @@
+"""The rewrite one decoder layer at a time, straight to a file: the default flow (MLPs narrowed within a
+quality budget) in the memory of one layer, for models that do not fit in memory several times over.
+
+    cut at the residual stream (cut.py)
+    analysis sweep   dense: each layer's Gram, ridge, refit losses, damage at two widths   analysis.py
+    choose           the quality budget spends them, as in memory                           sensitivity.choose
+    narrowing sweep  each MLP narrowed; the plan's damage measured at the output          narrowing.py
+                     (over the budget: the budget tightened by what it missed, narrowed again)
+    assembly         the narrowed weights into the graph, written tensor by tensor          scale/writer.py
+
+Every stage keeps what it finished in `<output>.partial/` (work.py): killed, the same call takes up after the
+last finished layer and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import onnx_ir as ir
+
+from onnx_nmm import __version__
+from onnx_nmm.calibration.calibration_data import check_source_files
+from onnx_nmm.errors import OptionError
+from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
+from onnx_nmm.layerwise.narrowing import narrow_layers
+from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.layerwise.work import LayerWork
+from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.passes.mlp_narrowing import NarrowMlpPass
+from onnx_nmm.pipeline import RewriteReport, RewriteResult, calibration_data, find_targets
+from onnx_nmm.pipeline.narrow import mlp_keeping
+from onnx_nmm.pipeline.statistics import budget_windows
+from onnx_nmm.progress import Progress
+from onnx_nmm.ranks import sensitivity
+from onnx_nmm.ranks.rank_plan import Dense, RankPlan, keep_width
+from onnx_nmm.scale.work_dir import WorkDir, fingerprint
+from onnx_nmm.scale.writer import INLINE_BYTES, write_streamed
+from onnx_nmm.teacher import record_calibration, record_dense_model
+
+# Narrowing sweeps after the first when the plan misses its budget, each with the budget tightened.
+RETRIES = 2
+
+
+def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, options: RewriteOptions | None = None,
+                      progress: Progress | None = None, resume: bool = True) -> RewriteResult:
+    """Narrow the MLPs of the decoder at `model` as `options` say, one layer at a time, into `output` (weights
+    in `<output>.data`). Raises an OnnxNmmError subclass for bad input."""
+    options, progress = options or RewriteOptions(), progress or Progress()
+    _refuse_unsupported(options)
+    check_source_files(options.calibration)
+    model_path, output = Path(model), Path(output)
+    check_output_path(model_path, output, overwrite_input=False)
+    source = ModelSource(model_path)
+    targets = find_targets(source.model, options)
+    segments = LayerSegments.of(source, targets, options)
+    data = calibration_data(options, source, progress)
+    assert data is not None, "narrowing MLPs is calibrated (RewriteOptions refuses it without)"
+    report = RewriteReport.of(options, source.model)
+    work = LayerWork(WorkDir.open(output, fingerprint(model_path, f"layerwise|{__version__}|{options!r}"), resume))
+    calibration, held_out = data.windows(), budget_windows(data, None)
+    report.calibration, report.calibration_windows = calibration.description, list(calibration.ids)
+    ranks = options.ranks
+    metric = "kl" if ranks.rule == "max_kl" else "ppl"
+    batch = options.calibration.batch if options.calibration is not None else 1
+    analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
+    budget = (sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
+              if ranks.measures_damage and ranks.budget != "sensitivity" else None)
+    for attempt in range(RETRIES + 1):
+        choice = _choose(analyses, segments, options, metric, budget)
+        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out.tokens, metric, work,
+                                     f"narrowing{attempt}", progress)
+        measured = float(damage.mean())
+        if budget is None or measured <= _allowed(options, metric) or attempt == RETRIES:
+            break
+        budget *= _allowed(options, metric) / measured  # the predicted damages missed by this much: ask for less
+    report.layers = rows
+    if ranks.measures_damage:
+        choice.damage = measured
+        report.quality_budget = choice.to_dict(ranks.keep) | {
+            "measured_on": held_out.description, "layer_by_layer": True,
+            "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}
+    with progress.phase("writing"):
+        _assemble(source, segments, work)
+        report.weight_bytes_after = weight_bytes(source.model)
+        record_dense_model(source.model, model_path)
+        record_calibration(source.model, report.calibration)
+        write_streamed(source.model, output, work.work.staging, functools.partial(check_model_file, source=model_path))
+    carry_genai_config(model_path, output)
+    work.work.remove()
+    return RewriteResult(source.model, report, model_path, True)
+
+
+def _refuse_unsupported(options: RewriteOptions) -> None:
+    if not options.strategy.narrows_mlps:
+        raise OptionError("the layer-wise rewrite narrows MLPs ({method} nystrom); with another method, stream the "
+                          "factorization (--stream)", method="factorization.method")
+    if options.selection.targets != "mlp":
+        raise OptionError("the layer-wise rewrite narrows the MLPs alone: give {targets} mlp",
+                          targets="selection.targets")
+    if options.ranks.rule not in ("keep", "max_ppl_increase", "max_kl") or options.ranks.budget == "global":
+        raise OptionError("the layer-wise rewrite chooses widths by {keep} or a quality budget",
+                          keep="ranks.keep")
+    if options.fuse_mlp:
+        raise OptionError("{fuse_mlp} is not done by the layer-wise rewrite: rewrite, then fuse",
+                          fuse_mlp="fuse_mlp")
+
+
+def _allowed(options: RewriteOptions, metric: str) -> float:
+    ranks = options.ranks
+    return sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
+
+
+def _choose(analyses: list[LayerAnalysis], segments: LayerSegments, options: RewriteOptions, metric: str,
+            budget: float | None) -> sensitivity.BudgetChoice:
+    """The widths within `budget` (predicted damages add up), or the uniform keep."""
+    ranks = options.ranks
+    candidates: list[sensitivity.Candidate] = [analysis.candidate() for analysis in analyses]
+    if not ranks.measures_damage:
+        assert ranks.keep is not None, "keep is the rule when no budget is"
+        plan: RankPlan = {analysis.name: keep_width(analysis.width, ranks.keep, ranks.align) for analysis in analyses}
+        return sensitivity.BudgetChoice(_by_layer(segments, plan), 0.0, None, metric, 0, 0)
+    dense = sum(candidate.parameters(Dense("")) for candidate in candidates)
+    to_remove = math.ceil((1 - ranks.keep) * dense) if ranks.budget == "sensitivity" and ranks.keep else None
+
+    def predicted(plan: RankPlan) -> float:
+        return sum(candidate.predicted_damage(plan.get(candidate.name, Dense(""))) for candidate in candidates)
+
+    kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
+    choice = sensitivity.choose(candidates, predicted, ranks.align, metric, budget, to_remove, kept_dense)
+    plan = {candidate.name: choice.plan.get(candidate.name, kept_dense) for candidate in candidates}
+    choice.plan = _by_layer(segments, plan)
+    return choice
+
+
+def _by_layer(segments: LayerSegments, widths: RankPlan) -> RankPlan:
+    """Each MLP's choice, under its output projection's name (what the narrowing sweep reads)."""
+    return {mlp.down.name: widths[mlp.name] for mlp in segments.mlps}
+
+
+def _assemble(source: ModelSource, segments: LayerSegments, work: LayerWork) -> None:
+    """Every narrowed MLP (each of its sites) into `source`'s model, one layer at a time, each new weight moved
+    to a file in the work folder at once: no more than one layer's weights are held."""
+    sites: dict[str, list] = {}
+    for mlp in find_targets(source.model, segments.options).mlps:
+        sites.setdefault(mlp.down.name, []).append(mlp)
+    for layer, mlp in enumerate(segments.mlps):
+        narrowed = work.narrowed(layer)
+        if narrowed is None:
+            continue
+        kept, refit = narrowed
+        NarrowMlpPass([mlp_keeping(site, kept, refit) for site in sites[mlp.down.name]])(source.model)
+        _to_files(source.model, work.folder / f"weights-{layer:04d}.bin")
+
+
+def _to_files(model: ir.Model, path: Path) -> None:
+    """The model's in-memory initializers of INLINE_BYTES or more, written to `path` and referenced there."""
+    with path.open("wb") as out:
+        for name, value in model.graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < INLINE_BYTES:
+                continue
+            offset = out.tell()
+            out.write(tensor.tobytes())
+            assert isinstance(tensor.shape, ir.Shape), "an initializer has a shape"
+            value.const_value = ir.ExternalTensor(path.name, offset, out.tell() - offset, tensor.dtype,
+                                                  shape=tensor.shape, name=name, base_dir=str(path.parent))

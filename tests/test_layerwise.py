@@ -1,0 +1,154 @@
+"""The layer-by-layer rewrite (onnx_nmm.layerwise): the decoder cut at its residual stream runs as the whole
+model does, and narrowing one layer at a time gives what the in-memory rewrite gives, resumable after a kill."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import onnx_nmm
+from onnx_nmm.export import ARCHITECTURES
+from onnx_nmm.layerwise.rewrite import rewrite_layerwise
+from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.pipeline.targets import find_targets
+from onnx_nmm.runtime.causal_lm import CausalLm
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+CALIBRATION = onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24)
+
+
+def _options(**ranks) -> onnx_nmm.RewriteOptions:
+    return onnx_nmm.RewriteOptions(factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
+                                   ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, **ranks),
+                                   calibration=CALIBRATION)
+
+
+def _segments(path: Path) -> LayerSegments:
+    source = ModelSource(path)
+    options = _options(keep=0.5)
+    return LayerSegments.of(source, find_targets(source.model, options), options)
+
+
+def _logits_through_segments(segments: LayerSegments, tokens: np.ndarray) -> np.ndarray:
+    carried: dict[str, np.ndarray] = {}
+    for segment in segments.cut.segments:
+        outputs = segments.session(segment).run(segment.outputs, segments.feeds(segment, tokens, carried))
+        carried |= dict(zip(segment.outputs, outputs))
+    return carried[segments.cut.head.outputs[0]]
+
+
+def _logits(path: Path, tokens: np.ndarray) -> np.ndarray:
+    source = ModelSource(path)
+    return source.session().run(None, CausalLm.of_source(source).feeds(tokens))[0]
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a not in ("phi", "phi3")])
+def test_the_segments_run_in_turn_compute_the_whole_models_logits(export, architecture):
+    path = export(architecture, "torchscript")
+    segments = _segments(path)
+    tokens = np.random.default_rng(0).integers(0, 200, (1, 12))
+    assert segments.layers == 2 and segments.cut.segments[1].carried_inputs  # layer 1 reads what layer 0 wrote
+    assert np.array_equal(_logits_through_segments(segments, tokens), _logits(path, tokens))
+
+
+@pytest.mark.parametrize("form", ["dynamo-kv", "optimum-merged", "optimum-past-qwen2", "genai-int4"])
+def test_every_form_with_a_cache_cuts_into_segments_that_compute_its_logits(export, form):
+    path = export("llama", "dynamo", cache=True) if form == "dynamo-kv" else FORMATS / form / "model.onnx"
+    segments = _segments(path)
+    tokens = np.random.default_rng(1).integers(0, 200, (1, 10))
+    assert all(not name.startswith("present") for segment in segments.cut.segments for name in segment.outputs)
+    np.testing.assert_allclose(_logits_through_segments(segments, tokens), _logits(path, tokens), atol=1e-5)
+
+
+def test_a_model_whose_layers_add_attention_and_mlp_in_parallel_still_cuts_exactly(export):
+    path = export("phi", "torchscript")
+    tokens = np.random.default_rng(2).integers(0, 200, (1, 12))
+    np.testing.assert_allclose(_logits_through_segments(_segments(path), tokens), _logits(path, tokens), atol=1e-6)
+
+
+def test_keeping_every_neuron_the_layerwise_rewrite_writes_the_same_function(export, tmp_path):
+    path = export("llama", "dynamo", cache=True)
+    result = rewrite_layerwise(path, tmp_path / "out.onnx", _options(keep=1.0))
+    tokens = np.random.default_rng(3).integers(0, 200, (1, 16))
+    np.testing.assert_allclose(_logits(tmp_path / "out.onnx", tokens), _logits(path, tokens), atol=1e-5)
+    assert {row.status for row in result.report.layers} == {"dense"}
+    assert not onnx_nmm.work_dir_of(tmp_path / "out.onnx").exists()
+
+
+def test_layer_by_layer_narrows_as_the_in_memory_rewrite_does(export, tmp_path):
+    path = export("llama", "torchscript")
+    options = _options(keep=0.5)
+    layerwise = rewrite_layerwise(path, tmp_path / "layerwise.onnx", options)
+    in_memory = onnx_nmm.rewrite(path, options)
+    in_memory.save(tmp_path / "in-memory.onnx")
+    assert [(row.name, row.width) for row in layerwise.report.layers] == \
+        [(row.name, row.width) for row in in_memory.report.layers if row.status == "narrowed"]
+    tokens = np.random.default_rng(4).integers(0, 200, (1, 16))
+    np.testing.assert_allclose(_logits(tmp_path / "layerwise.onnx", tokens),
+                               _logits(tmp_path / "in-memory.onnx", tokens), atol=1e-4)
+
+
+def test_a_quality_budget_chosen_layer_by_layer_is_measured_at_the_output(export, tmp_path):
+    path = export("llama", "torchscript")
+    result = rewrite_layerwise(path, tmp_path / "out.onnx", _options(max_ppl_increase=0.05))
+    budget = result.report.quality_budget
+    assert budget["layer_by_layer"] and budget["budget"] is not None
+    assert len(budget["spread"]["per_window"]) == 2
+    narrowed = [row for row in result.report.layers if row.status == "narrowed"]
+    assert budget["measured"] <= np.log1p(0.05) or len(narrowed) == 0  # within its budget, by measurement
+
+
+KILLED_CHILD = textwrap.dedent("""
+    import contextlib, os, signal, sys
+    import onnx_nmm
+    from onnx_nmm.layerwise.rewrite import rewrite_layerwise
+
+    model, output, phase_name, after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+    class Killer(onnx_nmm.Progress):  # kill -9 once `after` steps of the phase are done
+        @contextlib.contextmanager
+        def phase(self, description, total=None):
+            done = []
+
+            class Phase(onnx_nmm.Phase):
+                def advance(self, amount=1, detail=None):
+                    done.append(detail)
+                    if description.startswith(phase_name) and len(done) == after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            yield Phase()
+
+    options = onnx_nmm.RewriteOptions(
+        factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
+        ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, max_ppl_increase=0.05),
+        calibration=onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24))
+    rewrite_layerwise(model, output, options, progress=Killer())
+""")
+
+
+@pytest.mark.parametrize("phase, after", [("layer by layer: what narrowing", 1), ("layer by layer: narrowing", 1)])
+def test_a_layerwise_rewrite_killed_in_the_middle_resumes_to_the_same_bytes(export, tmp_path, phase, after):
+    path = export("llama", "dynamo", cache=True)
+    single = tmp_path / "single" / "out.onnx"
+    rewrite_layerwise(path, single, _options(max_ppl_increase=0.05))
+    resumed = tmp_path / "resumed" / "out.onnx"
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(path), str(resumed), phase, str(after)],
+                           capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert not resumed.exists() and onnx_nmm.work_dir_of(resumed).exists()
+    rewrite_layerwise(path, resumed, _options(max_ppl_increase=0.05))
+    for name in ("out.onnx", "out.onnx.data"):
+        assert (resumed.parent / name).read_bytes() == (single.parent / name).read_bytes(), name
+
+
+def test_the_layerwise_rewrite_refuses_what_it_does_not_do(export, tmp_path):
+    path = export("llama", "torchscript")
+    with pytest.raises(onnx_nmm.OptionError, match="narrows MLPs"):
+        rewrite_layerwise(path, tmp_path / "out.onnx", onnx_nmm.RewriteOptions(
+            factorization=onnx_nmm.FactorizationOptions(method="whiten"), calibration=CALIBRATION))
+    assert not (tmp_path / "out.onnx").exists()
