@@ -61,6 +61,17 @@ class SimulatedGroup:
         return joined
 
 
+class _OneKernelAtATime:
+    """A kernel backend the ranks' threads share, taking turns: the NKI emulator runs one kernel at a time."""
+
+    def __init__(self, backend):
+        self.backend, self.lock = backend, threading.Lock()
+
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return self.backend.run(*args, **kwargs)
+
+
 class RankProgramsRunner:
     """The rank programs of one graph lowered to PyTorch (`backend` "torch" or "emulator"), called as ModelRunner
     is: {input name: array} → {output name: array}, the cache inputs and outputs (`cache`: past → present) stacked
@@ -75,9 +86,10 @@ class RankProgramsRunner:
         from onnx_nmm.lowering.collective_converters import bind_collectives
 
         self.group = SimulatedGroup(programs.tp)
+        kernels = _OneKernelAtATime(backend_named(backend, target))
         self.modules = []
         for rank, path in enumerate(programs.paths):
-            module = lower(path, backend_named(backend, target))
+            module = lower(path, kernels)
             bind_collectives(module, self.group.join_for(rank))
             self.modules.append(module)
         graph = onnx.load(programs.paths[0], load_external_data=False).graph

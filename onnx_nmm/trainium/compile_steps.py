@@ -66,6 +66,10 @@ class CompileOptions:
         if self.tp > 1 and self.max_context is None:
             raise OptionError("{tp} splits a model that generates: give {max_context} too", tp="tp",
                               max_context="max_context")
+        if self.tp > 1 and not self.dry_run:
+            raise OptionError("{tp}: the rank programs are not traced for Neuron yet (docs/trainium.md says what "
+                              "that takes); add {dry_run} to write them, which generate runs on the CPU", tp="tp",
+                              dry_run="dry_run")
         if self.buckets is not None and self.max_context is None:
             raise OptionError("{buckets} are prompt lengths of a model that generates: give {max_context} too",
                               buckets="buckets", max_context="max_context")

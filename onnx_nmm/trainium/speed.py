@@ -282,6 +282,9 @@ def _modelled_compiled(folder: Path, options: TrainiumOptions) -> ModelledModel:
         raise OptionError(f"{folder} is priced as compiled, on one NeuronCore; {{tp}} splits models and configs "
                           "over several", tp="tp")
     manifest, graphs = compiled_folder.read(folder)
+    if manifest.get("tp", 1) > 1:
+        raise OptionError(f"{folder} holds rank programs for {manifest['tp']} NeuronCores, which are not priced as "
+                          f"compiled yet: price the model it was compiled from with {{tp}} {manifest['tp']}", tp="tp")
     target = options.target
     too_long = [context for context in options.contexts if context >= graphs.max_context]
     if too_long:
