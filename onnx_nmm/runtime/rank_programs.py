@@ -47,6 +47,10 @@ class SimulatedGroup:
         self.barrier = threading.Barrier(size, timeout=_COLLECTIVE_TIMEOUT_S)
         self.slots: list = [None] * size
 
+    def reset(self) -> None:
+        """Ready for the next call after one that failed."""
+        self.barrier.reset()
+
     def join_for(self, rank: int):
         """What rank `rank`'s collectives call (collective_converters.Join)."""
         return functools.partial(self._join, rank)
@@ -107,7 +111,12 @@ class RankProgramsRunner:
                  for rank in range(len(self.modules))]
         with ThreadPoolExecutor(len(self.modules)) as pool:
             futures = [pool.submit(self._run, rank, feeds[rank]) for rank in range(len(self.modules))]
-            results = [future.result() for future in futures]
+            errors = [future.exception() for future in futures]
+        failed = [error for error in errors if error is not None]
+        if failed:  # the rank that failed, not the others it left waiting at a collective
+            self.group.reset()
+            raise next((error for error in failed if not isinstance(error, threading.BrokenBarrierError)), failed[0])
+        results = [future.result() for future in futures]
         presents = set(self.cache.values())
         return {name: np.stack([result[name] for result in results]) if name in presents else results[0][name]
                 for name in self.output_names}
