@@ -234,7 +234,7 @@ def test_default_training_text_is_generated_by_the_dense_model(rewritten_llama, 
     result = onnx_nmm.finetune(rewritten_llama, data, options)
     assert result.loss == "distill" and result.teacher == str(exported_model("llama", "dynamo").resolve())
     assert result.data.startswith("generated: 2 windows of 12 tokens")
-    assert onnx_nmm.TrainingData().text == "generated:64"
+    assert onnx_nmm.TrainingData().text == "generated:32" and onnx_nmm.TrainingData().prompted == 32
 
 
 def test_without_a_recorded_dense_model_finetune_asks_for_one(capsys, tmp_path):

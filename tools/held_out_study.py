@@ -4,7 +4,7 @@ modern news, Usenet discussion, code comments, programmer quips (tools/assets.he
 New Testament, before and after `finetune`, with the steps it took to get there.
 
     python tools/held_out_study.py [--keep 0.9] [--calibrations mixed kjv] [--finetune mixed]
-                                   [--save-at 50,100] [--steps 200] [--finetune-text generated:32]
+                                   [--save-at 50,100] [--steps 200]
 
 Every rewrite is `--keep K --budget sensitivity --align 32` on --calib-samples Old Testament windows of
 --calib-window tokens (`mixed`: with the default mix of 32 generated windows, spelled out so that they are
@@ -61,9 +61,10 @@ class Study:
         tuned = rewritten.with_name(f"{rewritten.stem}-tuned.onnx")
         steps = {step: tuned.with_name(f"{tuned.stem}.step{step}.onnx") for step in self.args.save_at}
         steps[self.args.steps] = tuned
+        # its defaults but for the generator (the KV-cache export samples far faster) and the prompts, which a
+        # rewrite made since finetune reads them records itself
         self.log.produce(list(steps.values()), "finetune", rewritten, "--tokenizer", self.tokenizer, "--generator",
-                         self.kv, "--text", self.args.finetune_text, "--prompts", self.calibration_text,
-                         "--steps", self.args.steps, "--save-at", ",".join(map(str, self.args.save_at)), "-o", tuned,
+                         self.kv, "--prompts", self.calibration_text, "--steps", self.args.steps, "--save-at", ",".join(map(str, self.args.save_at)), "-o", tuned,
                          "--report", tuned.with_suffix(".json"))
         return dict(sorted(steps.items()))
 
@@ -136,7 +137,6 @@ def main() -> int:
     parser.add_argument("--finetune", nargs="*", choices=CALIBRATIONS, default=["mixed"])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save-at", type=lambda text: [int(step) for step in text.split(",")], default=[50, 100])
-    parser.add_argument("--finetune-text", default="generated:64", help="finetune's --text (its default: generated:64)")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-window", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=8)

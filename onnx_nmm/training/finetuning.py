@@ -46,7 +46,7 @@ from onnx_nmm.training.schedule import TrainingOptions
 if TYPE_CHECKING:
     from onnx_nmm.training.factor_training import TrainingResult
 
-DEFAULT_TRAINING_TEXT = "generated:64"
+DEFAULT_TRAINING_TEXT = "generated:32"  # and DEFAULT_PROMPTED more that continue calibration passages
 DEFAULT_PROMPTED = 32
 PROMPT_TOKENS = 32
 
