@@ -64,7 +64,8 @@ class Study:
         # its defaults but for the generator (the KV-cache export samples far faster) and the prompts, which a
         # rewrite made since finetune reads them records itself
         self.log.produce(list(steps.values()), "finetune", rewritten, "--tokenizer", self.tokenizer, "--generator",
-                         self.kv, "--prompts", self.calibration_text, "--steps", self.args.steps, "--save-at", ",".join(map(str, self.args.save_at)), "-o", tuned,
+                         self.kv, "--prompts", self.calibration_text, "--steps", self.args.steps,
+                         "--save-at", ",".join(map(str, self.args.save_at)), "-o", tuned,
                          "--report", tuned.with_suffix(".json"))
         return dict(sorted(steps.items()))
 
