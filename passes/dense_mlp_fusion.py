@@ -4,10 +4,10 @@ the intermediate activation kept on chip. A narrowed MLP (--method nystrom) is s
     g = X·Wg;  u = X·Wu;  Y = (act(g) * u)·Wd           →   Y = GatedMLP(X, Wg, Wu, Wd)
     Y = act(X·W1 + b1)·W2 (+ b2)                        →   Y = MLP(X, W1, b1, W2, b2)      zeros for a missing bias
 
-The MLP is the one mlp_modules.find_mlps matches; act is SiLU or GELU (erf or tanh) however the exporter
-spelled it (activation_match). The fused op's function body computes the same in plain ONNX, so
-onnxruntime still runs it. Not fused, with the reason: an MLP stored quantized (the kernels take float
-weights), a gated MLP with biases, an activation the kernels do not have.
+The MLPs are those the MLP rules find that narrowing could narrow (mlp_narrowing.find_mlps); act is SiLU or
+GELU (erf or tanh) however the exporter spelled it (activation_match). The fused op's function body computes
+the same in plain ONNX, so onnxruntime still runs it. Not fused, with the reason: an MLP stored quantized (the
+kernels take float weights), a gated MLP with biases, an activation the kernels do not have.
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from onnx_nmm.passes import activation_match, svd_ops
+from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer, find_linear_layers
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass, FusionChoice
-from onnx_nmm.passes.mlp_modules import RESHAPES, Mlp, find_mlps
+from onnx_nmm.passes.mlp_narrowing import find_mlps
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
+from onnx_nmm.passes.mlp_rules.rule_set import GATED_MLP, UNGATED_MLP
+from onnx_nmm.passes.mlp_rules.shared import Activation, keeps_rows
+from onnx_nmm.passes.rules import Mismatch
 from onnx_nmm.passes.stored_weights import NameAllocator, initializer
 
 
@@ -39,11 +43,14 @@ class FuseDenseMlpPass(ir.passes.InPlacePass):
         weights: dict[str, ir.Value] = {}  # weight values by layer name: every site of an MLP reads the same
         for mlp in find_mlps(find_linear_layers(model))[0]:
             reason = _why_not(mlp)
-            activation = _activation(mlp) if not reason else None
-            if not reason and activation is not None and self.choose is not None:
+            activation = (GATED_MLP.activation(mlp) if mlp.gated else UNGATED_MLP.activation(mlp)) if not reason \
+                else None
+            if isinstance(activation, Mismatch):
+                reason = "its activation is not SiLU or GELU (erf or tanh)"
+            elif not reason and self.choose is not None:
                 reason = self.choose(mlp.name, svd_ops.GATED_MLP if mlp.gated else svd_ops.MLP, _input_shapes(mlp))
-            if reason or activation is None:
-                self.unfused[mlp.name] = reason or "its activation is not SiLU or GELU (erf or tanh)"
+            if reason or not isinstance(activation, Activation):
+                self.unfused[mlp.name] = reason
                 continue
             _replace(model, mlp, activation, names, weights)
             if mlp.name not in self.fused:  # the same MLP in another branch of a merged decoder
@@ -64,37 +71,17 @@ def _why_not(mlp: Mlp) -> str:
         return "its weights are stored quantized"
     if mlp.gated and any(layer.bias is not None for layer in mlp.layers):
         return "a gated MLP with biases"
-    if mlp.reshapes and not _same_rows(mlp):
+    if not keeps_rows(mlp):
         return "reshapes between its projections, and no shapes in the graph to show they keep the rows"
     return ""
 
 
-def _activation(mlp: Mlp) -> str | None:
-    """The name of act (activation_match.ACTIVATIONS), read from the nodes between the projections."""
-    if mlp.gated:
-        product = _before_reshapes(mlp.down.x).producer()
-        if product is None or product.op_type != "Mul":
-            return None
-        gate, up = mlp.projections
-        for activated, other in (product.inputs, product.inputs[::-1]):
-            if other is up.output:
-                recognized = activation_match.recognize(gate.output, activated)
-                return recognized[1] if recognized else None
-        return None
-    activated = _before_reshapes(mlp.down.x)
-    for g in _reshaped(mlp.projections[0].output):
-        recognized = activation_match.recognize(g, activated)
-        if recognized:
-            return recognized[1]
-    return None
-
-
-def _replace(model: ir.Model, mlp: Mlp, activation: str, names: NameAllocator, weights: dict) -> None:
+def _replace(model: ir.Model, mlp: Mlp, activation: Activation, names: NameAllocator, weights: dict) -> None:
     op_type = svd_ops.GATED_MLP if mlp.gated else svd_ops.MLP
-    overload = svd_ops.register_mlp_op(model, op_type, activation)
+    overload = svd_ops.register_mlp_op(model, op_type, activation.name)
     graph, x = model.graph, mlp.projections[0].x
-    if mlp.gated:
-        inputs = [x, *(_weight(graph, layer, names, weights) for layer in mlp.layers)]
+    if mlp.gated:  # gate, up as the activation reads them
+        inputs = [x, *(_weight(graph, layer, names, weights) for layer in [*activation.inputs, mlp.down])]
     else:
         first, second = mlp.layers
         inputs = [x, _weight(graph, first, names, weights), _bias(graph, first, names, weights),
@@ -102,7 +89,7 @@ def _replace(model: ir.Model, mlp: Mlp, activation: str, names: NameAllocator, w
     down = mlp.down
     metadata = {**down.node.metadata_props, svd_ops.ORIGINAL_NODE_KEY: ",".join(
         node.name or node.op_type for layer in mlp.layers for node in layer.nodes)}
-    fused = ir.Node(svd_ops.DOMAIN, op_type, inputs, [ir.AttrString("activation", activation)], overload=overload,
+    fused = ir.Node(svd_ops.DOMAIN, op_type, inputs, [ir.AttrString("activation", activation.name)], overload=overload,
                     num_outputs=1, name=mlp.name, metadata_props=metadata)
     ir.convenience.replace_nodes_and_values(down.node.graph, down.node, old_nodes=down.nodes, new_nodes=[fused],
                                             old_values=[down.output], new_values=fused.outputs)
@@ -127,29 +114,6 @@ def _bias(graph: ir.Graph, layer: LinearLayer, names: NameAllocator, made: dict)
         made[key] = initializer(graph, names.fresh(f"{layer.name}.bias"),
                                 np.zeros(layer.n, np.float32) if bias is None else bias, layer.dtype)
     return made[key]
-
-
-def _same_rows(mlp: Mlp) -> bool:
-    """Whether the op's output, computed on the first projection's input X, has the rows the output projection's
-    output has: with reshapes between them, only when the graph's shapes say so."""
-    x, y = mlp.projections[0].x.shape, mlp.down.output.shape
-    return x is not None and y is not None and tuple(x)[:-1] == tuple(y)[:-1]
-
-
-def _before_reshapes(value: ir.Value) -> ir.Value:
-    while value.producer() is not None and value.producer().op_type in RESHAPES:
-        value = value.producer().inputs[0]
-    return value
-
-
-def _reshaped(value: ir.Value) -> list[ir.Value]:
-    """`value` and every value reshaped from it alone."""
-    found, pending = [], [value]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        pending.extend(use.node.outputs[0] for use in current.uses() if use.node.op_type in RESHAPES and use.idx == 0)
-    return found
 
 
 def fuse_every_mlp(model: ir.Model, choose: FusionChoice | None = None) -> tuple[list[str], dict[str, str]]:

@@ -22,8 +22,11 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer
-from onnx_nmm.passes.mlp_modules import Mlp, inside_values, width_constant
+from onnx_nmm.passes.mlp_rules.mlp import GRAPH_OUTPUT, Mlp, outside_reader
+from onnx_nmm.passes.mlp_rules.pattern import RESHAPES
+from onnx_nmm.passes.mlp_rules.rule_set import OUTPUT_PROJECTIONS, OWN_PROJECTIONS, by_output
 from onnx_nmm.passes.quantized_weights import DEQUANTIZE, INTEGER, MICROSOFT, NBITS
+from onnx_nmm.passes.rules import Mismatch, first_match
 from onnx_nmm.passes.stored_weights import (
     NameAllocator,
     QuantizedFactor,
@@ -39,6 +42,111 @@ from onnx_nmm.passes.stored_weights import (
 
 # Node metadata of a narrowed product: "k of I", the neurons its MLP kept.
 NARROWED_KEY = "onnx_nmm.narrowed"
+
+
+def find_mlps(layers: list[LinearLayer]) -> tuple[list[Mlp[LinearLayer]], dict[str, str]]:
+    """Every MLP among `layers` that narrowing can narrow (each site of one in several subgraphs), and for each
+    output projection that heads none, why. Narrowed, an MLP computes what it did on fewer columns: nothing
+    outside it but a Shape may read a value between its projections, every constant its activation reads must be
+    a scalar, and a reshape between them must name the width as a constant."""
+    projections = by_output(layers)
+    mlps, unmatched = [], {}
+    for down in layers:
+        if down.role not in OUTPUT_PROJECTIONS:
+            continue
+        found = first_match(OWN_PROJECTIONS, down, projections)
+        why = found.reason if isinstance(found, Mismatch) else _why_not_narrowed(found)
+        if why:
+            unmatched[down.name] = why
+        else:
+            mlps.append(found)
+    return mlps, unmatched
+
+
+def _why_not_narrowed(mlp: Mlp[LinearLayer]) -> str:
+    """Why narrowing could not keep the MLP's computation as it is; "" when it can."""
+    inside = {id(node) for node in mlp.region} | {id(node) for node in mlp.down.nodes}
+    if mlp.down.quantizer is not None:
+        inside.add(id(mlp.down.quantizer))
+    values = [layer.output for layer in mlp.projections] + [value for node in mlp.region for value in node.outputs]
+    reader = outside_reader(values, inside, mlp.down.node.graph, ignored=("Shape",))  # a Shape reads dimensions
+    if reader == GRAPH_OUTPUT:
+        return "a value between its projections is a graph output"
+    if reader is not None:
+        return f"{reader} outside the MLP reads a value between its projections"
+    for node in mlp.region:
+        if node.op_type == "Reshape":
+            if width_constant(node, mlp.width, inside_values(mlp)) is None:
+                return "a reshape between its projections computes its target shape"
+            continue
+        if node.op_type in RESHAPES:
+            shape = node.outputs[0].shape
+            if shape is None or not len(shape) or shape[-1] != mlp.width:
+                return f"a {node.op_type} between its projections may move the width from the last axis"
+            continue
+        for value in node.inputs:
+            constant = constant_array(value)
+            if constant is not None and constant.size != 1:
+                return (f"its activation reads a constant of shape {list(constant.shape)} (a {node.op_type}), which "
+                        "narrowing would have to slice")
+    return ""
+
+
+def inside_values(mlp: Mlp) -> set[int]:
+    """The ids of the values between the MLP's projections (the projections' outputs and the region's)."""
+    return {id(layer.output) for layer in mlp.projections} | {id(value) for node in mlp.region
+                                                               for value in node.outputs}
+
+
+def width_constant(reshape: ir.Node, width: int, inside: set[int]) -> tuple[ir.Node, int, np.ndarray] | None:
+    """Where a reshape's target shape names the width: (the node reading that constant, its input index, the
+    constant) — the Reshape itself, or the Concat that builds the shape from a constant last part (which other
+    reshapes may read too). A last part of -1, or one computed from the Shape of a value between the
+    projections (`inside`: their ids), follows the narrowing by itself: its constant is given as [-1]. None
+    when the shape is computed otherwise, or names another width."""
+    reader, index = reshape, 1
+    target = reshape.inputs[1]
+    if constant_array(target) is None:
+        concat = target.producer() if target is not None else None
+        if concat is None or concat.op_type != "Concat" or not concat.inputs:
+            return None
+        reader, index = concat, len(concat.inputs) - 1
+        if _measured_inside(concat.inputs[-1], inside):
+            return reader, index, np.array([-1])
+    array = constant_array(reader.inputs[index])
+    if array is None or array.ndim != 1 or array.size < 1 or array[-1] not in (width, -1):
+        return None
+    return reader, index, array
+
+
+def _measured_inside(value: ir.Value | None, inside: set[int], hops: int = 6) -> bool:
+    """Whether `value` is computed from the Shape of a value between the projections (through Slice, Gather,
+    Squeeze, Unsqueeze and the like)."""
+    node = value.producer() if value is not None else None
+    if node is None or hops == 0:
+        return False
+    if node.op_type == "Shape":
+        return id(node.inputs[0]) in inside
+    return any(_measured_inside(argument, inside, hops - 1) for argument in node.inputs[:1])
+
+
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """The array a value holds when it is fixed at build time (an initializer or a Constant node's output)."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant":
+        return None
+    attributes = producer.attributes
+    if "value" in attributes:
+        return attributes["value"].as_tensor().numpy()
+    for name, dtype in (("value_ints", np.int64), ("value_int", np.int64), ("value_floats", np.float32),
+                        ("value_float", np.float32)):
+        if name in attributes:
+            return np.asarray(attributes[name].value, dtype)
+    return None
 
 
 @dataclass
@@ -127,6 +235,7 @@ def _replace_weight(model: ir.Model, weight: NarrowedWeight, label: str, names: 
     ir.convenience.replace_nodes_and_values(layer.node.graph, layer.node, old_nodes=layer.nodes, new_nodes=nodes,
                                             old_values=[layer.output], new_values=[value])
     value.shape = _with_width(shape, weight.matrix.shape[1])
+    assert stored[0].name is not None, "initializers have names"
     return stored[0].name
 
 
@@ -138,7 +247,11 @@ def _narrow_between(graph: ir.Graph, item: NarrowedMlp, names: NameAllocator) ->
             if value.shape is not None and len(value.shape) and value.shape[-1] == width:
                 value.shape = _with_width(value.shape, kept)
     for reshape in item.mlp.reshapes:
-        reader, index, shape = width_constant(reshape, width, inside_values(item.mlp))
+        if reshape.op_type != "Reshape":
+            continue  # find_mlps saw that it keeps the width last
+        found = width_constant(reshape, width, inside_values(item.mlp))
+        assert found is not None, "find_mlps found the width named in the reshape"
+        reader, index, shape = found
         if shape[-1] != width:
             continue  # -1: the reshape infers the width
         narrowed = shape.copy()

@@ -1,6 +1,6 @@
-"""The MLP fusion rules (passes/mlp_fusion.py), one by one on real exports: each matches its own pattern at the
-MLP's output projection and no other, and an MLP no rule matches is left alone with the reason of the rule that
-came closest."""
+"""The MLP rules (passes/mlp_rules) as the fusion of factorized MLPs asks them, one by one on real exports: each
+matches its own pattern at the MLP's output projection and no other, and an MLP no rule matches, or whose
+projections are not all factorized, is left alone with the reason."""
 
 import warnings
 
@@ -9,8 +9,9 @@ import pytest
 
 from onnx_nmm import RankOptions, RewriteOptions, Selection, rewrite
 from onnx_nmm.passes import FuseMlpPass, svd_ops
-from onnx_nmm.passes.mlp_fusion import RULES, GatedMlp, SplitGateUpMlp, UngatedMlp, output_projections
-from onnx_nmm.passes.rules import Mismatch, first_match
+from onnx_nmm.passes.mlp_fusion import factorized_projections, fused_form, output_projections
+from onnx_nmm.passes.mlp_rules.rule_set import RULES
+from onnx_nmm.passes.rules import Mismatch
 
 
 def _factorized(export, architecture, exporter, exclude=None) -> ir.Model:
@@ -22,24 +23,26 @@ def _downs(model: ir.Model) -> list[ir.Node]:
     return [node for node in output_projections(model) if node.op_type == svd_ops.SVD_MATMUL]
 
 
-@pytest.mark.parametrize(("architecture", "exporter", "rule", "op"), [
-    ("llama", "dynamo", GatedMlp, svd_ops.SVD_GATED_MLP),
-    ("gemma", "torchscript", GatedMlp, svd_ops.SVD_GATED_MLP),
-    ("phi3", "dynamo", SplitGateUpMlp, svd_ops.SVD_GATED_MLP),
-    ("gpt2", "dynamo", UngatedMlp, svd_ops.SVD_MLP),
-    ("phi", "torchscript", UngatedMlp, svd_ops.SVD_MLP),
+@pytest.mark.parametrize(("architecture", "exporter", "form", "op"), [
+    ("llama", "dynamo", "gated", svd_ops.SVD_GATED_MLP),
+    ("gemma", "torchscript", "gated", svd_ops.SVD_GATED_MLP),
+    ("phi3", "dynamo", "split_gate_up", svd_ops.SVD_GATED_MLP),
+    ("gpt2", "dynamo", "ungated", svd_ops.SVD_MLP),
+    ("phi", "torchscript", "ungated", svd_ops.SVD_MLP),
 ])
-def test_each_rule_matches_its_own_pattern_and_no_other(export, architecture, exporter, rule, op):
+def test_each_rule_matches_its_own_pattern_and_no_other(export, architecture, exporter, form, op):
     model = _factorized(export, architecture, exporter)
+    projections = factorized_projections(model)
     downs = _downs(model)
     assert len(downs) == 2  # one per decoder layer
     for down in downs:
-        for other in RULES:
-            found = other.match(down, model)
-            if isinstance(other, rule):
-                assert not isinstance(found, Mismatch) and found.op_type == op
+        for rule in RULES:
+            found = rule.match(projections(down.outputs[0]), projections)
+            if rule.form == form:
+                assert not isinstance(found, Mismatch) and found.form == form
             else:
                 assert isinstance(found, Mismatch) and found.reason
+        assert fused_form(projections(down.outputs[0]), projections, model).op_type == op
 
 
 @pytest.mark.parametrize(("architecture", "exporter", "exclude", "reason"), [
@@ -52,8 +55,9 @@ def test_each_rule_matches_its_own_pattern_and_no_other(export, architecture, ex
 def test_an_mlp_no_rule_matches_is_left_with_the_closest_rule_s_reason(export, architecture, exporter, exclude,
                                                                        reason):
     model = _factorized(export, architecture, exporter, exclude)
+    projections = factorized_projections(model)
     for down in _downs(model):
-        found = first_match(RULES, down, model)
+        found = fused_form(projections(down.outputs[0]), projections, model)
         assert isinstance(found, Mismatch) and found.reason == reason
     fusion = FuseMlpPass()
     with warnings.catch_warnings():

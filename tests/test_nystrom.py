@@ -1,5 +1,5 @@
 """MLP compression as a module (--method nystrom): the maths (onnx_nmm.decomposition.nystrom), the rule that finds MLPs
-(passes/mlp_modules), the surgery (passes/mlp_narrowing), and the rewrite that plans widths."""
+(passes/mlp_rules), the surgery (passes/mlp_narrowing), and the rewrite that plans widths."""
 
 import json
 from pathlib import Path
@@ -16,8 +16,7 @@ from onnx_nmm import CalibrationOptions, FactorizationOptions, RankOptions, Rewr
 from onnx_nmm.decomposition.nystrom import NEURON_SCORES, MlpNarrowing
 from onnx_nmm.errors import OptionError
 from onnx_nmm.passes import find_linear_layers
-from onnx_nmm.passes.mlp_modules import find_mlps
-from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass, find_mlps
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 HIDDEN, WIDTH = 16, 24

@@ -19,8 +19,8 @@ import onnx_ir as ir
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import LinearLayer
-from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.pipeline.statistics import Statistics
 from onnx_nmm.progress import Progress

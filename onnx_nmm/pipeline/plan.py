@@ -29,8 +29,8 @@ from onnx_nmm.errors import OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
-from onnx_nmm.passes.mlp_modules import Mlp
 from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.narrow import MlpNarrowings
 from onnx_nmm.pipeline.statistics import Statistics, budget_windows

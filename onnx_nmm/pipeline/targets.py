@@ -10,7 +10,8 @@ import onnx_ir as ir
 from onnx_nmm.errors import ModelError
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import LinearLayer, find_linear_layers, find_unread_layers, select_layers
-from onnx_nmm.passes.mlp_modules import Mlp, find_mlps
+from onnx_nmm.passes.mlp_narrowing import find_mlps
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
 
 
 @dataclass(frozen=True)
