@@ -10,6 +10,7 @@ values against each known activation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -32,7 +33,7 @@ ACTIVATIONS = {
     "gelu_tanh": _gelu_tanh,
 }
 
-_ELEMENTWISE = {
+_ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
     "Neg": np.negative, "Tanh": np.tanh, "Exp": np.exp, "Sqrt": np.sqrt, "Reciprocal": np.reciprocal,
     "Erf": np.vectorize(math.erf), "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
@@ -44,12 +45,12 @@ def activation_region(g: ir.Value, output: ir.Value) -> list[ir.Node] | None:
     """The element-wise nodes computing `output` from `g` alone (and constants), in order; None if `output`
     is not such a function of g."""
     region: list[ir.Node] = []
-    pending = [output]
+    pending: list[ir.Value | None] = [output]
     while pending:
         value = pending.pop()
         if value is g or _constant(value) is not None:
             continue
-        node = value.producer()
+        node = value.producer() if value is not None else None
         if node is None or node.domain != "" or (node.op_type not in _ELEMENTWISE and node.op_type != "Gelu"):
             return None
         if node not in region:
@@ -78,7 +79,7 @@ def recognize(g: ir.Value, output: ir.Value) -> tuple[list[ir.Node], str] | None
     """The element-wise region computing `output` from g and the name of the activation it computes, or None."""
     region = activation_region(g, output)
     name = identify(region, g, output) if region is not None else None
-    return (region, name) if name is not None else None
+    return (region, name) if region is not None and name is not None else None
 
 
 def _evaluate(node: ir.Node, arguments: list) -> np.ndarray:

@@ -51,7 +51,7 @@ def selected_columns(source: ir.Value, targets: list[ir.Value], region: list[ir.
     probe = np.arange(PROBE_ROWS * width, dtype=np.float32).reshape((1,) * (rank - 2) + (PROBE_ROWS, width))
     try:
         results = onnx.reference.ReferenceEvaluator(_probe_model(source, targets, region, opset)).run(
-            None, {source.name: probe})
+            None, {_name(source): probe})
     except Exception:  # noqa: BLE001 - a region the evaluator cannot run is simply not a selection
         return None
     columns = []
@@ -83,14 +83,25 @@ def _carries_only_by_selection(region: list[ir.Node], source: ir.Value) -> bool:
 
 def _probe_model(source: ir.Value, targets: list[ir.Value], region: list[ir.Node], opset: int) -> onnx.ModelProto:
     inside = {id(value) for node in region for value in node.outputs}
-    constants = {value.name: value for node in region for value in node.inputs
+    constants = {_name(value): _constant(value) for node in region for value in node.inputs
                  if value is not None and value is not source and id(value) not in inside}
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(node) for node in region], "selection",
-        [onnx.helper.make_tensor_value_info(source.name, onnx.TensorProto.FLOAT, None)],
-        [onnx.helper.make_tensor_value_info(value.name, onnx.TensorProto.FLOAT, None) for value in targets],
-        initializer=[_named(ir.serde.serialize_tensor(value.const_value), name) for name, value in constants.items()])
+        [onnx.helper.make_tensor_value_info(_name(source), onnx.TensorProto.FLOAT, None)],
+        [onnx.helper.make_tensor_value_info(_name(value), onnx.TensorProto.FLOAT, None) for value in targets],
+        initializer=[_named(ir.serde.serialize_tensor(tensor), name) for name, tensor in constants.items()])
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+
+
+def _name(value: ir.Value) -> str:
+    assert value.name is not None, "the values of a loaded graph have names"
+    return value.name
+
+
+def _constant(value: ir.Value) -> ir.TensorProtocol:
+    """What a value the region reads from outside holds: selection_region let in constants alone."""
+    assert value.const_value is not None, "a selection region reads constants besides its source"
+    return value.const_value
 
 
 def _named(tensor: onnx.TensorProto, name: str) -> onnx.TensorProto:

@@ -52,7 +52,9 @@ class WeightSource:
 
     @property
     def tensor(self) -> ir.TensorProtocol:
-        return ir.convenience.get_const_tensor(self.storage)
+        tensor = ir.convenience.get_const_tensor(self.storage)
+        assert tensor is not None, "a weight's storage is a constant (_resolve_weight)"
+        return tensor
 
     @property
     def name(self) -> str:
@@ -101,7 +103,9 @@ class LinearLayer:
     @property
     def x(self) -> ir.Value:
         """The activation input, read from the node: rewriting an upstream layer replaces that value."""
-        return (self.quantizer or self.node).inputs[0]
+        x = (self.quantizer or self.node).inputs[0]
+        assert x is not None, "a matched product has its input X"
+        return x
 
     @property
     def nodes(self) -> list[ir.Node]:
@@ -135,7 +139,9 @@ class LinearLayer:
         """The bias [N] with beta applied, or None."""
         if self.bias is None:
             return None
-        tensor = ir.convenience.get_const_tensor(self.bias).numpy().reshape(-1)
+        constant = ir.convenience.get_const_tensor(self.bias)
+        assert constant is not None, "a bias is a constant (_is_bias)"
+        tensor = constant.numpy().reshape(-1)
         return tensor * np.asarray(self.beta, dtype=tensor.dtype) if self.beta != 1.0 else tensor
 
 
@@ -149,6 +155,7 @@ def find_linear_layers(model: ir.Model) -> list[LinearLayer]:
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         layer = first_match(LINEAR_LAYER_RULES, node, model)
         if isinstance(layer, LinearLayer):
+            assert node.graph is not None, "the iterator walks the nodes of graphs"
             _assign_role(layer, node.graph)
             layers.append(layer)
     _tell_apart(layers)
@@ -231,7 +238,7 @@ class NBitsLayer:
         layer = LinearLayer(node=node, weight=WeightSource(storage=weight.codes, quantized=weight), k=k, n=n,
                             output=node.outputs[0], bias=bias)
         if bias is None:
-            _fold_bias_add(layer, node.graph)
+            _fold_bias_add(layer)
         return layer
 
 
@@ -243,13 +250,14 @@ class IntegerLayer:
         product = integer_layer_parts(node)
         if product is None:
             return Mismatch("not a MatMulInteger of a dynamically quantized X and constant codes")
-        shape = ir.convenience.get_const_tensor(product.weight.codes).shape
-        if len(shape) != 2:
+        codes = ir.convenience.get_const_tensor(product.weight.codes)
+        assert codes is not None, "integer_layer_parts found the codes constant"
+        if len(codes.shape) != 2:
             return Mismatch("its codes are not a matrix", 1)
-        k, n = shape.dims
+        k, n = codes.shape.numpy()
         layer = LinearLayer(node=node, weight=WeightSource(storage=product.weight.codes, quantized=product.weight),
                             k=k, n=n, output=product.output, quantizer=product.quantizer, chain=product.chain)
-        _fold_bias_add(layer, node.graph)
+        _fold_bias_add(layer)
         return layer
 
 
@@ -264,7 +272,7 @@ class MatMulLayer:
         source, rows, cols = found
         k, n = (cols, rows) if source.transposed else (rows, cols)
         layer = LinearLayer(node=node, weight=source, k=k, n=n, output=node.outputs[0])
-        _fold_bias_add(layer, node.graph)
+        _fold_bias_add(layer)
         return layer
 
 
@@ -342,12 +350,15 @@ def _resolve_weight(value: ir.Value) -> WeightSource | Mismatch:
         elif producer.op_type == "Cast" and cast_to is None:
             cast_to = ir.DataType(producer.attributes["to"].as_int())
         path.append(producer)
+        if producer.inputs[0] is None:
+            return Mismatch(f"its weight's {producer.op_type} has no input", 1)
         value = producer.inputs[0]
 
 
-def _fold_bias_add(layer: LinearLayer, graph: ir.Graph) -> None:
+def _fold_bias_add(layer: LinearLayer) -> None:
     """MatMul → Add(constant [N]): the Add becomes part of the layer."""
-    output = layer.output
+    output, graph = layer.output, layer.node.graph
+    assert graph is not None, "a matched product is a node of a graph"
     uses = list(output.uses())
     if len(uses) != 1 or output in graph.outputs:
         return

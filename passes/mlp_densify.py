@@ -50,8 +50,10 @@ def _replace(model: ir.Model, node: ir.Node, allocate: NameAllocator, products: 
     if node.op_type == svd_ops.SVD_GATED_MLP:
         dense_inputs = [named["X"], *weights]
     else:
+        columns = weights[1].const_value.shape[1] if weights[1].const_value is not None else None
+        assert isinstance(columns, int), "W2 is an initializer _product made"
         bias = named.get("b2") or initializer(graph, allocate.fresh(f"{node.name}.b2"),
-                                              np.zeros(weights[1].shape[1], np.float32), weights[1].dtype)
+                                              np.zeros(columns, np.float32), weights[1].dtype)
         dense_inputs = [named["X"], weights[0], named["b1"], weights[1], bias]
     activation = node.attributes["activation"].as_string()
     op_type = DENSE_OF[node.op_type]
@@ -81,6 +83,7 @@ def _product(graph: ir.Graph, u: ir.Value, v: ir.Value, allocate: NameAllocator,
     """U·V as a new initializer in U's dtype, computed in float32."""
     key = (u.name, v.name)
     if key not in products:
+        assert u.const_value is not None and v.const_value is not None, "an SvdMatMul's factors are initializers"
         product = u.const_value.numpy().astype(np.float32) @ v.const_value.numpy().astype(np.float32)
         products[key] = initializer(graph, allocate.fresh(f"{u.name}.dense"), product, u.dtype)
     return products[key]

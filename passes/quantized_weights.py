@@ -72,8 +72,9 @@ def nbits_layer_parts(node: ir.Node) -> tuple[QuantizedWeight, int, int, ir.Valu
         return None
     inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
     _, codes, scales, zero_points, g_idx, bias = inputs[:6]
-    if g_idx is not None or any(value is not None and _const(value) is None for value in (codes, scales, zero_points,
-                                                                                             bias)):
+    constants = (codes, scales, zero_points, bias)
+    if codes is None or scales is None or g_idx is not None or any(
+            value is not None and _const(value) is None for value in constants):
         return None
     attributes = {name: attribute.value for name, attribute in node.attributes.items()}
     if attributes.get("bits", 4) not in (4, 8):
@@ -89,7 +90,8 @@ def dequantize_linear_parts(node: ir.Node) -> QuantizedWeight | None:
         return None
     codes, scales = node.inputs[0], node.inputs[1]
     zero_points = node.inputs[2] if len(node.inputs) > 2 else None
-    if any(value is not None and _const(value) is None for value in (codes, scales, zero_points)):
+    if codes is None or scales is None or any(value is not None and _const(value) is None
+                                              for value in (codes, scales, zero_points)):
         return None
     axis, block_size = node.attributes.get("axis"), node.attributes.get("block_size")
     return QuantizedWeight(DEQUANTIZE, codes, scales, zero_points, bits=_const(codes).dtype.itemsize * 8,
@@ -112,21 +114,22 @@ def integer_layer_parts(node: ir.Node) -> IntegerProduct | None:
     """The parts of onnxruntime's dynamically quantized MatMul around this MatMulInteger, else None."""
     if node.op_type != INTEGER or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
-    quantizer = node.inputs[0].producer()
-    codes, zero_points = node.inputs[1], node.inputs[3] if len(node.inputs) > 3 else None
-    if quantizer is None or quantizer.op_type != "DynamicQuantizeLinear" or _const(codes) is None:
+    x, codes, zero_points = node.inputs[0], node.inputs[1], node.inputs[3] if len(node.inputs) > 3 else None
+    quantizer = x.producer() if x is not None else None
+    if quantizer is None or quantizer.op_type != "DynamicQuantizeLinear" or codes is None or _const(codes) is None:
         return None
     if zero_points is not None and _const(zero_points) is None:
         return None
     cast = _only_reader(node.outputs[0], "Cast")
     rescale = _only_reader(cast.outputs[0], "Mul") if cast is not None else None
-    if rescale is None:
+    if cast is None or rescale is None:
         return None
-    scales_product = next((value.producer() for value in rescale.inputs if value is not cast.outputs[0]), None)
+    scales_product = next((value.producer() for value in rescale.inputs
+                           if value is not None and value is not cast.outputs[0]), None)
     if scales_product is None or scales_product.op_type != "Mul" or quantizer.outputs[1] not in scales_product.inputs:
         return None
     scales = next(value for value in scales_product.inputs if value is not quantizer.outputs[1])
-    if _const(scales) is None:
+    if scales is None or _const(scales) is None:
         return None
     chain = [cast, *([scales_product] if len(list(scales_product.outputs[0].uses())) == 1 else []), rescale]
     weight = QuantizedWeight(INTEGER, codes, scales, zero_points, bits=8, axis=1)

@@ -123,7 +123,8 @@ def _is_activation_output(value: ir.Value | None) -> bool:
         return True
     # SiLU exported as x * sigmoid(x)
     return producer.op_type == "Mul" and any(
-        v is not None and v.producer() is not None and v.producer().op_type == "Sigmoid" for v in producer.inputs)
+        v is not None and (sigmoid := v.producer()) is not None and sigmoid.op_type == "Sigmoid"
+        for v in producer.inputs)
 
 
 def _lookup(leaf: str, table: dict[str, tuple[str, ...]], group: str) -> tuple[str, str]:

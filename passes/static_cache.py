@@ -71,7 +71,7 @@ def static_decode_graph(model: ir.Model, layout: CacheLayout, max_context: int) 
     if layout.write_position is None:
         return _with_static_shapes(model, layout, new_tokens=1, mask_length=max_context, max_context=max_context)
     graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
+    inputs = _inputs_by_name(graph)
     position = ir.Value(name=CACHE_POSITION, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(position)
     batch = _set_batch_shapes(inputs, layout, new_tokens=1, mask_length=max_context)
@@ -101,7 +101,7 @@ def static_prefill_graph(model: ir.Model, layout: CacheLayout, tokens: int, max_
     if layout.write_position is None:
         return _with_static_shapes(model, layout, new_tokens=tokens, mask_length=tokens, max_context=max_context)
     graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
+    inputs = _inputs_by_name(graph)
     batch = _set_batch_shapes(inputs, layout, new_tokens=tokens, mask_length=tokens)
     where = int64_constant(graph, "cache.prefill_positions",
                       np.arange(tokens, dtype=np.int64).reshape(1, 1, tokens, 1))
@@ -123,7 +123,7 @@ def _with_static_shapes(model: ir.Model, layout: CacheLayout, new_tokens: int, m
     """A graph whose attention writes its cache (attention_writes_cache) as a static step: only its shapes are
     fixed, the cache in and out [B, H, max_context, D]."""
     graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
+    inputs = _inputs_by_name(graph)
     outputs = {value.name: value for value in graph.outputs}
     batch = _set_batch_shapes(inputs, layout, new_tokens, mask_length)
     for past_name, present_name in layout.cache:
@@ -187,6 +187,11 @@ def _write_in_place(graph: ir.Graph, concat: ir.Node, cache: ir.Value, indices: 
     if graph.outputs[index] is written:
         present.name = f"{present_name}.appended"
         written.name = present_name
+
+
+def _inputs_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The graph's inputs by name (every input of an ONNX graph has one)."""
+    return {value.name: value for value in graph.inputs if value.name is not None}
 
 
 def _set_batch_shapes(inputs: dict[str, ir.Value], layout: CacheLayout, new_tokens: int,

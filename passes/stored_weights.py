@@ -79,9 +79,10 @@ def quantized_initializers(graph: ir.Graph, name: str, factor: QuantizedFactor) 
 
 def dequantize(codes: ir.Value, factor: QuantizedFactor, nodes: list[ir.Node]) -> ir.Value:
     """DequantizeLinear of stored codes (their scales and zero points found under the codes' name)."""
-    graph = codes.graph
-    inputs = [graph.initializers[codes.name + suffix] for suffix in ("", "_scales", "_zero_points")
-              if codes.name + suffix in graph.initializers]
+    graph, name = codes.graph, codes.name
+    assert graph is not None and name is not None, "stored codes are a named initializer of a graph"
+    inputs = [graph.initializers[name + suffix] for suffix in ("", "_scales", "_zero_points")
+              if name + suffix in graph.initializers]
     node = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", factor.attributes["axis"])], num_outputs=1,
                    name=f"{codes.name}.dequantize")
     node.outputs[0].name = f"{codes.name}.dequantized"
@@ -102,7 +103,9 @@ def bias_value(graph: ir.Graph, layer: LinearLayer, names: NameAllocator, suffix
     if layer.bias is None or layer.beta == 1.0:
         return layer.bias
     bias = layer.bias_vector()
-    dtype = ir.convenience.get_const_tensor(layer.bias).dtype
+    tensor = ir.convenience.get_const_tensor(layer.bias)
+    assert tensor is not None, "a layer's bias is a constant (linear_layers: _is_bias)"
+    dtype = tensor.dtype
     return initializer(graph, names.fresh(f"{layer.name}.{suffix}"), bias, dtype)
 
 
@@ -133,7 +136,8 @@ def integer_product(quantized_x: tuple[ir.Value, ir.Value, ir.Value], stored: li
 def dynamic_quantization(value: ir.Value, name: str, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value, ir.Value]:
     """DynamicQuantizeLinear(value): its codes, scale and zero point."""
     nodes.append(ir.Node("", "DynamicQuantizeLinear", [value], num_outputs=3, name=name))
-    return tuple(nodes[-1].outputs)
+    codes, scale, zero_point = nodes[-1].outputs
+    return codes, scale, zero_point
 
 
 def drop_unread_weight_inputs(graph: ir.Graph, weights: list[ir.Value]) -> None:
@@ -142,4 +146,5 @@ def drop_unread_weight_inputs(graph: ir.Graph, weights: list[ir.Value]) -> None:
     for weight in weights:
         if weight in graph.inputs and not list(weight.uses()):
             graph.inputs.remove(weight)
-            graph.initializers.pop(weight.name, None)
+            if weight.name is not None:
+                graph.initializers.pop(weight.name, None)

@@ -138,14 +138,17 @@ def _factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str,
         dtype = item.storage or item.layer.dtype
         return (initializer(graph, names.fresh(f"{base}.svd_u"), item.u, dtype),
                 initializer(graph, names.fresh(f"{base}.svd_v"), item.v, dtype))
-    return tuple(values[0] for values in _quantized_factor_initializers(graph, item, base, names))
+    u, v = _quantized_factor_initializers(graph, item, base, names)
+    return u[0], v[0]
 
 
 def _quantized_factor_initializers(graph: ir.Graph, item: FactorizedLayer, base: str, names: NameAllocator
                                    ) -> tuple[list[ir.Value], list[ir.Value]]:
     """[codes, scales(, zero points)] of U, then of V."""
-    return tuple(quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
-                 for which, factor in zip("uv", item.quantized))
+    assert item.quantized is not None, "a quantized factorization"
+    u, v = (quantized_initializers(graph, names.fresh(f"{base}.svd_{which}"), factor)
+            for which, factor in zip("uv", item.quantized))
+    return u, v
 
 
 def _replace_with_nbits(model: ir.Model, item: FactorizedLayer, base: str, names: NameAllocator,
@@ -156,6 +159,7 @@ def _replace_with_nbits(model: ir.Model, item: FactorizedLayer, base: str, names
     metadata = dict(layer.node.metadata_props)
     metadata[svd_ops.ORIGINAL_NODE_KEY] = ",".join(node.name or node.op_type for node in layer.nodes)
     nodes, value = [], layer.x
+    assert item.quantized is not None, "a quantized factorization"
     for which, factor, values in zip("uv", item.quantized, stored):
         nodes.append(nbits_node(value, values, factor, f"{layer.node.name or base}.svd_{which}",
                                 {**metadata, FACTOR_KEY: which, RANK_KEY: str(item.rank)}))
@@ -182,6 +186,7 @@ def _replace_with_integer(model: ir.Model, item: FactorizedLayer, base: str, nam
         if which == "v":
             quantized_x = dynamic_quantization(value, f"{name}.svd_h_quantized", nodes)
         value = integer_product(quantized_x, values, layer.dtype, f"{name}.svd_{which}", nodes)
+    assert value is not None, "U's product, then V's"
     bias = bias_value(graph, layer, names, "svd_bias")
     if bias is not None:
         nodes.append(ir.Node("", "Add", [value, bias], num_outputs=1, name=f"{name}.bias"))
