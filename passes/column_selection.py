@@ -15,9 +15,8 @@ import onnx.reference
 import onnx_ir as ir
 
 from onnx_nmm.passes.activation_match import in_dependency_order
+from onnx_nmm.passes.mlp_rules.pattern import SELECTIONS
 
-# Nodes that may carry the values themselves from the projection to a half: they select or reshape.
-SELECTIONS = ("Slice", "Split", "Gather", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten")
 MAX_NODES = 40
 PROBE_ROWS = 2
 

@@ -4,7 +4,7 @@ A pattern is a tree of values read backwards from an anchor, an MLP's output pro
 
     Projection(name, input)   the output of a linear projection, its input matching `input`
     Input(name)               any value; every Input of one name is the same value
-    Selected(projection)      columns selected from a projection's output (column_selection.SELECTIONS nodes)
+    Selected(projection)      columns selected from a projection's output (SELECTIONS nodes)
     ElementWise(*operands)    a value computed from the operands by element-wise nodes and RESHAPES alone
 
 which a rule writes as the MLP reads, e.g. `Projection("down", ElementWise(Projection("gate", x),
@@ -19,7 +19,6 @@ from typing import Generic, TypeVar
 
 import onnx_ir as ir
 
-from onnx_nmm.passes.column_selection import SELECTIONS
 from onnx_nmm.passes.mlp_rules.mlp import Projection as Layer
 from onnx_nmm.passes.mlp_rules.mlp import Projections
 from onnx_nmm.passes.rules import Mismatch
@@ -27,6 +26,9 @@ from onnx_nmm.passes.rules import Mismatch
 # The nodes that change a value's shape but not its elements, which an MLP's values may pass through between its
 # projections (an Identity is element-wise): the one list narrowing, fusion and the Trainium shapes all go by.
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+# The nodes that may carry a projection's values themselves to part of its columns: they select or reshape
+# (column_selection reads which columns).
+SELECTIONS = ("Slice", "Split", "Gather", "Identity", *RESHAPES)
 # Element-wise ops an activation is made of (as exporters spell SiLU, GELU, ReLU and their approximations).
 ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Pow", "Neg", "Tanh", "Exp", "Sqrt", "Reciprocal", "Erf", "Sigmoid",
                "Softplus", "Relu", "Gelu", "Cast", "Identity", "HardSigmoid", "Elu", "Selu", "LeakyRelu")
