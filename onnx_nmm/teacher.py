@@ -11,6 +11,7 @@ fine-tunings of the result.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnx_ir as ir
@@ -33,14 +34,11 @@ def record_calibration(model: ir.Model, description: str) -> None:
         model.metadata_props[CALIBRATION] = description
 
 
-def record_calibration_text(model: ir.Model, sources: tuple) -> None:
-    """Write the absolute path of the first text file among the calibration `sources` (CalibrationOptions'
-    parsed sources) into `model`, unless it names one already: `finetune` starts windows with its passages."""
-    from onnx_nmm.calibration.sources import TextFile
-
-    text = next((source for source in sources if isinstance(source, TextFile)), None)
+def record_calibration_text(model: ir.Model, text: str | os.PathLike | None) -> None:
+    """Write the absolute path of the calibration `text` (calibration_data.calibration_text) into `model`,
+    unless it names one already: `finetune` starts windows with its passages."""
     if text is not None and CALIBRATION_TEXT not in model.metadata_props:
-        model.metadata_props[CALIBRATION_TEXT] = str(Path(text.path).resolve())
+        model.metadata_props[CALIBRATION_TEXT] = str(Path(text).resolve())
 
 
 def recorded_calibration_text(model: ir.Model) -> Path | None:

@@ -196,6 +196,11 @@ def read_tokens(source, tokenizer: str | os.PathLike | None, tokenizer_option: s
     return text_tokens(source, loaded), bos_id(loaded)
 
 
+def calibration_text(options: CalibrationOptions) -> str | os.PathLike | None:
+    """The first text file the calibration reads, if it reads one."""
+    return next((source.path for source in options.sources if isinstance(source, TextFile)), None)
+
+
 def check_token_ids(tokens: np.ndarray, vocabulary: int | None, source: str, model: str) -> None:
     """Refuse token ids the model cannot embed, before onnxruntime prints its own complaint: a text
     tokenized with another model's tokenizer."""

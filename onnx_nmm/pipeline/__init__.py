@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.calibration.calibration_data import CalibrationData, check_source_files
+from onnx_nmm.calibration.calibration_data import CalibrationData, calibration_text, check_source_files
 from onnx_nmm.decomposition import sequential
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
@@ -103,7 +103,7 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     record_dense_model(source.model, source.path)  # finetune's teacher by default
     record_calibration(source.model, report.calibration)
     if calibration is not None:
-        record_calibration_text(source.model, calibration.sources)  # finetune's prompts by default
+        record_calibration_text(source.model, calibration_text(calibration))  # finetune's prompts by default
     return RewriteResult(source.model, report, source.path, source.used_external_data)
 
 
