@@ -394,16 +394,14 @@ class RewriteOptions:
         return self.factorization.strategy
 
     def streamable(self) -> RewriteOptions:
-        """These options as a streamed rewrite runs them: the defaults it cannot run (narrowing MLPs, a quality
-        budget measured on a model held in memory) become whitened SVD at the uniform DEFAULT_KEEP; what was
-        asked for explicitly is kept (and refused later if it cannot stream)."""
-        factorization, ranks, calibration = self.factorization, self.ranks, self.calibration
-        if self.method_by_default and self.method == "nystrom":
-            factorization = replace(factorization, method="whiten")
-            calibration = self.given_calibration  # not mixed with generated windows: they serve the narrowing
-        if self.plan_by_default:
-            ranks = RankOptions(keep=DEFAULT_KEEP, align=ranks.align, sensitivity_windows=ranks.sensitivity_windows)
-        return replace(self, factorization=factorization, ranks=ranks, calibration=calibration)
+        """These options as a streamed rewrite runs them. Narrowing MLPs streams layer by layer with every default
+        kept (onnx_nmm.layerwise); a factorization streams one matrix at a time, which cannot measure a quality
+        budget: a budget that is only the default becomes the uniform DEFAULT_KEEP (one asked for is refused)."""
+        if self.strategy.narrows_mlps or not self.plan_by_default:
+            return self
+        ranks = RankOptions(keep=DEFAULT_KEEP, align=self.ranks.align,
+                            sensitivity_windows=self.ranks.sensitivity_windows)
+        return replace(self, ranks=ranks)
 
     @property
     def sequential(self) -> bool:

@@ -179,13 +179,11 @@ def test_defaults_are_the_documented_ones():
     ranked = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(rank=8), calibration=text)
     assert ranked.method == "whiten"  # ranks only: the MLPs are factorized, not narrowed
     assert onnx_nmm.RankOptions(energy=0.9).keep is None  # the default applies only when no rule is given
-    streamed = calibrated.streamable()  # a stream cannot narrow nor measure a budget: its defaults are older
+    assert calibrated.streamable() == calibrated  # narrowing streams layer by layer, with every default kept
+    whitened_by_default = onnx_nmm.RewriteOptions(calibration=text,
+                                                  factorization=onnx_nmm.FactorizationOptions(method="whiten"))
+    streamed = whitened_by_default.streamable()  # a factorization streams matrix by matrix: no measured budget
     assert streamed.method == "whiten" and streamed.ranks.rule == "keep" and streamed.ranks.keep == 0.8
-    assert streamed.calibration == text
-    assert kept.streamable().method == "whiten" and kept.streamable().ranks.keep == 0.8
-    asked = onnx_nmm.RewriteOptions(factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
-                                    calibration=calibrated.calibration)
-    assert asked.streamable().method == "nystrom"  # asked for: kept, and refused by the stream in one line
     with pytest.raises(onnx_nmm.OptionError, match=r"calibration.mix_generated must be 0 \(the text alone\)"):
         onnx_nmm.CalibrationOptions("text.txt", mix_generated=-1)
 

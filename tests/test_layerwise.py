@@ -1,6 +1,7 @@
 """The layer-by-layer rewrite (onnx_nmm.layerwise): the decoder cut at its residual stream runs as the whole
 model does, and narrowing one layer at a time gives what the in-memory rewrite gives, resumable after a kill."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 import onnx_nmm
+from onnx_nmm.cli import main
 from onnx_nmm.export import ARCHITECTURES
+from onnx_nmm.layerwise import memory
 from onnx_nmm.layerwise.rewrite import rewrite_layerwise
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.model_source import ModelSource
@@ -152,3 +155,32 @@ def test_the_layerwise_rewrite_refuses_what_it_does_not_do(export, tmp_path):
         rewrite_layerwise(path, tmp_path / "out.onnx", onnx_nmm.RewriteOptions(
             factorization=onnx_nmm.FactorizationOptions(method="whiten"), calibration=CALIBRATION))
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_streamed_rewrite_narrows_layer_by_layer_with_the_default_budget(export, tmp_path, capsys):
+    path = export("llama", "dynamo", cache=True)
+    code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--stream", "--calib", "random",
+                                  "--calib-samples", 6, "--calib-window", 24, "--sensitivity-windows", 2,
+                                  "--calib-mix", 0, "--align", 8, "--report", tmp_path / "report.json")])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["method"].startswith("nystrom") and report["quality_budget"]["layer_by_layer"]
+
+
+def test_a_model_too_large_for_memory_is_rewritten_layer_by_layer_and_says_so(export, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(memory, "available_memory", lambda: 1 << 20)
+    path = export("llama", "dynamo", cache=True)
+    code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--calib", "random",
+                                  "--calib-samples", 6, "--calib-window", 24, "--sensitivity-windows", 2,
+                                  "--calib-mix", 0, "--align", 8)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "rewriting it one layer at a time" in err and "GB available" in err
+    assert (tmp_path / "out.onnx.data").exists()
+
+
+def test_without_calibration_the_rewrite_says_what_it_learns_from(export, tmp_path, capsys):
+    path = export("llama", "torchscript")
+    assert main(["rewrite", str(path), "-o", str(tmp_path / "svd.onnx")]) == 0
+    assert "no --calib: weight-only SVD, which often leaves a model that no longer answers" in \
+        capsys.readouterr().err

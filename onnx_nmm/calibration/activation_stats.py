@@ -109,14 +109,23 @@ def collect_gram_matrices(source: ModelSource, inputs: dict[str, int], batches: 
     causal_lm.CausalLm). `on_batch(rows)` hears about each finished batch with its number of rows (tokens).
     Raises ExecutionError if onnxruntime fails or an activation is not finite.
     """
-    plan = _GramPlan(inputs)
+    plan = GramPlan(inputs)
     make_feeds = make_feeds or CausalLm.of_source(source).feeds
-    session = source.session_of(_gram_graph(first_step(source.graph_proto()), plan))
+    session = source.session_of(gram_graph(first_step(source.graph_proto()), plan))
+    return accumulated_grams(session, plan, (make_feeds(batch) for batch in batches), description, on_batch)
+
+
+def accumulated_grams(session, plan: GramPlan, feeds: Iterable[dict], description: str = "",
+                      on_batch: Callable[[int], None] | None = None,
+                      on_outputs: Callable[[int, list[np.ndarray]], None] | None = None) -> GramStatistics:
+    """Σ XᵀX of `plan`'s inputs over the runs of `session` (a gram_graph) on each of `feeds`; the graph's kept
+    outputs of each run go to `on_outputs(index, outputs)`."""
     sums: list[np.ndarray] | None = None
     tokens = 0
-    for index, batch in enumerate(batches):
+    for index, feed in enumerate(feeds):
         try:
-            *blocks, rows = session.run(None, make_feeds(batch))
+            blocks = session.run(None, feed)
+            blocks, rows, kept = blocks[:plan.block_count], blocks[plan.block_count], blocks[plan.block_count + 1:]
         except Exception as error:
             raise ExecutionError(f"onnxruntime failed on calibration batch {index}: "
                                  f"{str(error).splitlines()[0]}") from None
@@ -130,6 +139,8 @@ def collect_gram_matrices(source: ModelSource, inputs: dict[str, int], batches: 
             for total, block in zip(sums, blocks):
                 total += block  # fp32 within a batch, float64 across batches
         tokens += int(rows)
+        if on_outputs is not None:
+            on_outputs(index, kept)
         if on_batch is not None:
             on_batch(int(rows))
     if sums is None or tokens == 0:
@@ -137,13 +148,18 @@ def collect_gram_matrices(source: ModelSource, inputs: dict[str, int], batches: 
     return GramStatistics(plan.assemble(sums), tokens, description)
 
 
-class _GramPlan:
+class GramPlan:
     """Which column blocks each input is split into, and which block products the graph outputs."""
 
     def __init__(self, inputs: dict[str, int]):
         self.inputs = inputs
         self.edges = {name: np.linspace(0, width, max(1, round(width / GRAM_BLOCK)) + 1).astype(int)
                       for name, width in inputs.items()}
+
+    @property
+    def block_count(self) -> int:
+        """The graph outputs the Gram blocks take."""
+        return sum(len(self.products(name)) for name in self.inputs)
 
     def products(self, name: str) -> list[tuple[int, int]]:
         blocks = len(self.edges[name]) - 1
@@ -174,10 +190,11 @@ class _GramPlan:
         return grams
 
 
-def _gram_graph(proto: onnx.ModelProto, plan: _GramPlan) -> onnx.ModelProto:
+def gram_graph(proto: onnx.ModelProto, plan: GramPlan, kept_outputs: int = 0) -> onnx.ModelProto:
     """`proto` (changed in place) whose outputs are the Gram blocks X_aᵀX_b (float32) of every planned input,
-    then the number of rows; nodes the blocks do not need are pruned."""
+    then the number of rows, then its first `kept_outputs` outputs; nodes none of these need are pruned."""
     graph = proto.graph
+    kept = list(graph.output)[:kept_outputs]
     types = value_types(proto)
     known = {value.name for value in proto.graph.input} | {node_output for node in proto.graph.node
                                                             for node_output in node.output}
@@ -211,5 +228,6 @@ def _gram_graph(proto: onnx.ModelProto, plan: _GramPlan) -> onnx.ModelProto:
     del graph.output[:]
     graph.output.extend(outputs)
     graph.output.append(helper.make_tensor_value_info("onnx_nmm_gram_row_count", onnx.TensorProto.INT64, []))
+    graph.output.extend(kept)
     prune(graph)
     return proto

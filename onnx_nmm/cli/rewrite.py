@@ -14,6 +14,10 @@ from onnx_nmm.options import BUDGETS, CALIBRATION_MODES, FACTOR_DTYPES, METHODS,
 EXTERNAL_DATA = {"auto": None, "yes": True, "no": False}
 
 
+# What calibrates a rewrite given a tokenizer and no text: windows the model writes itself.
+SELF_CALIBRATION = "generated:64"
+
+
 def register(subparsers) -> None:
     C, R, F = onnx_nmm.CalibrationOptions, onnx_nmm.RankOptions, onnx_nmm.FactorizationOptions
     parser = subparsers.add_parser(
@@ -61,7 +65,9 @@ def register(subparsers) -> None:
     calibration.add_argument("--calib-generator", metavar="MODEL.onnx",
                              help="sample generated windows from this export of the same model (e.g. one with a KV "
                                   "cache, which is much faster) instead of the model being rewritten")
-    calibration.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or a .gguf file, for text")
+    calibration.add_argument("--tokenizer", metavar="PATH",
+                             help="a tokenizer folder or a .gguf file, for text; without --calib, the model is "
+                                  f"calibrated on {SELF_CALIBRATION.split(':')[1]} windows it writes itself")
     calibration.add_argument("--calib-samples", type=int,
                              help=f"sequences to use (default {default(C, 'samples')})")
     window = calibration.add_argument("--calib-window", dest="seq_len", type=int, metavar="TOKENS",
@@ -139,8 +145,9 @@ def run(args) -> int:
     check_new_output(output, args.force)
     _common.refuse_existing(args, "--report", "--plot", "--save-calib-stats")
     new_folder = next((folder for folder in reversed(output.parents) if not folder.exists()), None)
+    layer_by_layer = _scale.layer_by_layer(args, options, source)
     with _common.progress(args.quiet) as progress:
-        if _scale.streams(args):
+        if _scale.streams(args) or layer_by_layer:
             result = _scale.run_streamed(args, options, source, output, progress)
         else:
             result = onnx_nmm.rewrite(source, options, progress)
@@ -155,6 +162,7 @@ def run(args) -> int:
         plot_report(report, args.plot, title=f"{source.name}: {report.rule}; {report.method}")
     if not args.quiet:
         _print_summary(report, output, new_folder)
+    _say_what_calibrated(args)
     return 0
 
 
@@ -166,9 +174,10 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
         max_kl=args.max_kl, ranks_from=args.ranks_from, budget=args.budget, align=args.align,
         sensitivity_windows=args.sensitivity_windows, sensitivity_from=args.sensitivity_from))
     calibration = None
-    if args.calib is not None or args.calib_stats is not None:
+    if args.calib is not None or args.calib_stats is not None or _self_calibrated(args):
+        calib = args.calib if args.calib is not None or args.calib_stats is not None else [SELF_CALIBRATION]
         calibration = onnx_nmm.CalibrationOptions(**given(
-            source=_common.calibration_sources(args.calib, args.calib_generator), tokenizer=args.tokenizer,
+            source=_common.calibration_sources(calib, args.calib_generator), tokenizer=args.tokenizer,
             samples=args.calib_samples, seq_len=args.seq_len,
             spread=args.calib_spread or None, bos=False if args.no_bos else None, batch=args.calib_batch,
             mode=args.calib_mode,
@@ -178,6 +187,25 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
         factor_dtype=args.factor_dtype, neuron_score=args.neuron_score))
     return onnx_nmm.RewriteOptions(ranks, _common.selection_from(args), factorization, calibration, args.fuse_mlp,
                                    check_answers=not args.no_answer_check)
+
+
+def _self_calibrated(args) -> bool:
+    """No --calib, a --tokenizer and nothing that asks for weight-only SVD: the model's own windows calibrate it."""
+    return (args.calib is None and args.calib_stats is None and args.tokenizer is not None
+            and args.method in (None, "nystrom"))
+
+
+def _say_what_calibrated(args) -> None:
+    """One line when no --calib was given: what the rewrite learned from instead, or that it learned from nothing."""
+    if args.quiet or args.calib is not None or args.calib_stats is not None:
+        return
+    if _self_calibrated(args):
+        _common.stderr.print(f"no --calib: calibrated on {SELF_CALIBRATION.split(':')[1]} windows the model wrote "
+                             "itself; give --calib TEXT for text like what it will read", soft_wrap=True)
+    elif args.method in (None, "svd"):
+        _common.stderr.print("no --calib: weight-only SVD, which often leaves a model that no longer answers; give "
+                             "--calib TEXT --tokenizer T, or --tokenizer T alone to calibrate on text the model writes",
+                             soft_wrap=True)
 
 
 def _print_summary(report: onnx_nmm.RewriteReport, output: Path, new_folder: Path | None) -> None:

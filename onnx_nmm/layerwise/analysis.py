@@ -9,8 +9,8 @@ For layer i, with Xᵢ the dense model's residual stream before it on every cali
               layer dense, to the logits (paths: one per reference, all carried together, so each layer's
               weights are read once)
 
-then Xᵢ₊₁ = layer i (dense) of Xᵢ. The damages and losses are what the quality budget spends
-(sensitivity.choose), exactly as in memory; nothing but one layer and its Gram is ever held.
+then Xᵢ₊₁ = layer i (dense) of Xᵢ, from the same onnxruntime run as the Gram. The damages and losses are what
+the quality budget spends (sensitivity.choose), as in memory; nothing but one layer and its Gram is ever held.
 """
 
 from __future__ import annotations
@@ -76,26 +76,29 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
         for layer in range(len(done), segments.layers):
             segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
             carried = _carried_inputs(stream, segment.carried_inputs, len(batches))
-            gram_session, plan = segments.gram_session(layer)
+            last = layer + 1 == segments.layers  # the calibration windows go no further than the last layer
+
+            def keep(index: int, outputs: list[np.ndarray], segment=segment) -> None:  # the next layer's inputs
+                for name, value in zip(segment.outputs, outputs):
+                    stream.put(name, index, value)
+
+            session, plan = segments.gram_session(layer)
             x = mlp.down.x.name or ""
-            grams = accumulated_grams(gram_session, plan, (segments.feeds(segment, tokens, carried(index))
-                                                           for index, tokens in enumerate(batches)))
-            held = accumulated_grams(gram_session, plan, paths.dense_feeds(segments, layer))
-            del gram_session
+            grams = accumulated_grams(session, plan, (segments.feeds(segment, tokens, carried(index))
+                                                      for index, tokens in enumerate(batches)),
+                                      on_outputs=None if last else keep)
+            held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer))
             narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
             narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
             del held
             candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
             losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
             references = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
-            session = segments.session(segment)
             branches = {}
             for width in references:
                 kept = narrowing.kept(width)
                 branches[(layer, width)] = segments.narrowed_session(layer, kept, narrowing.refit(kept))
             paths = paths.through(segments, layer, session, branches)
-            if layer + 1 < segments.layers:
-                _carry(stream, segments, segment, session, batches, carried)
             work.save_gram(layer, narrowing.gram)
             analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, narrowing.ridge, losses)
             work.finish_layer("analysis", layer, analysis.to_json(), paths)
@@ -111,15 +114,6 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
 
 def _carried_inputs(stream: CarriedValues, names: list[str], batches: int) -> Callable[[int], dict[str, np.ndarray]]:
     return lambda index: {name: stream.get(name, index) for name in names}
-
-
-def _carry(stream: CarriedValues, segments: LayerSegments, segment, session, batches: list[np.ndarray],
-           carried: Callable[[int], dict[str, np.ndarray]]) -> None:
-    """The segment's outputs for every calibration batch, into the stream."""
-    for index, tokens in enumerate(batches):
-        outputs = session.run(segment.outputs, segments.feeds(segment, tokens, carried(index)))
-        for name, value in zip(segment.outputs, outputs):
-            stream.put(name, index, value)
 
 
 def drop_unread(stream: CarriedValues, segments: LayerSegments, layer: int) -> None:

@@ -81,6 +81,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     report.layers = rows
     if ranks.measures_damage:
         choice.damage = measured
+        choice.budget = _allowed(options, metric) if ranks.budget != "sensitivity" else None  # not as tightened
         report.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description, "layer_by_layer": True,
             "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}

@@ -74,9 +74,10 @@ class LayerSegments:
         return self.source.session_of(ir.to_proto(model))
 
     def gram_session(self, layer: int) -> tuple[object, GramPlan]:
-        """Layer `layer`'s segment cut down to the Gram hᵀh of its MLP's intermediate activation h."""
-        mlp = self.mlps[layer]
+        """Layer `layer`'s segment computing the Gram hᵀh of its MLP's intermediate activation h, then its own
+        outputs (asked for by name, they are all it computes)."""
+        mlp, segment = self.mlps[layer], self.cut.segments[layer]
         plan = GramPlan({mlp.down.x.name or "": mlp.width})
         proto = onnx.ModelProto()
-        proto.CopyFrom(self.cut.segments[layer].model)
-        return self.source.session_of(gram_graph(proto, plan)), plan
+        proto.CopyFrom(segment.model)
+        return self.source.session_of(gram_graph(proto, plan, len(segment.outputs))), plan

@@ -95,8 +95,14 @@ class NarrowMlps(ir.passes.InPlacePass):
 def narrowed_mlp(mlp: Mlp, narrowing: MlpNarrowing, width: int) -> NarrowedMlp:
     """The MLP at `width`: its kept neurons and every projection's new weight, stored as the layer's was."""
     kept = narrowing.kept(width)
+    return mlp_keeping(mlp, kept, narrowing.refit(kept))
+
+
+def mlp_keeping(mlp: Mlp, kept: np.ndarray, refit: np.ndarray) -> NarrowedMlp:
+    """The MLP keeping the neurons `kept`, its output projection `refit` [k, H]: each weight stored as its layer's
+    was."""
     weights = [_input_columns(layer, kept) for layer in mlp.projections]
-    return NarrowedMlp(mlp, kept, weights + [_stored(mlp.down, narrowing.refit(kept))])
+    return NarrowedMlp(mlp, kept, weights + [_stored(mlp.down, refit)])
 
 
 def outcomes(mlp: Mlp, narrowing: MlpNarrowing, narrowed: NarrowedMlp) -> list[LayerOutcome]:

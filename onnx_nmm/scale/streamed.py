@@ -58,6 +58,13 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     """
     options = (options or RewriteOptions()).streamable()  # its defaults are the ones a stream can run
     stream, progress = stream or StreamOptions(), progress or Progress()
+    if options.strategy.narrows_mlps:
+        if stream.ray is not None:
+            raise OptionError("narrowing MLPs runs layer by layer on this machine, not on Ray: drop --ray, or stream "
+                              "a factorization ({method} whiten or fisher) on Ray", method="factorization.method")
+        from onnx_nmm.layerwise.rewrite import rewrite_layerwise
+
+        return rewrite_layerwise(model, output, options, progress, resume=stream.resume)
     _refuse_in_memory_only(options)
     check_source_files(options.calibration)  # a missing text or tokenizer is said before the model loads
     if stream.ray is not None:
@@ -135,7 +142,3 @@ def _refuse_in_memory_only(options: RewriteOptions) -> None:
     if options.fuse_mlp:
         raise OptionError("{fuse_mlp} is not done by a streamed rewrite yet: rewrite, then fuse in memory",
                           fuse_mlp="fuse_mlp")
-    if options.strategy.narrows_mlps:
-        raise OptionError("{method} nystrom narrows MLPs in memory, three matrices at a time: a streamed rewrite "
-                          "does not do it yet; rewrite in memory, or stream with {method} whiten or fisher",
-                          method="factorization.method")
