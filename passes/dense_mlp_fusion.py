@@ -18,7 +18,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.passes.linear_layers import LinearLayer, find_linear_layers
-from onnx_nmm.passes.mlp_fusion import FuseMlpPass, FusionChoice
+from onnx_nmm.passes.mlp_fusion import FuseMlpPass, FusionChoice, MlpFusion
 from onnx_nmm.passes.mlp_narrowing import find_mlps
 from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.passes.mlp_rules.rule_set import GATED_MLP, UNGATED_MLP
@@ -28,17 +28,15 @@ from onnx_nmm.passes.stored_weights import NameAllocator, initializer
 
 
 class FuseDenseMlpPass(ir.passes.InPlacePass):
-    """Replace each dense MLP by one GatedMLP or MLP op (those `choose` accepts). `fused` lists their names;
-    `unfused` says, for every dense MLP left alone, why."""
+    """Replace each dense MLP by one GatedMLP or MLP op (those `choose` accepts)."""
 
     def __init__(self, choose: FusionChoice | None = None):
         super().__init__()
         self.choose = choose
-        self.fused: list[str] = []
-        self.unfused: dict[str, str] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.unfused = [], {}
+    def call(self, model: ir.Model) -> MlpFusion:
+        fused: list[str] = []
+        unfused: dict[str, str] = {}
         names = NameAllocator(model.graph)
         weights: dict[str, ir.Value] = {}  # weight values by layer name: every site of an MLP reads the same
         for mlp in find_mlps(find_linear_layers(model))[0]:
@@ -50,14 +48,14 @@ class FuseDenseMlpPass(ir.passes.InPlacePass):
             elif not reason and self.choose is not None:
                 reason = self.choose(mlp.name, svd_ops.GATED_MLP if mlp.gated else svd_ops.MLP, _input_shapes(mlp))
             if reason or not isinstance(activation, Activation):
-                self.unfused[mlp.name] = reason
+                unfused[mlp.name] = reason
                 continue
             _replace(model, mlp, activation, names, weights)
-            if mlp.name not in self.fused:  # the same MLP in another branch of a merged decoder
-                self.fused.append(mlp.name)
-        if self.fused:
+            if mlp.name not in fused:  # the same MLP in another branch of a merged decoder
+                fused.append(mlp.name)
+        if fused:
             RemoveUnusedNodesPass()(model)
-        return ir.passes.PassResult(model, modified=bool(self.fused))
+        return MlpFusion(model, modified=bool(fused), fused=fused, unfused=unfused)
 
 
 def _input_shapes(mlp: Mlp) -> list[tuple[int, ...]]:
@@ -120,8 +118,7 @@ def fuse_every_mlp(model: ir.Model, choose: FusionChoice | None = None) -> tuple
     """Each factorized MLP into one SvdGatedMLP or SvdMLP (mlp_fusion), then each dense one into a GatedMLP or
     MLP, where `choose` (if given) accepts it: the names of the fused MLPs, and for the others why not (by module
     path)."""
-    factorized, dense = FuseMlpPass(choose), FuseDenseMlpPass(choose)
-    factorized(model)
-    dense(model)
+    factorized, dense = FuseMlpPass(choose)(model), FuseDenseMlpPass(choose)(model)
+    assert isinstance(factorized, MlpFusion) and isinstance(dense, MlpFusion)
     unfused = {path: reason for path, reason in factorized.unfused.items() if path.rsplit(".", 1)[0] not in dense.fused}
     return factorized.fused + dense.fused, unfused | dense.unfused

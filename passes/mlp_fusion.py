@@ -103,18 +103,25 @@ class _Fused:
     made: list[np.ndarray] = field(default_factory=list)  # the initializers standing in for the None inputs
 
 
+@dataclass
+class MlpFusion(ir.passes.PassResult):
+    """The names of the MLPs fused, and for each one left alone (by its output projection's module path, or
+    its own) why."""
+
+    fused: list[str] = field(default_factory=list)
+    unfused: dict[str, str] = field(default_factory=dict)
+
+
 class FuseMlpPass(ir.passes.InPlacePass):
-    """Replace each factorized MLP by one SvdGatedMLP or SvdMLP. `fused` lists their names; `unfused` says,
-    for every MLP output projection left alone, why."""
+    """Replace each factorized MLP by one SvdGatedMLP or SvdMLP (those `choose` accepts)."""
 
     def __init__(self, choose: FusionChoice | None = None):
         super().__init__()
         self.choose = choose
-        self.fused: list[str] = []
-        self.unfused: dict[str, str] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.unfused = [], {}
+    def call(self, model: ir.Model) -> MlpFusion:
+        fused: list[str] = []
+        unfused: dict[str, str] = {}
         projections = factorized_projections(model)
         for down in output_projections(model):
             where = roles.module_path(down) or down.name or down.op_type
@@ -123,16 +130,16 @@ class FuseMlpPass(ir.passes.InPlacePass):
             refused = self.choose(_mlp_name(found), found.op_type, _input_shapes(found)) \
                 if isinstance(found, _Fused) and reader is None and self.choose is not None else None
             if isinstance(found, Mismatch):
-                self.unfused[where] = found.reason
+                unfused[where] = found.reason
             elif reader is not None:
-                self.unfused[where] = f"{reader} outside the MLP reads a value inside it"
+                unfused[where] = f"{reader} outside the MLP reads a value inside it"
             elif refused is not None:
-                self.unfused[where] = refused
+                unfused[where] = refused
             else:
                 name = _replace(model, found)
-                if name not in self.fused:  # the same MLP in another branch
-                    self.fused.append(name)
-        return ir.passes.PassResult(model, modified=bool(self.fused))
+                if name not in fused:  # the same MLP in another branch
+                    fused.append(name)
+        return MlpFusion(model, modified=bool(fused), fused=fused, unfused=unfused)
 
 
 def factorized_projections(model: ir.Model):

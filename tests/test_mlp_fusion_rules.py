@@ -59,8 +59,7 @@ def test_an_mlp_no_rule_matches_is_left_with_the_closest_rule_s_reason(export, a
     for down in _downs(model):
         found = fused_form(projections(down.outputs[0]), projections, model)
         assert isinstance(found, Mismatch) and found.reason == reason
-    fusion = FuseMlpPass()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fusion(model)
+        fusion = FuseMlpPass()(model)
     assert fusion.fused == [] and set(fusion.unfused.values()) == {reason}
