@@ -6,9 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx_nmm
-from onnx_nmm.calibration.calibration_data import check_source_files
 from onnx_nmm.cli import _common
-from onnx_nmm.ranks.rank_plan import check_report_files
 
 LOCAL_RAY = "local"
 WORKERS = (1, 4, 16)  # the plan's modelled wall time on this many workers
@@ -40,13 +38,7 @@ def streams(args) -> bool:
 def layer_by_layer(args, options, source: Path) -> bool:
     """Whether a rewrite that narrows MLPs in memory would not fit this machine: then it runs layer by layer, and
     says so in one line."""
-    from onnx_nmm.layerwise.memory import too_large_for_memory
-
-    if streams(args) or not options.strategy.narrows_mlps or not source.is_file():
-        return False  # a missing model (or text, or report) is said by the rewrite, before the model loads
-    check_source_files(options.calibration)
-    check_report_files(options.ranks)
-    reason = too_large_for_memory(source)
+    reason = None if streams(args) else onnx_nmm.too_large_for_memory(source, options)
     if reason is not None:
         _common.stderr.print(reason, soft_wrap=True)
     return reason is not None

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from onnx_nmm.calibration.calibration_data import check_source_files
 from onnx_nmm.model_io import load_model
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.ranks.rank_plan import check_report_files
 
 IN_MEMORY_FACTOR = 12
 GB = 2**30
@@ -40,8 +43,14 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def too_large_for_memory(model_path: str | os.PathLike) -> str | None:
-    """Why the in-memory rewrite of the model at `model_path` would not fit (one line), or None if it fits."""
+def too_large_for_memory(model_path: str | os.PathLike, options: RewriteOptions) -> str | None:
+    """Why the in-memory rewrite of the model at `model_path` with `options` would not fit (one line), or None if
+    it fits or does not narrow MLPs (only narrowing runs layer by layer). A missing calibration file or report
+    is refused first, before the model loads, as the rewrite refuses it."""
+    if not options.strategy.narrows_mlps or not Path(model_path).is_file():
+        return None  # a missing model is said by the rewrite
+    check_source_files(options.calibration)
+    check_report_files(options.ranks)
     weights = float32_weight_bytes(load_model(Path(model_path)))
     needed, available = IN_MEMORY_FACTOR * weights, available_memory()
     if needed <= available:

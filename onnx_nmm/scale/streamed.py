@@ -60,8 +60,9 @@ def rewrite_streamed(model: str | os.PathLike, output: str | os.PathLike, option
     stream, progress = stream or StreamOptions(), progress or Progress()
     if options.strategy.narrows_mlps:
         if stream.ray is not None:
-            raise OptionError("narrowing MLPs runs layer by layer on this machine, not on Ray: drop --ray, or stream "
-                              "a factorization ({method} whiten or fisher) on Ray", method="factorization.method")
+            raise OptionError("narrowing MLPs runs layer by layer on this machine, not on Ray: drop {ray}, or stream "
+                              "a factorization ({method} whiten or fisher) on Ray", ray="stream.ray",
+                              method="factorization.method")
         from onnx_nmm.layerwise.rewrite import rewrite_layerwise
 
         return rewrite_layerwise(model, output, options, progress, resume=stream.resume)
