@@ -8,7 +8,8 @@ A pattern is a tree of values read backwards from an anchor, an MLP's output pro
     ElementWise(*operands)    a value computed from the operands by element-wise nodes and RESHAPES alone
 
 which a rule writes as the MLP reads, e.g. `Projection("down", ElementWise(Projection("gate", x),
-Projection("up", x)))`. What counts as a projection the caller says (a linear layer, a factorized one). The
+Projection("up", x)))`: an output projection reading an ElementWise of projections (or of selections from
+one) that read Inputs. What counts as a projection the caller says (a linear layer, a factorized one). The
 matcher binds each named projection, and the nodes between the operands and the output projection: the region.
 """
 
@@ -46,7 +47,7 @@ class Input:
 @dataclass(frozen=True)
 class Projection:
     name: str
-    input: Input
+    input: Input | ElementWise
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,12 @@ class ElementWise:
 @dataclass
 class Found(Generic[L]):
     """What a pattern bound: each named projection, each Input's value, the values the element-wise region
-    starts from (in the order the walk met them), its nodes, and the selections between a projection and an
-    operand."""
+    starts from (in the order the walk met them) and its nodes."""
 
     projections: dict[str, L] = field(default_factory=dict)
     inputs: dict[str, ir.Value] = field(default_factory=dict)
     operands: list[ir.Value] = field(default_factory=list)
     region: list[ir.Node] = field(default_factory=list)
-    selected: bool = False
 
 
 def match(pattern: Projection, anchor: L, projections: Projections[L]) -> Found[L] | Mismatch:
@@ -93,11 +92,12 @@ def match(pattern: Projection, anchor: L, projections: Projections[L]) -> Found[
         return different
     for operand, value in zip(region.operands, found.operands):
         projection = operand.projection if isinstance(operand, Selected) else operand
+        if not isinstance(projection.input, Input):
+            raise TypeError("an MLP pattern's input projections read Inputs")
         source = _selected_from(value) if isinstance(operand, Selected) else value
         layer = projections(source) if source is not None else None
-        if layer is None or (isinstance(operand, Selected) and source is value):
+        if layer is None or (isinstance(operand, Selected) and source is value):  # a selection: one node at least
             return Mismatch("its input is not selected from one projection's output", 1)
-        found.selected = found.selected or source is not value
         if found.projections.setdefault(projection.name, layer) is not layer:
             return Mismatch(f"its {projection.name} is two projections", 1)
         if found.inputs.setdefault(projection.input.name, layer.x) is not layer.x:

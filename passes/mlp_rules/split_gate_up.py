@@ -37,8 +37,6 @@ class SplitGateUpMlp:
         found: Found[P] | Mismatch = match(pattern(), down, projections)
         if isinstance(found, Mismatch):
             return found
-        if not found.selected:
-            return Mismatch("its gate and up are not selected from one projection's output", 1)
         return Mlp(SPLIT_GATE_UP, [found.projections["gate_up"]], down, found.region,
                    [node for node in found.region if node.op_type in RESHAPES], found.operands)
 
