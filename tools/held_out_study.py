@@ -78,10 +78,10 @@ class Study:
             rows.append((calibration, "rewritten", removed, before))
             if calibration in self.args.finetune:
                 tuned = self.finetune(rewritten)
-                curves[calibration] = {0: before} | {step: self.scores(path) for step, path in tuned.items()}
-                rows.append((calibration, f"after `finetune` ({self.args.steps} steps)", removed,
-                             curves[calibration][self.args.steps]))
+                after = self.scores(tuned[self.args.steps])  # the result first, the curve's other points after it
+                rows.append((calibration, f"after `finetune` ({self.args.steps} steps)", removed, after))
                 answers[calibration] = self.answers(tuned[self.args.steps])
+                curves[calibration] = {0: before} | {step: self.scores(path) for step, path in tuned.items()}
         self.write(dense, rows, curves, answers)
 
     def answers(self, tuned: Path):
