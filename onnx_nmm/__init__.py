@@ -34,6 +34,7 @@ from onnx_nmm.generation.decode_speed import Benchmark, BenchOptions, ModelSpeed
 from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
 from onnx_nmm.inspection import Inspection, LayerInfo, inspect
+from onnx_nmm.layerwise.dry_run import LayerwisePlan, plan_layerwise
 from onnx_nmm.layerwise.memory import too_large_for_memory
 from onnx_nmm.layerwise.rewrite import rewrite_layerwise
 from onnx_nmm.model_io import check_output_path, external_data_path
@@ -64,7 +65,8 @@ __all__ = [
     "is_compiled_folder", "is_tokenizer_folder", "LayerInfo",
     "LayerOutcome", "load_gguf_causal_lm", "load_tokenizer", "LoweringMismatch", "MissingDependencyError",
     "ModelError", "ModelRunner", "ModelSpeed", "NeuronSdkMissing", "OnnxNmmError", "OptionError", "OutputError",
-    "Phase", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite", "rewrite_streamed", "RewriteOptions",
+    "LayerwisePlan", "Phase", "plan_layerwise", "plan_rewrite", "Progress", "RankOptions", "RankPlan", "rewrite",
+    "rewrite_streamed", "RewriteOptions",
     "RewritePlan", "RewriteReport", "RewriteResult", "rewrite_layerwise", "RUN_BACKENDS", "run_model", "RunResult",
     "Selection",
     "StreamOptions", "TextDiff", "TextOptions", "TinyShape", "TrainingData", "TrainingDiverged", "TrainingOptions",

@@ -184,3 +184,15 @@ def test_without_calibration_the_rewrite_says_what_it_learns_from(export, tmp_pa
     assert main(["rewrite", str(path), "-o", str(tmp_path / "svd.onnx")]) == 0
     assert "no --calib: weight-only SVD, which often leaves a model that no longer answers" in \
         capsys.readouterr().err
+
+
+def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export, tmp_path, capsys):
+    path = export("llama", "dynamo", cache=True)
+    plan = onnx_nmm.plan_layerwise(path, _options(max_ppl_increase=0.05))
+    assert plan.layers == 2 and plan.windows == 6 and plan.held_out == 2 and plan.sample_layer == 1
+    assert 0 < plan.layer_seconds and 0 < plan.maths_seconds and 0 < plan.head_seconds
+    assert plan.analysis_seconds > plan.narrowing_seconds > 0 and plan.peak_bytes > 0
+    code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--calib", "random", "--dry-run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "layer by layer: 2 layers" in out and "Nothing was written" in out
+    assert not list(tmp_path.iterdir())

@@ -50,6 +50,8 @@ def run_streamed(args, options, source: Path, output: Path, progress):
 
 
 def print_plan(args, options, source: Path) -> int:
+    if options.strategy.narrows_mlps:
+        return _print_layerwise_plan(options, source)
     with _common.stderr.status("factorizing one sample matrix to time it..."):
         plan = onnx_nmm.plan_rewrite(source, options, args.threads)
     prefix = _common.common_module_prefix([layer.module_path for layer in plan.layers])
@@ -79,4 +81,20 @@ def print_plan(args, options, source: Path) -> int:
             f"{_common.count(plan.threads, 'BLAS thread')}); every target modelled as that × K·N·min(K,N) ratio: "
             f"{plan.seconds:,.0f} s in one process, "
             f"{on} (modelled; writing the output and loading not included). Nothing was written.")
+    return 0
+
+
+def _print_layerwise_plan(options, source: Path) -> int:
+    """What narrowing the MLPs layer by layer will take on this machine: measured on one layer, modelled for all."""
+    with _common.stderr.status("timing one layer, its narrowing and the head on one window..."):
+        plan = onnx_nmm.plan_layerwise(source, options)
+    gb = 2**30
+    _common.stdout.print(
+        f"{source.name}, layer by layer: {plan.layers} layers, {plan.windows} calibration windows and {plan.held_out} "
+        f"held-out ones of {plan.seq_len} tokens. Measured on layer {plan.sample_layer} and one window: the layer "
+        f"{plan.layer_seconds:.2f} s, its narrowing's maths {plan.maths_seconds:.2f} s, the head "
+        f"{plan.head_seconds:.2f} s. Modelled: the analysis sweep {plan.analysis_seconds / 60:,.1f} min, a narrowing "
+        f"sweep {plan.narrowing_seconds / 60:,.1f} min, {plan.seconds / 60:,.1f} min in all (sampling generated "
+        f"windows and writing not included); peak memory {plan.peak_bytes / gb:.1f} GB. Nothing was written.",
+        soft_wrap=True)
     return 0

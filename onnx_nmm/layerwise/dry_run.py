@@ -1,0 +1,118 @@
+"""A layer-wise rewrite's cost before it runs, on this machine: one layer run on one window, its narrowing's
+maths, the head on one window, all timed now; the sweeps' time and the peak memory modelled from them.
+
+    analysis sweep    L·(W + P·3)·t_layer + P·L(L−1)·t_layer + L·t_maths + (1 + 2L)·P·t_head
+                      (the calibration windows W, the held-out windows P on the dense path and two reference
+                      paths per layer; the paths of earlier layers carried through each later one)
+    narrowing sweep   L·(2P·t_layer + t_maths) + 2P·t_head
+    peak memory       what the timing itself held at most, or the largest segment's weights in float32 with a
+                      window's logits over what the process held before, and the narrowing's float64 copies of
+                      the widest MLP's Gram
+
+Sampling generated calibration windows and writing the output are not included; a sweep the budget repeats
+(the plan missed it) adds one narrowing sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from onnx_nmm.calibration.sources import GeneratedText
+from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.model_source import ModelSource
+from onnx_nmm.options import RewriteOptions
+from onnx_nmm.pipeline import find_targets
+from onnx_nmm.ranks.rank_plan import aligned_widths
+
+# Copies of an MLP's I×I Gram in float64 the narrowing holds at once (the Gram, its ordered copy, the Cholesky
+# factor and its inverse, a product)
+GRAM_COPIES = 5
+
+
+@dataclass
+class LayerwisePlan:
+    layers: int
+    windows: int  # calibration windows
+    held_out: int  # windows the budget is measured on
+    seq_len: int
+    layer_seconds: float  # one layer on one window (measured)
+    maths_seconds: float  # one MLP's narrowing maths (measured)
+    head_seconds: float  # the head on one window (measured)
+    analysis_seconds: float  # modelled
+    narrowing_seconds: float  # modelled
+    peak_bytes: int  # modelled
+    sample_layer: int
+
+    @property
+    def seconds(self) -> float:
+        return self.analysis_seconds + self.narrowing_seconds
+
+
+def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
+    """Time one layer, its maths and the head of the model at `model` on one window; model the rest."""
+    before = _resident_bytes()
+    source = ModelSource(Path(model))
+    segments = LayerSegments.of(source, find_targets(source.model, options), options)
+    assert options.calibration is not None, "narrowing MLPs is calibrated"
+    seq_len, layers = options.calibration.seq_len, segments.layers
+    tokens = segments.causal_lm.random_tokens(1, seq_len, seed=0)
+    sample = min(1, layers - 1)  # the layer timed: the second (the first also embeds the tokens)
+    carried: dict[str, np.ndarray] = {}
+    for segment in segments.cut.segments[:sample]:  # the layers before it give it real inputs
+        outputs = segments.session(segment).run(segment.outputs, segments.feeds(segment, tokens, carried))
+        carried |= dict(zip(segment.outputs, outputs))
+    segment, mlp = segments.cut.segments[sample], segments.mlps[sample]
+    session, plan = segments.gram_session(sample)
+    layer_seconds, outputs = _timed(session, None, segments.feeds(segment, tokens, carried))
+    carried |= dict(zip(segment.outputs, outputs[plan.block_count + 1:]))
+    gram = plan.assemble([block.astype(np.float64) for block in outputs[:plan.block_count]])[mlp.down.x.name or ""]
+    start = time.perf_counter()
+    narrowing = MlpNarrowing(gram + np.eye(len(gram)), mlp.down.weight_matrix(), options.factorization.neuron_score)
+    narrowing.choose_ridge(gram, reference_width(mlp.width))
+    narrowing.relative_errors(aligned_widths(mlp.width, options.ranks.align))
+    maths_seconds = time.perf_counter() - start
+    head = segments.cut.head
+    stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
+    head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})
+    head_seconds, (logits,) = _timed(segments.session(head), head.outputs[:1], head_feeds)
+    windows = options.calibration.samples + sum(source.samples for source in options.calibration.sources
+                                                if isinstance(source, GeneratedText))
+    held_out = options.ranks.sensitivity_windows
+    analysis = (layers * (windows + 3 * held_out) * layer_seconds + held_out * layers * (layers - 1) * layer_seconds
+                + layers * maths_seconds + (1 + 2 * layers) * held_out * head_seconds)
+    narrowing_sweep = layers * (2 * held_out * layer_seconds + maths_seconds) + 2 * held_out * head_seconds
+    weights = max(_float32_bytes(segment.model) for segment in segments.cut.segments)
+    gram_bytes = GRAM_COPIES * max(mlp.width for mlp in segments.mlps) ** 2 * 8
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
+    peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
+    return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, head_seconds, analysis,
+                         narrowing_sweep, int(peak), sample)
+
+
+def _timed(session, names, feeds) -> tuple[float, list[np.ndarray]]:
+    """One run's wall time, after a first run that sets onnxruntime up; its outputs."""
+    session.run(names, feeds)
+    start = time.perf_counter()
+    outputs = session.run(names, feeds)
+    return time.perf_counter() - start, outputs
+
+
+def _resident_bytes() -> int:
+    """What the process holds now (its resident set)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _float32_bytes(model: onnx.ModelProto) -> int:
+    """A segment's weights in float32 (4 bytes a value, a 4-bit code too once dequantized)."""
+    return sum(4 * int(np.prod(tensor.dims)) for tensor in model.graph.initializer)
