@@ -196,3 +196,14 @@ def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export
     out = capsys.readouterr().out
     assert code == 0 and "layer by layer: 2 layers" in out and "Nothing was written" in out
     assert not list(tmp_path.iterdir())
+
+
+def test_with_a_tokenizer_the_layerwise_rewrite_checks_the_answers_after_writing(tmp_path):
+    folder = FORMATS / "genai-fp32"
+    options = onnx_nmm.RewriteOptions(
+        factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
+        ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, keep=0.75),
+        calibration=onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24, tokenizer=folder))
+    result = rewrite_layerwise(folder / "model.onnx", tmp_path / "out.onnx", options)
+    answers = result.report.answers
+    assert answers and len(answers["prompts"]) == len(answers["dense"]) == len(answers["rewritten"]) > 0

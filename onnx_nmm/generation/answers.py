@@ -84,6 +84,7 @@ def check_answers(dense, rewritten, tokenizer, prompts: tuple[str, ...] = CHECK_
         answers.append([continuation(decoder, ids, _greedy, stops, ANSWER_TOKENS)[0] for ids in asked])
         likelihoods.append([_answer_log_likelihood(decoder.runner, ids, answer)
                             for ids, answer in zip(asked, answers[0])])
+        del decoder  # one model's session at a time
     drops = [float(d - r) for d, r in zip(*likelihoods)]
     same = [rewritten[:len(dense[:COMPARED_TOKENS])] == dense[:COMPARED_TOKENS] for dense, rewritten in zip(*answers)]
     texts = [[tokenizer.decode(tokens, skip_special_tokens=True) for tokens in side] for side in answers]

@@ -7,6 +7,8 @@ quality budget) in the memory of one layer, for models that do not fit in memory
     narrowing sweep  each MLP narrowed; the plan's damage measured at the output          narrowing.py
                      (over the budget: the budget tightened by what it missed, narrowed again)
     assembly         the narrowed weights into the graph, written tensor by tensor          scale/writer.py
+    answers          with a tokenizer, the check prompts' answers of the output against the input's, one
+                     model in onnxruntime at a time
 
 Every stage keeps what it finished in `<output>.partial/` (work.py): killed, the same call takes up after the
 last finished layer and writes the same bytes.
@@ -32,7 +34,13 @@ from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes.mlp_narrowing import NarrowMlpPass
-from onnx_nmm.pipeline import RewriteReport, RewriteResult, calibration_data, find_targets
+from onnx_nmm.pipeline import (
+    RewriteReport,
+    RewriteResult,
+    calibration_data,
+    check_rewritten_answers,
+    find_targets,
+)
 from onnx_nmm.pipeline.narrow import mlp_keeping
 from onnx_nmm.pipeline.statistics import budget_windows
 from onnx_nmm.progress import Progress
@@ -93,6 +101,9 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
         write_streamed(source.model, output, work.work.staging, functools.partial(check_model_file, source=model_path))
     carry_genai_config(model_path, output)
     work.work.remove()
+    tokenizer = options.calibration.tokenizer if options.calibration is not None else None
+    if options.check_answers and tokenizer is not None:
+        check_rewritten_answers(model_path, output, report, tokenizer, progress)
     return RewriteResult(source.model, report, model_path, True)
 
 

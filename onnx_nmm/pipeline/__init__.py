@@ -137,19 +137,25 @@ def _timed(report: RewriteReport, label: str):
 
 
 def _check_answers(source: ModelSource, report: RewriteReport, tokenizer, progress: Progress) -> None:
+    rewritten = ModelSource(source.model, folder=source.folder)  # the in-memory model, described as its input
+    check_rewritten_answers(source.path or source.original, rewritten, report, tokenizer, progress)
+
+
+def check_rewritten_answers(dense, rewritten, report: RewriteReport, tokenizer, progress: Progress) -> None:
     """The rewritten model's greedy answers to the check prompts against the dense model's
-    (onnx_nmm.generation.answers), in the report; a warning when they differ."""
+    (onnx_nmm.generation.answers), in the report; a warning when they differ. The models are anything
+    model_source.ModelSource takes, run one after the other."""
     from onnx_nmm.calibration.tokens import load_tokenizer
     from onnx_nmm.generation.answers import check_answers
 
     with progress.phase("checking answers against the dense model"):
-        rewritten = ModelSource(source.model, folder=source.folder)  # the in-memory model, described as its input
-        check = check_answers(source.path or source.original, rewritten, load_tokenizer(tokenizer))
+        check = check_answers(dense, rewritten, load_tokenizer(tokenizer))
     report.answers = check.to_dict()
     if check.warning():
-        warnings.warn(check.warning(), stacklevel=3)
+        warnings.warn(check.warning(), stacklevel=4)
 
 
-__all__ = ["calibration_data", "Factorizer", "FactorizedResult", "FactorizeLayers", "find_layers", "find_targets",
+__all__ = ["calibration_data", "check_rewritten_answers",
+           "Factorizer", "FactorizedResult", "FactorizeLayers", "find_layers", "find_targets",
            "FusedResult", "FuseMlps", "gather_statistics", "LayerOutcome", "MlpNarrowings", "NarrowedResult",
            "NarrowMlps", "Planner", "RankChoice", "RewriteReport", "RewriteResult", "rewrite", "Statistics", "Targets"]
