@@ -4,7 +4,7 @@ modern news, Usenet discussion, code comments, programmer quips (tools/assets.he
 New Testament, before and after `finetune`, with the steps it took to get there.
 
     python tools/held_out_study.py [--keep 0.9] [--calibrations mixed kjv] [--finetune mixed]
-                                   [--save-at 50,100] [--steps 200]
+                                   [--save-at 50 100] [--steps 200]
 
 Every rewrite is `--keep K --budget sensitivity --align 32` on --calib-samples Old Testament windows of
 --calib-window tokens (`mixed`: with the default mix of 32 generated windows, spelled out so that they are
@@ -65,8 +65,8 @@ class Study:
         # rewrite made since finetune reads them records itself
         self.log.produce(list(steps.values()), "finetune", rewritten, "--tokenizer", self.tokenizer, "--generator",
                          self.kv, "--prompts", self.calibration_text, "--steps", self.args.steps,
-                         "--save-at", ",".join(map(str, self.args.save_at)), "-o", tuned,
-                         "--report", tuned.with_suffix(".json"))
+                         *(["--save-at", ",".join(map(str, self.args.save_at))] if self.args.save_at else []),
+                         "-o", tuned, "--report", tuned.with_suffix(".json"))
         return dict(sorted(steps.items()))
 
     def run(self) -> None:
@@ -137,7 +137,8 @@ def main() -> int:
     parser.add_argument("--calibrations", nargs="*", choices=CALIBRATIONS, default=list(CALIBRATIONS))
     parser.add_argument("--finetune", nargs="*", choices=CALIBRATIONS, default=["mixed"])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--save-at", type=lambda text: [int(step) for step in text.split(",")], default=[50, 100])
+    parser.add_argument("--save-at", nargs="*", type=int, default=[50, 100], metavar="STEP",
+                        help="the steps the curve also scores (none: no curve)")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-window", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=8)
