@@ -176,9 +176,9 @@ class _Splitter:
                       for what, values in (("starts", [rows[0]]), ("ends", [rows[-1] + 1]), ("axes", [-1]))]
             x_part = self._add(f"{name}.x_part", "Slice", [x, *bounds], node, self.local.full(x))
             self._set_last(x_part, len(rows))
-            self._low_rank(node, x_part, _array(u)[rows], _array(v)[:, columns], b[columns] if b is not None else None,
-                           name, rank, n)
-            self._set_last(self._output_of_low_rank, len(columns))
+            result = self._low_rank(node, x_part, _array(u)[rows], _array(v)[:, columns],
+                                    b[columns] if b is not None else None, name, rank)
+            self._set_last(result, len(columns))
             return
         rows = self._rows(role, x, name, k)
         if how.startswith("U row-split, V whole, output"):
@@ -188,11 +188,11 @@ class _Splitter:
             self._join(ALL_REDUCE, node.outputs[0], name, n)
             return
         columns = self.shares.even(n, self.rank) if "V column-split" in how else np.arange(n)
-        self._low_rank(node, x, _array(u)[rows], _array(v)[:, columns], b[columns] if b is not None else None,
-                       name, rank, n)
+        result = self._low_rank(node, x, _array(u)[rows], _array(v)[:, columns], b[columns] if b is not None else None,
+                                name, rank)
         if "V column-split" in how:
-            self._set_last(self._output_of_low_rank, len(columns))
-            self._join(ALL_GATHER, self._output_of_low_rank, name, n)
+            self._set_last(result, len(columns))
+            self._join(ALL_GATHER, result, name, n)
 
     def mlp(self, node: ir.Node) -> None:
         x = node.inputs[0]
@@ -244,8 +244,9 @@ class _Splitter:
         RemoveUnusedNodesPass()(self.model)
 
     def _low_rank(self, node: ir.Node, x: ir.Value, u: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
-                  name: str, rank: int, n: int) -> None:
-        """`node` (X·U·V) as X·U, all-reduced (rank wide), then ·V (+ bias): on the rank's U rows and V columns."""
+                  name: str, rank: int) -> ir.Value:
+        """`node` (X·U·V) as X·U, all-reduced (rank wide), then ·V (+ bias): on the rank's U rows and V columns; the
+        result, read instead of the node's output."""
         dtype, out = self._dtype(x), node.outputs[0]
         full = self.local.probe.shapes[out.name or ""]
         xu = self._add(f"{name}.xu", "MatMul", [x, self._weight(u, dtype, f"{name}.U.rows{self.rank}")], node,
@@ -258,7 +259,7 @@ class _Splitter:
             result = self._add(f"{name}.xuv_bias", "Add", [result, bias_part], result.producer(), full)
         self._replace(out, result)
         self.graph.remove(node, safe=True)
-        self._output_of_low_rank = result
+        return result
 
     def _join(self, op: str, value: ir.Value, after: str, width: int) -> ir.Value:
         """A collective on `value`, read instead of it from then on."""
