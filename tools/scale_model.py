@@ -4,6 +4,7 @@ external data, never the whole model in memory. The graph reads like a TorchScri
 q/k/v/o and gate/up/down; its attention is a stand-in (q scaled by the mean of k + v), not softmax attention.
 
     python tools/scale_model.py OUT_FOLDER [--hidden 4096 --intermediate 14336 --kv 1024 --layers 24]
+                                           [--vocab 128256: token ids in, logits out]
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ ALIGNMENT = 4096
 
 
 def write_llama_shaped(folder: str | Path, hidden: int, intermediate: int, kv: int, layers: int,
-                       dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Write `folder`/model.onnx and model.onnx.data; the model's path."""
+                       dtype: str = "bfloat16", seed: int = 0, vocab: int | None = None) -> Path:
+    """Write `folder`/model.onnx and model.onnx.data; the model's path. With `vocab`, a causal LM: token ids
+    `input_ids` in through an embedding, logits out of an lm_head (what the layer-wise rewrite runs)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     numpy_dtype, onnx_dtype = DTYPES[dtype]
@@ -44,6 +46,12 @@ def write_llama_shaped(folder: str | Path, hidden: int, intermediate: int, kv: i
             return name
 
         h = "hidden_states.0"
+        if vocab is not None:
+            table = weight("model.embed_tokens.weight", vocab, hidden)
+            nodes.append(helper.make_node("Gather", [table, "input_ids"], ["/model/embed_tokens/Gather_output_0"],
+                                          name="/model/embed_tokens/Gather"))
+            nodes.append(helper.make_node("Cast", ["/model/embed_tokens/Gather_output_0"], [h], to=TensorProto.FLOAT,
+                                          name="/model/embed_tokens/Cast"))
         for i in range(layers):
             scope = f"/model/layers.{i}"
 
@@ -72,8 +80,15 @@ def write_llama_shaped(folder: str | Path, hidden: int, intermediate: int, kv: i
             silu = node("Mul", [gate, node("Sigmoid", [gate], "mlp/act_fn/Sigmoid")], "mlp/act_fn/Mul")
             down = linear(node("Mul", [silu, up], "mlp/Mul"), "mlp.down_proj", intermediate, hidden)
             h = node("Add", [h, down], "Add_1")
+        head = weight("lm_head.weight", hidden, vocab) if vocab is not None else None
     inputs = [helper.make_tensor_value_info("hidden_states.0", TensorProto.FLOAT, ["batch", "seq", hidden])]
     outputs = [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", "seq", hidden])]
+    if head is not None:
+        nodes.append(helper.make_node("Cast", [head], ["/lm_head/Cast_output_0"], to=TensorProto.FLOAT,
+                                      name="/lm_head/Cast"))
+        nodes.append(helper.make_node("MatMul", [h, "/lm_head/Cast_output_0"], ["logits"], name="/lm_head/MatMul"))
+        inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])]
     graph = helper.make_graph(nodes, "llama_shaped", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     path = folder / "model.onnx"
@@ -88,8 +103,10 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    parser.add_argument("--vocab", type=int, help="a causal LM with this vocabulary (token ids in, logits out)")
     args = parser.parse_args()
-    print(write_llama_shaped(args.folder, args.hidden, args.intermediate, args.kv, args.layers, args.dtype))
+    print(write_llama_shaped(args.folder, args.hidden, args.intermediate, args.kv, args.layers, args.dtype,
+                             vocab=args.vocab))
 
 
 if __name__ == "__main__":

@@ -108,14 +108,19 @@ class MlpNarrowing:
         Falls back to one refit per width when C + λI is not positive definite (λ = 0 on a singular C)."""
         c, w, damping = self.gram, self.down, self.damping
         priority = self.order()[::-1]
+        damped = c[np.ix_(priority, priority)]  # C_PP + λI, one I×I copy (an MLP's Gram is GBs at 8B)
+        damped[np.diag_indices_from(damped)] += damping
         try:
-            lower = np.linalg.cholesky(c[np.ix_(priority, priority)] + damping * np.eye(self.width))
+            lower = np.linalg.cholesky(damped)
         except np.linalg.LinAlgError:
             return {width: self.relative_error(kept, self.refit(kept))
                     for width in widths for kept in [self.kept(width)]}
+        del damped
         ordered = w[priority]
-        lower_inverse = np.tril(np.linalg.inv(lower))  # triangular too: tril drops the solver's rounding above
-        y = lower_inverse @ (c[priority] @ w + damping * ordered)
+        lower_inverse = np.linalg.inv(lower)
+        del lower
+        _zero_above_diagonal(lower_inverse)  # triangular too: this drops the solver's rounding above
+        y = lower_inverse @ ((c @ w)[priority] + damping * ordered)
         upper_inverse = lower_inverse.T  # L⁻ᵀ
         full = float(np.sum(w * (c @ w)))
         explained = np.concatenate([[0.0], np.cumsum(np.einsum("ih,ih->i", y, y))])
@@ -146,6 +151,12 @@ class MlpNarrowing:
         if self.score == "energy":
             return np.diag(c) * np.einsum("ih,ih->i", w, w)
         return np.diag(np.linalg.solve(c + self.damping * np.eye(self.width), c))  # leverage; C symmetric
+
+
+def _zero_above_diagonal(matrix: np.ndarray, rows: int = 1024) -> None:
+    """np.tril in place, a block of rows at a time (no second copy of the matrix)."""
+    for start in range(0, len(matrix), rows):
+        matrix[start:start + rows] = np.tril(matrix[start:start + rows], k=start)
 
 
 def reference_width(width: int) -> int:

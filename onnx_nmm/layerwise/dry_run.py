@@ -55,6 +55,11 @@ class LayerwisePlan:
     def seconds(self) -> float:
         return self.analysis_seconds + self.narrowing_seconds
 
+    def seconds_for(self, layers: int) -> float:
+        """The same model's sweeps with `layers` layers of this width (modelled)."""
+        return _sweeps(layers, self.windows, self.held_out, self.layer_seconds, self.maths_seconds,
+                       self.head_seconds)
+
 
 def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
     """Time one layer, its maths and the head of the model at `model` on one window; model the rest."""
@@ -86,15 +91,22 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     windows = options.calibration.samples + sum(source.samples for source in options.calibration.sources
                                                 if isinstance(source, GeneratedText))
     held_out = options.ranks.sensitivity_windows
-    analysis = (layers * (windows + 3 * held_out) * layer_seconds + held_out * layers * (layers - 1) * layer_seconds
-                + layers * maths_seconds + (1 + 2 * layers) * held_out * head_seconds)
-    narrowing_sweep = layers * (2 * held_out * layer_seconds + maths_seconds) + 2 * held_out * head_seconds
+    analysis, narrowing_sweep = _sweeps(layers, windows, held_out, layer_seconds, maths_seconds, head_seconds,
+                                        apart=True)
     weights = max(_float32_bytes(segment.model) for segment in segments.cut.segments)
     gram_bytes = GRAM_COPIES * max(mlp.width for mlp in segments.mlps) ** 2 * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
     return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, head_seconds, analysis,
                          narrowing_sweep, int(peak), sample)
+
+
+def _sweeps(layers: int, windows: int, held_out: int, layer: float, maths: float, head: float, apart: bool = False):
+    """The analysis and narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
+    analysis = (layers * (windows + 3 * held_out) * layer + held_out * layers * (layers - 1) * layer
+                + layers * maths + (1 + 2 * layers) * held_out * head)
+    narrowing = layers * (2 * held_out * layer + maths) + 2 * held_out * head
+    return (analysis, narrowing) if apart else analysis + narrowing
 
 
 def _timed(session, names, feeds) -> tuple[float, list[np.ndarray]]:

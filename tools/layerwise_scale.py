@@ -1,0 +1,68 @@
+"""The layer-wise narrowing on a Llama-3-8B-shaped causal LM (hidden 4096, intermediate 14336, 8 kv heads, vocab
+128256; random bf16 weights written to disk layer by layer, a stand-in attention: values made up, for memory and
+time only): its --dry-run price against a measured run of a few layers, and the whole model priced from them.
+
+    python tools/layerwise_scale.py [--layers 4] [--windows 8] [--held-out 2] [--window 512]
+
+The rewrite runs as `onnx-nmm rewrite --stream` in a fresh process (its own peak RSS), calibrated on random token
+ids (the time and memory are those of any text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import onnx_nmm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from commands import run_measured  # noqa: E402
+from scale_model import LLAMA_3_8B, write_llama_shaped  # noqa: E402
+
+VOCAB = 128256
+WHOLE = {"Llama-3-8B": 32}
+GB = 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=8, help="calibration windows")
+    parser.add_argument("--held-out", type=int, default=2, help="windows the budget is measured on")
+    parser.add_argument("--window", type=int, default=512, help="tokens per window")
+    parser.add_argument("--work", default="out/layerwise-scale")
+    args = parser.parse_args()
+    work = Path(args.work)
+    model = work / "model" / "model.onnx"
+    if not model.exists():
+        write_llama_shaped(model.parent, **LLAMA_3_8B, layers=args.layers, vocab=VOCAB)
+    flags = ["--calib", "random", "--calib-samples", args.windows, "--calib-window", args.window, "--calib-mix", 0,
+             "--sensitivity-windows", args.held_out]
+    options = onnx_nmm.RewriteOptions(calibration=onnx_nmm.CalibrationOptions(
+        "random", samples=args.windows, seq_len=args.window, mix_generated=0),
+        ranks=onnx_nmm.RankOptions(sensitivity_windows=args.held_out))
+    plan = onnx_nmm.plan_layerwise(model, options)
+    output = work / "out" / "model.onnx"
+    measured = run_measured([sys.executable, "-m", "onnx_nmm", "rewrite", model, "-o", output, "--stream", "--quiet",
+                             *flags])
+    shutil.rmtree(output.parent)
+    lines = [f"A Llama-3-8B-shaped causal LM cut to {args.layers} layers (bf16, vocab {VOCAB}), {args.windows} "
+             f"calibration windows and {args.held_out} held-out ones of {args.window} tokens, on "
+             f"{onnx_nmm.describe_machine()}:",
+             "",
+             "| | measured | `--dry-run` (modelled) |",
+             "|---|---:|---:|",
+             f"| wall time, {args.layers} layers | {measured['wall_s'] / 60:.1f} min | {plan.seconds / 60:.1f} min |",
+             f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GB | {plan.peak_bytes / GB:.2f} GB |",
+             f"| one layer on one window | | {plan.layer_seconds:.2f} s |",
+             f"| one MLP's narrowing maths (I = {LLAMA_3_8B['intermediate']}) | | {plan.maths_seconds:.1f} s |",
+             "",
+             *[f"The whole {name} ({layers} layers), modelled from the same measurements: "
+               f"{plan.seconds_for(layers) / 3600:.1f} h with these windows." for name, layers in WHOLE.items()]]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
