@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichBars
 from rich.table import Table as RichTable
 
@@ -252,7 +252,7 @@ def progress(quiet: bool = False) -> Iterator[onnx_nmm.Progress]:
         yield LogProgress(LOG_INTERVAL)
     else:
         bars = RichBars(TextColumn("{task.description:<48.48}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=stderr, transient=True)
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=stderr, transient=True)
         with bars:
             yield BarsProgress(bars)
 
