@@ -12,13 +12,14 @@ from onnx_nmm.passes.linear_layers import (
 )
 from onnx_nmm.passes.mlp_fusion import FuseMlpPass
 from onnx_nmm.passes.selection import TARGETS, LayerFilter, reason_to_skip, select_layers
-from onnx_nmm.passes.svd_factorization import FactorizedLayer, SvdFactorizationPass
+from onnx_nmm.passes.svd_factorization import FactorizedLayer, FactorsPlaced, SvdFactorizationPass
 
 __all__ = [
     "TARGETS",
     "UnreadLayer",
     "find_unread_layers",
     "FactorizedLayer",
+    "FactorsPlaced",
     "FuseMlpPass",
     "LayerFilter",
     "LinearLayer",

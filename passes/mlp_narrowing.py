@@ -14,7 +14,7 @@ records how wide the MLP was (NARROWED_KEY).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -173,27 +173,34 @@ class NarrowedMlp:
         return len(self.kept)
 
 
+@dataclass
+class WeightsNarrowed(ir.passes.PassResult):
+    """`weight_names`: each narrowed layer → the name of its new weight initializer (a float weight's: what
+    fine-tuning trains)."""
+
+    weight_names: dict[str, str] = field(default_factory=dict)
+
+
 class NarrowMlpPass(ir.passes.InPlacePass):
-    """Swap each given MLP's projections for narrower ones. `weight_names` maps each narrowed layer to the name
-    of its new weight initializer (a float weight's: what fine-tuning trains)."""
+    """Swap each given MLP's projections for narrower ones."""
 
     def __init__(self, narrowed: list[NarrowedMlp]):
         super().__init__()
         self.narrowed = narrowed
-        self.weight_names: dict[str, str] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> WeightsNarrowed:
         names = NameAllocator(model.graph)
         made: dict[int, list[ir.Value]] = {}  # new weights' initializers by array, once for every site
+        weight_names = {}
         for item in self.narrowed:
             label = f"{item.width} of {item.mlp.width}"
             _narrow_between(model.graph, item, names)  # first: it reads the projections' outputs as they are
             for weight in item.weights:
-                self.weight_names[weight.layer.name] = _replace_weight(model, weight, label, names, made)
+                weight_names[weight.layer.name] = _replace_weight(model, weight, label, names, made)
         if self.narrowed:
             RemoveUnusedNodesPass()(model)
             drop_unread_weight_inputs(model.graph, [w.layer.weight.storage for i in self.narrowed for w in i.weights])
-        return ir.passes.PassResult(model, modified=bool(self.narrowed))
+        return WeightsNarrowed(model, modified=bool(self.narrowed), weight_names=weight_names)
 
 
 def _replace_weight(model: ir.Model, weight: NarrowedWeight, label: str, names: NameAllocator,

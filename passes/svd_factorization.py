@@ -16,7 +16,7 @@ reads (a tied embedding) stays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -61,26 +61,28 @@ class FactorizedLayer:
         return self.u.shape[1]
 
 
-class SvdFactorizationPass(ir.passes.InPlacePass):
-    """Swap each given layer for an SvdMatMul node with its factors as new initializers.
+@dataclass
+class FactorsPlaced(ir.passes.PassResult):
+    """`factor_names`: each layer's name → the names its U and V initializers were given."""
 
-    `factor_names` maps each layer's name to the names its U and V initializers were given.
-    """
+    factor_names: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+class SvdFactorizationPass(ir.passes.InPlacePass):
+    """Swap each given layer for an SvdMatMul node with its factors as new initializers."""
 
     def __init__(self, factorized: list[FactorizedLayer]):
         super().__init__()
         self.factorized = factorized
-        self.factor_names: dict[str, tuple[str, str]] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> FactorsPlaced:
         names = NameAllocator(model.graph)
         made: dict[tuple[int, int], tuple] = {}  # the factors' initializers, once per shared weight (_made_once)
-        for item in self.factorized:
-            self.factor_names[item.layer.name] = _replace_layer(model, item, names, made)
+        factor_names = {item.layer.name: _replace_layer(model, item, names, made) for item in self.factorized}
         if self.factorized:
             RemoveUnusedNodesPass()(model)
             drop_unread_weight_inputs(model.graph, [item.layer.weight.storage for item in self.factorized])
-        return ir.passes.PassResult(model, modified=bool(self.factorized))
+        return FactorsPlaced(model, modified=bool(self.factorized), factor_names=factor_names)
 
 
 def _replace_layer(model: ir.Model, item: FactorizedLayer, names: NameAllocator,

@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from onnx_nmm.decomposition import sequential
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
+from onnx_nmm.passes import FactorizedLayer, FactorsPlaced, SvdFactorizationPass
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.pipeline.targets import find_layers
@@ -81,9 +81,9 @@ class FactorizeLayers(ir.passes.InPlacePass):
                         made[layer.name] = _as_stored(factors)
                         factorized.append(made[layer.name])
                     phase.advance(detail=layer.module_path or layer.name)
-                surgery = SvdFactorizationPass(factorized)
-                surgery(model)
-                factor_names.update(surgery.factor_names)
+                placed = SvdFactorizationPass(factorized)(model)
+                assert isinstance(placed, FactorsPlaced)
+                factor_names.update(placed.factor_names)
         factorizer.decompositions.clear()
         rows = {layer.name: outcomes.get(layer.name) or LayerOutcome.of(layer, "skipped", skipped[layer.name])
                 for layer in layers}  # one row per target, however many subgraphs hold it

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.options import FactorizationOptions
 from onnx_nmm.passes import LinearLayer
-from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass, WeightsNarrowed
 from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.pipeline.statistics import Statistics
@@ -87,9 +87,9 @@ class NarrowMlps(ir.passes.InPlacePass):
                     outcome.seconds = time.perf_counter() - start
                     rows[outcome.name] = outcome
                 phase.advance(detail=mlp.name)
-        surgery = NarrowMlpPass(items)
-        surgery(model)
-        return NarrowedResult(model, modified=True, rows=rows, weight_names=surgery.weight_names)
+        narrowed = NarrowMlpPass(items)(model)
+        assert isinstance(narrowed, WeightsNarrowed)
+        return NarrowedResult(model, modified=True, rows=rows, weight_names=narrowed.weight_names)
 
 
 def narrowed_mlp(mlp: Mlp, narrowing: MlpNarrowing, width: int) -> NarrowedMlp:

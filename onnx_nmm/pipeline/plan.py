@@ -28,8 +28,8 @@ from onnx_nmm.calibration.calibration_data import CalibrationData
 from onnx_nmm.errors import OptionError
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import FactorizedLayer, LinearLayer, SvdFactorizationPass
-from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass
+from onnx_nmm.passes import FactorizedLayer, FactorsPlaced, LinearLayer, SvdFactorizationPass
+from onnx_nmm.passes.mlp_narrowing import NarrowedMlp, NarrowedWeight, NarrowMlpPass, WeightsNarrowed
 from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.pipeline.factorizer import Factorizer
 from onnx_nmm.pipeline.narrow import MlpNarrowings
@@ -214,16 +214,16 @@ class Planner:
         decompositions = factorizer.decompositions
         factors = {name: decomposition.factors(decomposition.max_rank)
                    for name, decomposition in decompositions.items()}  # one pair per target, which all its sites read
-        surgery = SvdFactorizationPass([FactorizedLayer(layer, *factors[layer.name],
-                                                        align=self.options.ranks.align,
-                                                        method=f"{factorizer.method}/exact")
-                                        for layer in probe_layers])
-        surgery(probe_model)
-        factor_names = surgery.factor_names
+        placed = SvdFactorizationPass([FactorizedLayer(layer, *factors[layer.name],
+                                                       align=self.options.ranks.align,
+                                                       method=f"{factorizer.method}/exact")
+                                       for layer in probe_layers])(probe_model)
+        assert isinstance(placed, FactorsPlaced)
+        factor_names = placed.factor_names
         narrowings = self._full_width(probe_model, mlps)
         ir.external_data.load_to_model(probe_model)  # the lowering reads weights from the proto
         proto = ir.to_proto(probe_model)
-        del probe_model, surgery, factors
+        del probe_model, placed, factors
         module = lower(first_step(proto), consume=True)
         del proto
         return sensitivity.DamageProbe(module, factor_names, decompositions, tokens, metric, self.source, narrowings)
@@ -239,11 +239,11 @@ class Planner:
         weights: dict[str, list[np.ndarray]] = {}  # one set per MLP, which every site of it reads
         for mlp in probe_mlps:
             weights.setdefault(mlp.down.name, [layer.weight_matrix() for layer in mlp.layers])
-        surgery = NarrowMlpPass([NarrowedMlp(mlp, np.arange(mlp.width), [
+        narrowed = NarrowMlpPass([NarrowedMlp(mlp, np.arange(mlp.width), [
             NarrowedWeight(layer, matrix) for layer, matrix in zip(mlp.layers, weights[mlp.down.name])])
-            for mlp in probe_mlps])
-        surgery(probe_model)
-        return {mlp.name: (self.narrowings.of(mlp), surgery.weight_names[mlp.down.name]) for mlp in mlps}
+            for mlp in probe_mlps])(probe_model)
+        assert isinstance(narrowed, WeightsNarrowed)
+        return {mlp.name: (self.narrowings.of(mlp), narrowed.weight_names[mlp.down.name]) for mlp in mlps}
 
 
 def _unique(mlps: list[Mlp]) -> list[Mlp]:

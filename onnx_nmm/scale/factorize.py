@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
 from onnx_nmm.options import RewriteOptions
-from onnx_nmm.passes import FactorizedLayer, SvdFactorizationPass
+from onnx_nmm.passes import FactorizedLayer, FactorsPlaced, SvdFactorizationPass
 from onnx_nmm.pipeline import Factorizer, LayerOutcome, find_layers
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Dense, RankPlan
@@ -83,9 +83,9 @@ class StreamFactorizeLayers(ir.passes.InPlacePass):
         options = self.options
         first = FactorizedLayer(layer=layer, u=u, v=v, align=options.ranks.align, storage=factorizer.storage_dtype(),
                                 method=f"{options.method}/{options.factorization.svd}")
-        surgery = SvdFactorizationPass([first] + [replace(first, layer=site) for site in layer_sites[1:]])
-        surgery(model)
-        for which, name in zip("uv", surgery.factor_names[layer.name]):
+        placed = SvdFactorizationPass([first] + [replace(first, layer=site) for site in layer_sites[1:]])(model)
+        assert isinstance(placed, FactorsPlaced)
+        for which, name in zip("uv", placed.factor_names[layer.name]):
             value = model.graph.initializers[name]
             factor = value.const_value
             assert factor is not None and isinstance(factor.shape, ir.Shape), "the surgery made the factor a tensor"
