@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, metavar="N",
                         help="with --max-context: split the model over N NeuronCores as NxD Inference splits it "
                              "(q/k/v, gate/up column-parallel; o, down row-parallel then an all-reduce; heads and KV "
-                             "cache by head): N rank programs per graph, joined by collectives (default 1)")
+                             "cache by head): N rank programs per graph, joined by collectives, which generate runs "
+                             "on the CPU; with --dry-run, as they are not traced yet (default 1)")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
