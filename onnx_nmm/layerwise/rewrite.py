@@ -21,6 +21,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm import __version__
@@ -75,20 +76,15 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     ranks = options.ranks
     metric = "kl" if ranks.rule == "max_kl" else "ppl"
     batch = options.calibration.batch if options.calibration is not None else 1
-    analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
-    budget = (sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
-              if ranks.measures_damage and ranks.budget != "sensitivity" else None)
-    for attempt in range(RETRIES + 1):
-        choice = _choose(analyses, segments, options, metric, budget)
-        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out.tokens, metric, work,
-                                     f"narrowing{attempt}", progress)
-        measured = float(damage.mean())
-        if budget is None or measured <= _allowed(options, metric) or attempt == RETRIES:
-            break
-        budget *= _allowed(options, metric) / measured  # the predicted damages missed by this much: ask for less
+    try:
+        analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
+        choice, rows, damage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work, progress)
+    except Exception:
+        work.work.remove_if_empty()  # refused before a layer was finished: nothing to take up
+        raise
     report.layers = rows
     if ranks.measures_damage:
-        choice.damage = measured
+        choice.damage = float(damage.mean())
         choice.budget = _allowed(options, metric) if ranks.budget != "sensitivity" else None  # not as tightened
         report.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description, "layer_by_layer": True,
@@ -105,6 +101,25 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     if options.check_answers and tokenizer is not None:
         check_rewritten_answers(model_path, output, report, tokenizer, progress)
     return RewriteResult(source.model, report, model_path, True)
+
+
+def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysis], held_out: np.ndarray,
+                            metric: str, work: LayerWork, progress: Progress):
+    """The plan, the report's rows and the plan's damage per held-out window: chosen by predicted damages,
+    measured at the output, and chosen again within a tighter budget when the measurement misses it."""
+    options = segments.options
+    ranks = options.ranks
+    budget = (sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
+              if ranks.measures_damage and ranks.budget != "sensitivity" else None)
+    for attempt in range(RETRIES + 1):
+        choice = _choose(analyses, segments, options, metric, budget)
+        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, f"narrowing{attempt}",
+                                     progress)
+        measured = float(damage.mean())
+        if budget is None or measured <= _allowed(options, metric) or attempt == RETRIES:
+            break
+        budget *= _allowed(options, metric) / measured  # the predicted damages missed by this much: ask for less
+    return choice, rows, damage
 
 
 def _refuse_unsupported(options: RewriteOptions) -> None:
