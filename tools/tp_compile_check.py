@@ -3,8 +3,9 @@
 
     python tools/tp_compile_check.py [--out docs/trainium.md] [--tp 3]
 
-1. SmolLM2's KV export (`onnx-nmm export`'s default form) and its rewrite at keep 0.9, calibrated on the Old
-   Testament as tools/trainium_deploy.py rewrites it;
+1. SmolLM2's KV export (`onnx-nmm export`'s default form) and its rewrite at keep 0.9, weight-only SVD (no
+   calibration, so its answers are poor: the point is that the rank programs give the same ones; a calibrated
+   rewrite takes 40 minutes on 2 shared cores);
 2. each compiled with `--target trn1 --max-context 256 --tp 3 --dry-run`: three rank programs per graph, timed, its
    peak memory measured (a process of its own);
 3. `generate DIR --backend torch` (the rank programs in lock-step, the collectives simulated) against
@@ -35,10 +36,9 @@ def main() -> int:
     args = parser.parse_args()
     work, gguf = Path(args.work), assets.smollm2_gguf()
     exported = assets.smollm2_kv_onnx()
-    rewritten = work / "smollm2-kv-keep0.9-kjv.onnx"
+    rewritten = work / "smollm2-kv-keep0.9.onnx"
     log = CommandLog()
-    log.produce([rewritten], "rewrite", exported, "-o", rewritten, "--keep", "0.9", "--calib",
-                assets.kjv_text("calibration"), "--tokenizer", gguf, "--budget", "global", "--quiet")
+    log.produce([rewritten], "rewrite", exported, "-o", rewritten, "--keep", "0.9", "--quiet")
     rows, answers = [], []
     for label, model in (("dense", exported), ("keep 0.9", rewritten)):
         folder = work / f"{model.stem if model != exported else 'smollm2-kv'}.tp{args.tp}"
@@ -82,7 +82,8 @@ def write_page(path: Path, tp: int, rows: list, answers: list, commands: list[st
             *(f"- {label}: against the model as given, the largest step difference {worst:.1e} (refused above "
               f"{tolerance:.1e}); `diff`: {'; '.join(diff)}" for label, worst, tolerance, diff in checks), "",
             f"Greedy answers, {NEW_TOKENS} new tokens at most, `generate MODEL` (onnxruntime) against "
-            f"`generate DIR --backend torch` (the {tp} rank programs):", "",
+            f"`generate DIR --backend torch` (the {tp} rank programs); the rewrite is weight-only SVD at keep 0.9, "
+            "without calibration, so its answers are poor — the rank programs give the same ones:", "",
             "| model | prompt | onnxruntime | rank programs | same tokens |", "|---|---|---|---|---|", said, "",
             "```", *commands, "```"]
     write_section(path, "tp-compile", text)
