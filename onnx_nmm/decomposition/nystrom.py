@@ -86,7 +86,8 @@ class MlpNarrowing:
         if len(kept) == self.width:
             return self.down.copy()  # every neuron kept: the refit is exact, and W_d itself
         damping = self.damping
-        a = self.gram[np.ix_(kept, kept)] + damping * np.eye(len(kept))
+        a = self.gram[np.ix_(kept, kept)]  # C_SS + λI in the one copy
+        a[np.diag_indices_from(a)] += damping
         return np.linalg.solve(a, self.gram[kept] @ self.down + damping * self.down[kept])
 
     def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None) -> float:

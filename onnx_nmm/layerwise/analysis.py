@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from onnx_nmm.calibration.activation_stats import accumulated_grams
+from onnx_nmm.calibration.activation_stats import GramStatistics, accumulated_grams
 from onnx_nmm.calibration.tokens import TokenWindows
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.layerwise.carried import CarriedValues
 from onnx_nmm.layerwise.probe import Paths, damage_of_paths
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.work import LayerWork
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Narrowed, aligned_widths
 from onnx_nmm.ranks.sensitivity import NarrowingCandidate
@@ -83,24 +84,16 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
                     stream.put(name, index, value)
 
             session, plan = segments.gram_session(layer)
-            x = mlp.down.x.name or ""
             grams = accumulated_grams(session, plan, (segments.feeds(segment, tokens, carried(index))
                                                       for index, tokens in enumerate(batches)),
                                       on_outputs=None if last else keep)
             held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer))
-            narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
-            narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
-            del held
-            candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
-            losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
-            references = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
-            branches = {}
-            for width in references:
-                kept = narrowing.kept(width)
-                branches[(layer, width)] = segments.narrowed_session(layer, kept, narrowing.refit(kept))
-            paths = paths.through(segments, layer, session, branches)
-            work.save_gram(layer, narrowing.gram)
-            analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, narrowing.ridge, losses)
+            del session  # the maths holds the Gram (GBs at 8B) without the layer's weights beside it
+            ridge, losses, references = _narrowing_costs(mlp, grams, held, score, align, work, layer)
+            del grams, held
+            branches = {(layer, width): segments.narrowed_session(layer, *references[width]) for width in references}
+            paths = paths.through(segments, layer, segments.session(segment), branches)
+            analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, ridge, losses)
             work.finish_layer("analysis", layer, analysis.to_json(), paths)
             done.append(analysis)
             drop_unread(stream, segments, layer)
@@ -110,6 +103,21 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
         analysis.references = [(width, float(damages[(origin, width)].mean())) for origin, width in damages
                                if origin == analysis.layer]
     return done
+
+
+def _narrowing_costs(mlp: Mlp, grams: GramStatistics, held: GramStatistics, score: str, align: int, work: LayerWork,
+                     layer: int) -> tuple[float, dict[int, float], dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """From the MLP's Grams on the calibration and the held-out windows: the ridge, the refit's error at every
+    aligned width, and the kept neurons and refit at each reference width; the Gram kept in `work`."""
+    x = mlp.down.x.name or ""
+    narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
+    narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
+    losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
+    candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
+    widths = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
+    references = {width: (kept, narrowing.refit(kept)) for width in widths for kept in [narrowing.kept(width)]}
+    work.save_gram(layer, narrowing.gram)
+    return narrowing.ridge, losses, references
 
 
 def _carried_inputs(stream: CarriedValues, names: list[str], batches: int) -> Callable[[int], dict[str, np.ndarray]]:

@@ -79,6 +79,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     layer_seconds, outputs = _timed(session, None, segments.feeds(segment, tokens, carried))
     carried |= dict(zip(segment.outputs, outputs[plan.block_count + 1:]))
     gram = plan.assemble([block.astype(np.float64) for block in outputs[:plan.block_count]])[mlp.down.x.name or ""]
+    del session, outputs  # as in the sweep: the maths runs without the layer's weights beside it
     start = time.perf_counter()
     narrowing = MlpNarrowing(gram + np.eye(len(gram)), mlp.down.weight_matrix(), options.factorization.neuron_score)
     narrowing.choose_ridge(gram, reference_width(mlp.width))
