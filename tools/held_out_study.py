@@ -65,6 +65,7 @@ class Study:
         # rewrite made since finetune reads them records itself
         self.log.produce(list(steps.values()), "finetune", rewritten, "--tokenizer", self.tokenizer, "--generator",
                          self.kv, "--prompts", self.calibration_text, "--steps", self.args.steps,
+                         *(["--minutes", self.args.minutes] if self.args.minutes else []),
                          *(["--save-at", ",".join(map(str, self.args.save_at))] if self.args.save_at else []),
                          "-o", tuned, "--report", tuned.with_suffix(".json"))
         return dict(sorted(steps.items()))
@@ -79,10 +80,18 @@ class Study:
             if calibration in self.args.finetune:
                 tuned = self.finetune(rewritten)
                 after = self.scores(tuned[self.args.steps])  # the result first, the curve's other points after it
-                rows.append((calibration, f"after `finetune` ({self.args.steps} steps)", removed, after))
+                rows.append((calibration, f"after `finetune` ({self.trained(tuned[self.args.steps])})", removed,
+                             after))
                 answers[calibration] = self.answers(tuned[self.args.steps])
-                curves[calibration] = {0: before} | {step: self.scores(path) for step, path in tuned.items()}
+                stopped = json.loads(tuned[self.args.steps].with_suffix(".json").read_text())["steps"]
+                curves[calibration] = {0: before} | {step: self.scores(path) for step, path in tuned.items()
+                                                     if step != self.args.steps} | {stopped: after}
         self.write(dense, rows, curves, answers)
+
+    def trained(self, tuned: Path) -> str:
+        """How long finetune trained, from its report."""
+        report = json.loads(tuned.with_suffix(".json").read_text())
+        return f"{report['steps']} steps, {report['seconds'] / 60:.0f} min, stopped by {report['stopped_by']}"
 
     def answers(self, tuned: Path):
         from onnx_nmm.calibration.tokens import load_tokenizer
@@ -116,8 +125,8 @@ class Study:
             lines.append(f"| {calibration} | {model} | {removed:.1%} | " + " | ".join(self.increases(dense, scores))
                          + " |")
         for calibration, curve in curves.items():
-            lines += ["", f"Held-out gain against fine-tuning steps ({calibration}; one run of {self.args.steps} "
-                          "steps, its cosine schedule, the model saved on the way with `--save-at`):", "",
+            lines += ["", f"Held-out gain against fine-tuning steps ({calibration}; one run, its cosine schedule, "
+                          "the model saved on the way with `--save-at`; the last row is where it stopped):", "",
                       "| steps " + head, "|---:|" + "---:|" * (len(names) + 2)]
             lines += [f"| {step} | " + " | ".join(self.increases(dense, scores)) + " |"
                       for step, scores in curve.items()]
@@ -137,6 +146,7 @@ def main() -> int:
     parser.add_argument("--calibrations", nargs="*", choices=CALIBRATIONS, default=list(CALIBRATIONS))
     parser.add_argument("--finetune", nargs="*", choices=CALIBRATIONS, default=["mixed"])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--minutes", type=float, help="finetune's time budget (default: none, --steps alone)")
     parser.add_argument("--save-at", nargs="*", type=int, default=[50, 100], metavar="STEP",
                         help="the steps the curve also scores (none: no curve)")
     parser.add_argument("--calib-samples", type=int, default=64)
