@@ -118,7 +118,7 @@ class Study:
                  "calibration corpus's other half), news the Lee corpus, usenet gensim's 20 Newsgroups sample, "
                  "code the comments and docstrings of Python's standard library, quips pyjokes "
                  "(tools/assets.py).", "",
-                 "| calibration | model | MLP removed " + head[1:],
+                 "| calibration | model | MLP removed |" + head[1:],
                  "|---|---|---:|" + "---:|" * (len(names) + 2),
                  "| | dense | | " + " | ".join(f"{dense[name]:.2f}" for name in names) + " | | |"]
         for calibration, model, removed, scores in rows:
