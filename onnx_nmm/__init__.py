@@ -30,6 +30,7 @@ from onnx_nmm.errors import (
     TrainingDiverged,
 )
 from onnx_nmm.export import TinyShape, build_model, export_causal_lm, export_checkpoint, load_gguf_causal_lm
+from onnx_nmm.generation.answers import AnswerCheck, check_answers
 from onnx_nmm.generation.decode_speed import Benchmark, BenchOptions, ModelSpeed, bench
 from onnx_nmm.generation.decoding import Decoder, DecoderState
 from onnx_nmm.generation.generate import GenerateOptions, Generation, generate
@@ -56,7 +57,8 @@ from onnx_nmm.trainium.decoder_shape import DecoderShape, decoder_shape, decoder
 from onnx_nmm.trainium.speed import TrainiumEstimate, TrainiumOptions, estimate_trainium
 
 __all__ = [
-    "bench", "Benchmark", "BenchOptions", "build_model", "CalibrationOptions", "CausalLm", "check_output_path",
+    "AnswerCheck", "bench", "Benchmark", "BenchOptions", "build_model", "CalibrationOptions", "CausalLm",
+    "check_answers", "check_output_path",
     "Compilation", "compile", "CompileOptions", "DataError", "Decoder", "decoder_shape", "decoder_shape_of_config",
     "DecoderShape", "DecoderState", "Dense", "describe_machine", "Diff", "diff", "diff_on_text", "DiffOptions",
     "estimate_trainium", "evaluate", "Evaluation", "ExecutionError", "export_causal_lm", "export_checkpoint",

@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+import onnx_nmm
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
@@ -94,10 +96,7 @@ class Study:
         return f"{report['steps']} steps, {report['seconds'] / 60:.0f} min, stopped by {report['stopped_by']}"
 
     def answers(self, tuned: Path):
-        from onnx_nmm.calibration.tokens import load_tokenizer
-        from onnx_nmm.generation.answers import check_answers
-
-        return check_answers(self.model, tuned, load_tokenizer(self.tokenizer))
+        return onnx_nmm.check_answers(self.model, tuned, onnx_nmm.load_tokenizer(self.tokenizer))
 
     def increases(self, dense: dict, scores: dict) -> list[str]:
         rises = {name: scores[name] / dense[name] - 1 for name in self.texts}

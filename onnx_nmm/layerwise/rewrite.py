@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_nmm import __version__
-from onnx_nmm.calibration.calibration_data import check_source_files
+from onnx_nmm.calibration.calibration_data import calibration_text, check_source_files
 from onnx_nmm.errors import OptionError
 from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
 from onnx_nmm.layerwise.narrowing import narrow_layers
@@ -49,7 +49,7 @@ from onnx_nmm.ranks import sensitivity
 from onnx_nmm.ranks.rank_plan import Dense, RankPlan, keep_width
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import INLINE_BYTES, write_streamed
-from onnx_nmm.teacher import record_calibration, record_dense_model
+from onnx_nmm.teacher import record_calibration, record_calibration_text, record_dense_model
 
 # Narrowing sweeps after the first when the plan misses its budget, each with the budget tightened.
 RETRIES = 2
@@ -94,6 +94,8 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
         report.weight_bytes_after = weight_bytes(source.model)
         record_dense_model(source.model, model_path)
         record_calibration(source.model, report.calibration)
+        if options.calibration is not None:
+            record_calibration_text(source.model, calibration_text(options.calibration))  # finetune's prompts
         write_streamed(source.model, output, work.work.staging, functools.partial(check_model_file, source=model_path))
     carry_genai_config(model_path, output)
     work.work.remove()

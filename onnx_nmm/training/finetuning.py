@@ -193,13 +193,14 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     from onnx_nmm.training.factor_training import check_windows, replace_factors
 
     options, progress = options or FinetuneOptions(), progress or Progress()
+    data.check()  # a bad text or tokenizer is said before the model loads
+    if options.evaluation is not None:
+        options.evaluation.check()
     source = ModelSource.of(model)
     generated_only = all(isinstance(s, GeneratedText) for s in calibration_sources(data.text))
     if generated_only and data.prompts is None and data.prompted and data.tokenizer is not None:
         data = replace(data, prompts=recorded_calibration_text(source.model))  # the default data: both kinds
-    data.check()
-    if options.evaluation is not None:
-        options.evaluation.check()
+        data.check()
     narrowed = narrowed_weights(source.model)
     custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
     if not narrowed and not custom:
