@@ -80,6 +80,7 @@ def test_keeping_every_neuron_the_layerwise_rewrite_writes_the_same_function(exp
     tokens = np.random.default_rng(3).integers(0, 200, (1, 16))
     np.testing.assert_allclose(_logits(tmp_path / "out.onnx", tokens), _logits(path, tokens), atol=1e-5)
     assert {row.status for row in result.report.layers} == {"dense"}
+    assert all(row.parameters_after == row.parameters_before > 0 for row in result.report.layers)
     assert not onnx_nmm.work_dir_of(tmp_path / "out.onnx").exists()
 
 

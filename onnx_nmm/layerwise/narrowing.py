@@ -51,7 +51,8 @@ def narrow_layers(segments: LayerSegments, analyses: list[LayerAnalysis], plan: 
                 sessions[NARROWED] = segments.narrowed_session(layer, kept, refit)
                 del narrowing
             elif isinstance(choice, Dense):
-                rows = [LayerOutcome.of(projection, "dense", choice.reason) for projection in mlp.layers]
+                rows = [LayerOutcome.of(projection, "dense", choice.reason, parameters_after=projection.parameters)
+                        for projection in mlp.layers]
             paths = paths.through(segments, layer, session, {}, sessions)
             work.finish_layer(stage, layer, json.dumps([asdict(row) for row in rows]), paths)
             done.append([asdict(row) for row in rows])
