@@ -215,7 +215,8 @@ def test_calibration_split_over_ray_workers_sums_to_the_serial_grams(export, tmp
     for name, stream in (("serial", ONE_THREAD), ("ray", onnx_nmm.StreamOptions(ray="local", threads=1))):
         calibration = onnx_nmm.CalibrationOptions(source="random", samples=4, seq_len=16,
                                                   save_statistics=tmp_path / f"{name}.npz")
-        options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=32), calibration=calibration)
+        options = onnx_nmm.RewriteOptions(ranks=onnx_nmm.RankOptions(keep=0.5, align=32), calibration=calibration,
+                                          factorization=onnx_nmm.FactorizationOptions(method="whiten"))
         results[name] = onnx_nmm.rewrite_streamed(model, tmp_path / name / "out.onnx", options, stream, progress)
     assert any(phase.startswith("calibrating on 2 Ray workers") for phase in progress.phases)
     serial, distributed = (np.load(tmp_path / f"{name}.npz") for name in ("serial", "ray"))
