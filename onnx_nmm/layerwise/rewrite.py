@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +119,12 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
         rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, f"narrowing{attempt}",
                                      progress)
         measured = float(damage.mean())
-        if budget is None or measured <= _allowed(options, metric) or attempt == RETRIES:
+        if budget is None or measured <= _allowed(options, metric):
+            break
+        if attempt == RETRIES:
+            warnings.warn(f"the narrowed model's damage on the held-out windows, {measured:.4f} nats, is over the "
+                          f"{ranks.quality_budget} ({_allowed(options, metric):.4f}) after {RETRIES + 1} tries: "
+                          "give more held-out windows (--sensitivity-windows) or a smaller budget", stacklevel=3)
             break
         budget *= _allowed(options, metric) / measured  # the predicted damages missed by this much: ask for less
     return choice, rows, damage
