@@ -76,7 +76,7 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             phase.advance(detail="resumed")
         for layer in range(len(done), segments.layers):
             segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
-            carried = _carried_inputs(stream, segment.carried_inputs, len(batches))
+            carried = _carried_inputs(stream, segment.carried_inputs)
             last = layer + 1 == segments.layers  # the calibration windows go no further than the last layer
 
             def keep(index: int, outputs: list[np.ndarray], segment=segment) -> None:  # the next layer's inputs
@@ -120,7 +120,7 @@ def _narrowing_costs(mlp: Mlp, grams: GramStatistics, held: GramStatistics, scor
     return narrowing.ridge, losses, references
 
 
-def _carried_inputs(stream: CarriedValues, names: list[str], batches: int) -> Callable[[int], dict[str, np.ndarray]]:
+def _carried_inputs(stream: CarriedValues, names: list[str]) -> Callable[[int], dict[str, np.ndarray]]:
     return lambda index: {name: stream.get(name, index) for name in names}
 
 

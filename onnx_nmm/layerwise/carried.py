@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +26,9 @@ class CarriedValues:
     def get(self, name: str, batch: int) -> np.ndarray:
         return np.load(self._path(name, batch), mmap_mode="r")
 
-    def has(self, name: str, batches: int) -> bool:
-        return all(self._path(name, batch).is_file() for batch in range(batches))
-
     def drop(self, name: str) -> None:
         for path in self.folder.glob(f"{_slug(name)}-*.npy"):
             path.unlink()
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _path(self, name: str, batch: int) -> Path:
         return self.folder / f"{_slug(name)}-{batch:05d}.npy"

@@ -112,8 +112,7 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
     measured at the output, and chosen again within a tighter budget when the measurement misses it."""
     options = segments.options
     ranks = options.ranks
-    budget = (sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
-              if ranks.measures_damage and ranks.budget != "sensitivity" else None)
+    budget = _allowed(options, metric) if ranks.measures_damage and ranks.budget != "sensitivity" else None
     for attempt in range(RETRIES + 1):
         choice = _choose(analyses, segments, options, metric, budget)
         rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, f"narrowing{attempt}",

@@ -6,8 +6,7 @@ written whole and renamed into place). The layer is the unit of work:
     <stage>-NNNN.npz       the held-out windows' paths after that layer (probe.Paths)
     gram-NNNN.npy          the layer's MLP Gram hᵀh (the analysis; the narrowing reads it)
     narrowed-NNNN.npz      the neurons kept and the refitted output projection (the narrowing)
-    dense-calibration/,
-    narrowed-calibration/  the calibration windows' residual stream before the next layer (carried.py)
+    dense-calibration/     the calibration windows' residual stream before the next layer (carried.py)
 
 Run again after a kill: each stage takes up after its last finished layer.
 """
