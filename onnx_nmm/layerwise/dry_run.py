@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 
 from onnx_nmm.calibration.sources import GeneratedText
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.layerwise.memory import float32_weight_bytes
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
@@ -94,7 +95,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     held_out = options.ranks.sensitivity_windows
     analysis, narrowing_sweep = _sweeps(layers, windows, held_out, layer_seconds, maths_seconds, head_seconds,
                                         apart=True)
-    weights = max(_float32_bytes(segment.model) for segment in segments.cut.segments)
+    weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
     gram_bytes = GRAM_COPIES * max(mlp.width for mlp in segments.mlps) ** 2 * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
@@ -126,6 +127,3 @@ def _resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _float32_bytes(model: onnx.ModelProto) -> int:
-    """A segment's weights in float32 (4 bytes a value, a 4-bit code too once dequantized)."""
-    return sum(4 * int(np.prod(tensor.dims)) for tensor in model.graph.initializer)
