@@ -160,3 +160,16 @@ def test_ranks_from_something_else_is_an_error(capsys, export, tmp_path):
         code = main([str(a) for a in ("rewrite", export("llama", "dynamo"), "-o", tmp_path / "o.onnx",
                                       "--ranks-from", report, "--quiet")])
         assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "o.onnx").exists()
+
+
+def test_the_damage_by_chunks_of_positions_is_the_damage_of_the_whole_window():
+    from onnx_nmm.quality.metrics import log_softmax
+    from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions, log_loss_and_kl_per_window
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, (2, 23))
+    reference, logits = rng.normal(size=(2, 23, 50)).astype(np.float32), rng.normal(size=(2, 23, 50)).astype(
+        np.float32)
+    whole = log_loss_and_kl_per_window(logits, tokens, log_softmax(reference[:, :-1].astype(np.float64)))
+    by_chunks = log_loss_and_kl_by_positions(logits, tokens, reference, positions=5)  # 22 = 4 × 5 + 2
+    np.testing.assert_allclose(by_chunks, whole, rtol=1e-12)

@@ -14,6 +14,7 @@ from onnx_nmm.layerwise.analysis import LayerAnalysis
 from onnx_nmm.layerwise.probe import DENSE, Key, Paths, damage_of_paths
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.work import LayerWork
+from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.pipeline.narrow import mlp_keeping, outcomes
 from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.progress import Progress
@@ -46,16 +47,25 @@ def narrow_layers(segments: LayerSegments, analyses: list[LayerAnalysis], plan: 
                                          ridge=analysis.ridge, ridge_chosen=True)
                 kept = narrowing.kept(choice.width)
                 refit = narrowing.refit(kept)
-                work.save_narrowed(layer, kept, refit)
+                work.save_narrowed(stage, layer, kept, refit)
                 rows = outcomes(mlp, narrowing, mlp_keeping(mlp, kept, refit))
                 sessions[NARROWED] = segments.narrowed_session(layer, kept, refit)
                 del narrowing
             elif isinstance(choice, Dense):
-                rows = [LayerOutcome.of(projection, "dense", choice.reason, parameters_after=projection.parameters)
-                        for projection in mlp.layers]
+                rows = _dense_rows(mlp, choice)
             paths = paths.through(segments, layer, session, {}, sessions)
             work.finish_layer(stage, layer, json.dumps([asdict(row) for row in rows]), paths)
             done.append([asdict(row) for row in rows])
             phase.advance(detail=mlp.name)
     damage = damage_of_paths(segments, paths, metric)[NARROWED]
     return [LayerOutcome(**row) for rows in done for row in rows], damage
+
+
+def dense_rows(segments: LayerSegments, dense: Dense) -> list[LayerOutcome]:
+    """The report's rows of a plan that keeps every MLP dense, for `dense`'s reason."""
+    return [row for mlp in segments.mlps for row in _dense_rows(mlp, dense)]
+
+
+def _dense_rows(mlp: Mlp, dense: Dense) -> list[LayerOutcome]:
+    return [LayerOutcome.of(projection, "dense", dense.reason, parameters_after=projection.parameters)
+            for projection in mlp.layers]

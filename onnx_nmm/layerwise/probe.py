@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_nmm.layerwise.segments import LayerSegments
-from onnx_nmm.quality.metrics import log_softmax
-from onnx_nmm.ranks.sensitivity import log_loss_and_kl_per_window
+from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions
 
 DENSE = (-1, 0)  # the key of the dense path; a change is (layer, width)
 
@@ -97,9 +96,9 @@ def damage_of_paths(segments: LayerSegments, paths: Paths, metric: str) -> dict[
             (value,) = session.run(head.outputs[:1], segments.feeds(head, tokens, carried))
             return value
 
-        reference = log_softmax(logits(DENSE)[:, :-1].astype(np.float64))
+        reference = logits(DENSE)
         for key in paths.states:
-            window_nll, window_kl = log_loss_and_kl_per_window(logits(key), tokens, reference)
+            window_nll, window_kl = log_loss_and_kl_by_positions(logits(key), tokens, reference)
             nll[key].append(float(window_nll[0]))
             kl[key].append(float(window_kl[0]))
         del reference

@@ -5,7 +5,7 @@ quality budget) in the memory of one layer, for models that do not fit in memory
     analysis sweep   dense: each layer's Gram, ridge, refit losses, damage at two widths   analysis.py
     choose           the quality budget spends them, as in memory                           sensitivity.choose
     narrowing sweep  each MLP narrowed; the plan's damage measured at the output          narrowing.py
-                     (over the budget: the budget tightened by what it missed, narrowed again)
+                     (a budget of damage: sweeps search the longest greedy prefix within it) budget_search.py
     assembly         the narrowed weights into the graph, written tensor by tensor          scale/writer.py
     answers          with a tokenizer, the check prompts' answers of the output against the input's, one
                      model in onnxruntime at a time
@@ -29,7 +29,8 @@ from onnx_nmm import __version__
 from onnx_nmm.calibration.calibration_data import calibration_text, check_source_files
 from onnx_nmm.errors import OptionError
 from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
-from onnx_nmm.layerwise.narrowing import narrow_layers
+from onnx_nmm.layerwise.budget_search import longest_prefix_within
+from onnx_nmm.layerwise.narrowing import dense_rows, narrow_layers
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.work import LayerWork
 from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
@@ -44,16 +45,17 @@ from onnx_nmm.pipeline import (
     find_targets,
 )
 from onnx_nmm.pipeline.narrow import mlp_keeping
+from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.pipeline.statistics import budget_windows
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks import sensitivity
-from onnx_nmm.ranks.rank_plan import Dense, RankPlan, keep_width
+from onnx_nmm.ranks.rank_plan import Dense, RankOrWidth, RankPlan, keep_width
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import INLINE_BYTES, write_streamed
 from onnx_nmm.teacher import record_calibration, record_calibration_text, record_dense_model
 
-# Narrowing sweeps after the first when the plan misses its budget, each with the budget tightened.
-RETRIES = 2
+# At most this many narrowing sweeps measure plans against a budget of damage (budget_search).
+SWEEPS = 5
 
 
 def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, options: RewriteOptions | None = None,
@@ -79,19 +81,18 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     batch = options.calibration.batch if options.calibration is not None else 1
     try:
         analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
-        choice, rows, damage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work, progress)
+        choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work,
+                                                              progress)
     except Exception:
         work.work.remove_if_empty()  # refused before a layer was finished: nothing to take up
         raise
     report.layers = rows
     if ranks.measures_damage:
-        choice.damage = float(damage.mean())
-        choice.budget = _allowed(options, metric) if ranks.budget != "sensitivity" else None  # not as tightened
         report.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description, "layer_by_layer": True,
             "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}
     with progress.phase("writing"):
-        _assemble(source, segments, work)
+        _assemble(source, segments, work, stage)
         report.weight_bytes_after = weight_bytes(source.model)
         record_dense_model(source.model, model_path)
         record_calibration(source.model, report.calibration)
@@ -107,26 +108,59 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
 
 
 def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysis], held_out: np.ndarray,
-                            metric: str, work: LayerWork, progress: Progress):
-    """The plan, the report's rows and the plan's damage per held-out window: chosen by predicted damages,
-    measured at the output, and chosen again within a tighter budget when the measurement misses it."""
+                            metric: str, work: LayerWork, progress: Progress
+                            ) -> tuple[sensitivity.BudgetChoice, list[LayerOutcome], np.ndarray, str]:
+    """The plan, the report's rows, the plan's damage per held-out window and the narrowing stage that holds its
+    weights: with a budget of damage, the longest greedy prefix measured within it (budget_search)."""
     options = segments.options
     ranks = options.ranks
-    budget = _allowed(options, metric) if ranks.measures_damage and ranks.budget != "sensitivity" else None
-    for attempt in range(RETRIES + 1):
-        choice = _choose(analyses, segments, options, metric, budget)
-        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, f"narrowing{attempt}",
-                                     progress)
-        measured = float(damage.mean())
-        if budget is None or measured <= _allowed(options, metric):
-            break
-        if attempt == RETRIES:
-            warnings.warn(f"the narrowed model's damage on the held-out windows, {measured:.4f} nats, is over the "
-                          f"{ranks.quality_budget} ({_allowed(options, metric):.4f}) after {RETRIES + 1} tries: "
-                          "give more held-out windows (--sensitivity-windows) or a smaller budget", stacklevel=3)
-            break
-        budget *= _allowed(options, metric) / measured  # the predicted damages missed by this much: ask for less
-    return choice, rows, damage
+    if not (ranks.measures_damage and ranks.budget != "sensitivity"):
+        choice = _choose(analyses, segments, options, metric)
+        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, "narrowing", progress)
+        choice.damage = float(damage.mean())
+        return choice, rows, damage, "narrowing"
+    candidates: list[sensitivity.Candidate] = [analysis.candidate() for analysis in analyses]
+    moves = sensitivity.greedy_moves(candidates, ranks.align)
+    kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
+
+    def plan(prefix: int) -> RankPlan:
+        return _by_layer(segments, sensitivity.plan_after(moves[:prefix], candidates, kept_dense))
+
+    sweeps = {0: (dense_rows(segments, kept_dense), np.zeros(len(held_out)))}  # nothing narrowed: no sweep
+
+    def measure(prefix: int) -> float:
+        sweeps[prefix] = narrow_layers(segments, analyses, plan(prefix), held_out, metric, work,
+                                       _stage(prefix), progress)
+        return float(sweeps[prefix][1].mean())
+
+    allowed = _allowed(options, metric)
+    low, measured = longest_prefix_within(_predicted_prefixes(candidates, moves), allowed, measure, SWEEPS)
+    for prefix in measured:
+        if prefix != low:
+            work.drop_narrowed(_stage(prefix))
+    choice = sensitivity.BudgetChoice(plan(low), measured[low], allowed, metric, low, len(moves),
+                                      sorted(measured.items()))
+    if low == 0 and moves:
+        warnings.warn(f"narrowing any MLP costs more than the {ranks.quality_budget} on the held-out windows: "
+                      "every MLP is kept dense; give a larger budget, or --keep", stacklevel=3)
+    rows, damage = sweeps[low]
+    return choice, rows, damage, _stage(low)
+
+
+def _predicted_prefixes(candidates: list[sensitivity.Candidate], moves: list) -> list[float]:
+    """The predicted damage (the candidates' damages added up) of every greedy prefix, from no move on."""
+    by_name = {candidate.name: candidate for candidate in candidates}
+    widths: dict[str, RankOrWidth | Dense] = {candidate.name: Dense("") for candidate in candidates}
+    predicted = [0.0]
+    for name, width in moves:
+        widths[name] = width
+        predicted.append(sum(by_name[name].predicted_damage(chosen) for name, chosen in widths.items()))
+    return predicted
+
+
+def _stage(prefix: int) -> str:
+    """The narrowing sweep of the first `prefix` greedy moves."""
+    return f"narrowing-{prefix:05d}"
 
 
 def _refuse_unsupported(options: RewriteOptions) -> None:
@@ -149,9 +183,10 @@ def _allowed(options: RewriteOptions, metric: str) -> float:
     return sensitivity.budget_in_nats(metric, getattr(ranks, ranks.rule))
 
 
-def _choose(analyses: list[LayerAnalysis], segments: LayerSegments, options: RewriteOptions, metric: str,
-            budget: float | None) -> sensitivity.BudgetChoice:
-    """The widths within `budget` (predicted damages add up), or the uniform keep."""
+def _choose(analyses: list[LayerAnalysis], segments: LayerSegments, options: RewriteOptions, metric: str
+            ) -> sensitivity.BudgetChoice:
+    """The uniform keep, or (--budget sensitivity) the keep's parameters removed where the predicted damages,
+    added up, are least."""
     ranks = options.ranks
     candidates: list[sensitivity.Candidate] = [analysis.candidate() for analysis in analyses]
     if not ranks.measures_damage:
@@ -159,13 +194,14 @@ def _choose(analyses: list[LayerAnalysis], segments: LayerSegments, options: Rew
         plan: RankPlan = {analysis.name: keep_width(analysis.width, ranks.keep, ranks.align) for analysis in analyses}
         return sensitivity.BudgetChoice(_by_layer(segments, plan), 0.0, None, metric, 0, 0)
     dense = sum(candidate.parameters(Dense("")) for candidate in candidates)
-    to_remove = math.ceil((1 - ranks.keep) * dense) if ranks.budget == "sensitivity" and ranks.keep else None
+    assert ranks.keep is not None, "a sensitivity budget removes the keep's share of the parameters"
+    to_remove = math.ceil((1 - ranks.keep) * dense)
 
     def predicted(plan: RankPlan) -> float:
         return sum(candidate.predicted_damage(plan.get(candidate.name, Dense(""))) for candidate in candidates)
 
     kept_dense = Dense(f"kept dense: the most sensitive layers within the {ranks.quality_budget}")
-    choice = sensitivity.choose(candidates, predicted, ranks.align, metric, budget, to_remove, kept_dense)
+    choice = sensitivity.choose(candidates, predicted, ranks.align, metric, None, to_remove, kept_dense)
     plan = {candidate.name: choice.plan.get(candidate.name, kept_dense) for candidate in candidates}
     choice.plan = _by_layer(segments, plan)
     return choice
@@ -176,14 +212,14 @@ def _by_layer(segments: LayerSegments, widths: RankPlan) -> RankPlan:
     return {mlp.down.name: widths[mlp.name] for mlp in segments.mlps}
 
 
-def _assemble(source: ModelSource, segments: LayerSegments, work: LayerWork) -> None:
-    """Every narrowed MLP (each of its sites) into `source`'s model, one layer at a time, each new weight moved
-    to a file in the work folder at once: no more than one layer's weights are held."""
+def _assemble(source: ModelSource, segments: LayerSegments, work: LayerWork, stage: str) -> None:
+    """Every MLP narrowed in `stage` (each of its sites) into `source`'s model, one layer at a time, each new
+    weight moved to a file in the work folder at once: no more than one layer's weights are held."""
     sites: dict[str, list] = {}
     for mlp in find_targets(source.model, segments.options).mlps:
         sites.setdefault(mlp.down.name, []).append(mlp)
     for layer, mlp in enumerate(segments.mlps):
-        narrowed = work.narrowed(layer)
+        narrowed = work.narrowed(stage, layer)
         if narrowed is None:
             continue
         kept, refit = narrowed

@@ -5,7 +5,8 @@ written whole and renamed into place). The layer is the unit of work:
                            layer is finished
     <stage>-NNNN.npz       the held-out windows' paths after that layer (probe.Paths)
     gram-NNNN.npy          the layer's MLP Gram hᵀh (the analysis; the narrowing reads it)
-    narrowed-NNNN.npz      the neurons kept and the refitted output projection (the narrowing)
+    <stage>-narrowed-NNNN.npz  the neurons kept and the refitted output projection (a narrowing sweep; removed
+                           when the budget's search does not choose that sweep's plan)
     dense-calibration/     the calibration windows' residual stream before the next layer (carried.py)
 
 Run again after a kill: each stage takes up after its last finished layer.
@@ -64,13 +65,18 @@ class LayerWork:
     def gram(self, layer: int) -> np.ndarray:
         return np.load(self.folder / f"gram-{layer:04d}.npy", mmap_mode="r")
 
-    def save_narrowed(self, layer: int, kept: np.ndarray, refit: np.ndarray) -> None:
+    def save_narrowed(self, stage: str, layer: int, kept: np.ndarray, refit: np.ndarray) -> None:
         buffer = io.BytesIO()
         np.savez(buffer, kept=kept, refit=refit)
-        self.work.write_bytes(f"narrowed-{layer:04d}.npz", buffer.getvalue())
+        self.work.write_bytes(f"{stage}-narrowed-{layer:04d}.npz", buffer.getvalue())
 
-    def narrowed(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
-        path = self.folder / f"narrowed-{layer:04d}.npz"
+    def drop_narrowed(self, stage: str) -> None:
+        """The narrowed weights of a sweep whose plan was not chosen (an 8B model's are GBs); its results stay."""
+        for path in self.folder.glob(f"{stage}-narrowed-*.npz"):
+            path.unlink()
+
+    def narrowed(self, stage: str, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        path = self.folder / f"{stage}-narrowed-{layer:04d}.npz"
         if not path.is_file():
             return None
         with np.load(path) as arrays:
