@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.linalg
 
 NEURON_SCORES = ("energy", "leverage", "greedy")
 DEFAULT_SCORE = "energy"
@@ -36,6 +37,8 @@ RIDGE_DEFAULT = 1e-1  # ρ when no held-out Gram is there to choose it
 RIDGE_CANDIDATES = (1e-3, 1e-2, 1e-1, 1.0)
 # The share of an MLP's neurons kept where ρ is chosen: one choice serves every width of the MLP.
 REFERENCE_KEEP = 0.875
+# Rows of an I×I matrix handled at once where a whole copy would be GBs (an 8B model's I is 14336).
+BLOCK_ROWS = 1024
 # Backward elimination drops this share of the neurons still to go at each step (at least one).
 _ELIMINATION_STEPS = 64
 
@@ -86,17 +89,24 @@ class MlpNarrowing:
         if len(kept) == self.width:
             return self.down.copy()  # every neuron kept: the refit is exact, and W_d itself
         damping = self.damping
-        a = self.gram[np.ix_(kept, kept)]  # C_SS + λI in the one copy
+        a = self.gram[np.ix_(kept, kept)]  # C_SS + λI in the one copy, solved in place
         a[np.diag_indices_from(a)] += damping
-        return np.linalg.solve(a, self.gram[kept] @ self.down + damping * self.down[kept])
+        b = (self.gram @ self.down)[kept] + damping * self.down[kept]  # C_S: W_d, without a k×I copy of C
+        try:
+            return scipy.linalg.solve(a, b, assume_a="pos", overwrite_a=True, overwrite_b=True, check_finite=False)
+        except np.linalg.LinAlgError:  # not positive definite (λ = 0 on a singular C): a was not overwritten
+            return np.linalg.solve(a, b)
 
     def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None) -> float:
-        """E(S) / ‖h·W_d‖² on the activations whose correlation is `gram` (default: the calibration's C)."""
+        """E(S) / ‖h·W_d‖² on the activations whose correlation is `gram` (default: the calibration's C); C_SS
+        read a block of rows at a time (no k×k copy)."""
         c = self.gram if gram is None else gram
         w = self.down
-        full = np.sum(w * (c @ w))
-        cross = np.sum(w * (c[:, kept] @ refit))
-        narrowed = np.sum(refit * (c[np.ix_(kept, kept)] @ refit))
+        cw = c @ w
+        full = np.einsum("ih,ih->", w, cw)
+        cross = np.einsum("ih,ih->", cw[kept], refit)  # tr(W_dᵀ C_:S W_d'), C symmetric
+        narrowed = sum(np.einsum("ih,ih->", refit[rows], c[np.ix_(kept[rows], kept)] @ refit)
+                       for start in range(0, len(kept), BLOCK_ROWS) for rows in [slice(start, start + BLOCK_ROWS)])
         return float(max(full - 2 * cross + narrowed, 0.0) / full) if full > 0 else 0.0
 
     def relative_errors(self, widths: list[int]) -> dict[int, float]:
@@ -109,21 +119,22 @@ class MlpNarrowing:
         Falls back to one refit per width when C + λI is not positive definite (λ = 0 on a singular C)."""
         c, w, damping = self.gram, self.down, self.damping
         priority = self.order()[::-1]
-        damped = c[np.ix_(priority, priority)]  # C_PP + λI, one I×I copy (an MLP's Gram is GBs at 8B)
+        damped = c[np.ix_(priority, priority)]  # C_PP + λI, the one I×I copy (an MLP's Gram is GBs at 8B)
         damped[np.diag_indices_from(damped)] += damping
         try:
-            lower = np.linalg.cholesky(damped)
+            lower_inverse = _inverse_cholesky_factor(damped)
         except np.linalg.LinAlgError:
             return {width: self.relative_error(kept, self.refit(kept))
                     for width in widths for kept in [self.kept(width)]}
-        del damped
         ordered = w[priority]
-        lower_inverse = np.linalg.inv(lower)
-        del lower
-        _zero_above_diagonal(lower_inverse)  # triangular too: this drops the solver's rounding above
-        y = lower_inverse @ ((c @ w)[priority] + damping * ordered)
+        cw = c @ w
+        full = float(np.einsum("ih,ih->", w, cw))
+        rhs = cw[priority]  # I×H matrices are GBs at 8B too: one at a time where it can be
+        del cw
+        rhs += damping * ordered
+        y = lower_inverse @ rhs
+        del rhs
         upper_inverse = lower_inverse.T  # L⁻ᵀ
-        full = float(np.sum(w * (c @ w)))
         explained = np.concatenate([[0.0], np.cumsum(np.einsum("ih,ih->i", y, y))])
         fit = np.zeros_like(y)  # X_k in its first k rows
         errors, done = {}, 0
@@ -132,7 +143,8 @@ class MlpNarrowing:
                 raise ValueError(f"width must be in [1, {self.width}], got {width}")
             fit[:width] += upper_inverse[:width, done:width] @ y[done:width]
             done = width
-            ridge = damping * (2 * np.sum(ordered[:width] * fit[:width]) - np.sum(fit[:width] ** 2))
+            ridge = damping * (2 * np.einsum("ih,ih->", ordered[:width], fit[:width])
+                               - np.einsum("ih,ih->", fit[:width], fit[:width]))
             error = full - explained[width] + ridge
             errors[width] = float(max(error, 0.0) / full) if full > 0 else 0.0
         return errors
@@ -154,10 +166,25 @@ class MlpNarrowing:
         return np.diag(np.linalg.solve(c + self.damping * np.eye(self.width), c))  # leverage; C symmetric
 
 
-def _zero_above_diagonal(matrix: np.ndarray, rows: int = 1024) -> None:
+def _inverse_cholesky_factor(matrix: np.ndarray) -> np.ndarray:
+    """L⁻¹ for L·Lᵀ = `matrix` (symmetric positive definite, C order), in `matrix`'s own memory: LAPACK's
+    potrf and trtri run on its transpose, the same symmetric matrix in Fortran order, as the upper factor U = Lᵀ,
+    so no second I×I copy is made. Raises LinAlgError when `matrix` is not positive definite."""
+    upper, info = scipy.linalg.lapack.dpotrf(matrix.T, lower=0, clean=0, overwrite_a=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"not positive definite (potrf info {info})")
+    upper_inverse, info = scipy.linalg.lapack.dtrtri(upper, lower=0, overwrite_c=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"singular factor (trtri info {info})")
+    lower_inverse = upper_inverse.T
+    _zero_above_diagonal(lower_inverse)  # what potrf and trtri left of the input above the diagonal
+    return lower_inverse
+
+
+def _zero_above_diagonal(matrix: np.ndarray) -> None:
     """np.tril in place, a block of rows at a time (no second copy of the matrix)."""
-    for start in range(0, len(matrix), rows):
-        matrix[start:start + rows] = np.tril(matrix[start:start + rows], k=start)
+    for start in range(0, len(matrix), BLOCK_ROWS):
+        matrix[start:start + BLOCK_ROWS] = np.tril(matrix[start:start + BLOCK_ROWS], k=start)
 
 
 def reference_width(width: int) -> int:
