@@ -195,7 +195,8 @@ def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export
     plan = onnx_nmm.plan_layerwise(path, _options(max_ppl_increase=0.05))
     assert plan.layers == 2 and plan.windows == 6 and plan.held_out == 2 and plan.sample_layer == 1
     assert 0 < plan.layer_seconds and 0 < plan.maths_seconds and 0 < plan.head_seconds
-    assert plan.analysis_seconds > plan.narrowing_seconds > 0 and plan.peak_bytes > 0
+    assert plan.analysis_seconds > 0 and plan.narrowing_seconds > 0 and plan.peak_bytes > 0
+    assert plan.narrowing_sweeps == 2 and onnx_nmm.plan_layerwise(path, _options(keep=0.5)).narrowing_sweeps == 1
     code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--calib", "random", "--dry-run")])
     out = capsys.readouterr().out
     assert code == 0 and "layer by layer: 2 layers" in out and "Nothing was written" in out

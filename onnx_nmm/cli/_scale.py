@@ -84,6 +84,10 @@ def print_plan(args, options, source: Path) -> int:
     return 0
 
 
+def _sweeps(count: int) -> str:
+    return "the narrowing sweep" if count == 1 else f"{count} narrowing sweeps (the budget's usual search)"
+
+
 def _print_layerwise_plan(options, source: Path) -> int:
     """What narrowing the MLPs layer by layer will take on this machine: measured on one layer, modelled for all."""
     with _common.stderr.status("timing one layer, its narrowing and the head on one window..."):
@@ -93,8 +97,9 @@ def _print_layerwise_plan(options, source: Path) -> int:
         f"{source.name}, layer by layer: {plan.layers} layers, {plan.windows} calibration windows and {plan.held_out} "
         f"held-out ones of {plan.seq_len} tokens. Measured on layer {plan.sample_layer} and one window: the layer "
         f"{plan.layer_seconds:.2f} s, its narrowing's maths {plan.maths_seconds:.2f} s, the head "
-        f"{plan.head_seconds:.2f} s. Modelled: the analysis sweep {plan.analysis_seconds / 60:,.1f} min, a narrowing "
-        f"sweep {plan.narrowing_seconds / 60:,.1f} min, {plan.seconds / 60:,.1f} min in all (sampling generated "
+        f"{plan.head_seconds:.2f} s. Modelled: the analysis sweep {plan.analysis_seconds / 60:,.1f} min, "
+        f"{_sweeps(plan.narrowing_sweeps)} {plan.narrowing_seconds / 60:,.1f} min, {plan.seconds / 60:,.1f} min in "
+        f"all (sampling generated "
         f"windows and writing not included); peak memory {plan.peak_bytes / gb:.1f} GB. Nothing was written.",
         soft_wrap=True)
     return 0

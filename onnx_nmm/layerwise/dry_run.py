@@ -4,13 +4,13 @@ maths, the head on one window, all timed now; the sweeps' time and the peak memo
     analysis sweep    L·(W + P·3)·t_layer + P·L(L−1)·t_layer + L·t_maths + (1 + 2L)·P·t_head
                       (the calibration windows W, the held-out windows P on the dense path and two reference
                       paths per layer; the paths of earlier layers carried through each later one)
-    narrowing sweep   L·(2P·t_layer + t_maths) + 2P·t_head
+    narrowing sweeps  N·(L·(2P·t_layer + t_maths) + 2P·t_head), N = BUDGET_SWEEPS for a budget of damage
+                      (the search's probes), else 1
     peak memory       what the timing itself held at most, or the largest segment's weights in float32 with a
-                      window's logits over what the process held before, and the narrowing's float64 copies of
-                      the widest MLP's Gram
+                      window's logits over what the process held before, and the narrowing's float64 matrices
+                      of the widest MLP (GRAM_COPIES of I×I, DOWN_COPIES of I×H)
 
-Sampling generated calibration windows and writing the output are not included; a sweep the budget repeats
-(the plan missed it) adds one narrowing sweep.
+Sampling generated calibration windows and writing the output are not included.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ from onnx_nmm.options import RewriteOptions
 from onnx_nmm.pipeline import find_targets
 from onnx_nmm.ranks.rank_plan import aligned_widths
 
-# Copies of an MLP's I×I Gram in float64 the narrowing holds at once (the Gram, its ordered copy, the Cholesky
-# factor and its inverse, a product)
-GRAM_COPIES = 5
+# Float64 matrices the narrowing holds at once: I×I (the Gram, the held-out Gram while the ridge is chosen, one
+# working copy for the refit's solve or the Cholesky factor) and I×H (the output weight and its products)
+GRAM_COPIES = 3
+DOWN_COPIES = 4
+# Narrowing sweeps a budget of damage usually takes (budget_search; at most rewrite.SWEEPS)
+BUDGET_SWEEPS = 2
 
 
 @dataclass
@@ -48,9 +51,10 @@ class LayerwisePlan:
     maths_seconds: float  # one MLP's narrowing maths (measured)
     head_seconds: float  # the head on one window (measured)
     analysis_seconds: float  # modelled
-    narrowing_seconds: float  # modelled
+    narrowing_seconds: float  # modelled, every sweep
     peak_bytes: int  # modelled
     sample_layer: int
+    narrowing_sweeps: int
 
     @property
     def seconds(self) -> float:
@@ -59,7 +63,7 @@ class LayerwisePlan:
     def seconds_for(self, layers: int) -> float:
         """The same model's sweeps with `layers` layers of this width (modelled)."""
         return _sweeps(layers, self.windows, self.held_out, self.layer_seconds, self.maths_seconds,
-                       self.head_seconds)
+                       self.head_seconds, self.narrowing_sweeps)
 
 
 def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
@@ -93,21 +97,25 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     windows = options.calibration.samples + sum(source.samples for source in options.calibration.sources
                                                 if isinstance(source, GeneratedText))
     held_out = options.ranks.sensitivity_windows
-    analysis, narrowing_sweep = _sweeps(layers, windows, held_out, layer_seconds, maths_seconds, head_seconds,
-                                        apart=True)
+    ranks = options.ranks
+    sweeps = BUDGET_SWEEPS if ranks.measures_damage and ranks.budget != "sensitivity" else 1
+    analysis, narrowing_sweeps = _sweeps(layers, windows, held_out, layer_seconds, maths_seconds, head_seconds,
+                                         sweeps, apart=True)
     weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
-    gram_bytes = GRAM_COPIES * max(mlp.width for mlp in segments.mlps) ** 2 * 8
+    widest = max(segments.mlps, key=lambda mlp: mlp.width)
+    gram_bytes = (GRAM_COPIES * widest.width + DOWN_COPIES * widest.down.n) * widest.width * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
     return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, head_seconds, analysis,
-                         narrowing_sweep, int(peak), sample)
+                         narrowing_sweeps, int(peak), sample, sweeps)
 
 
-def _sweeps(layers: int, windows: int, held_out: int, layer: float, maths: float, head: float, apart: bool = False):
-    """The analysis and narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
+def _sweeps(layers: int, windows: int, held_out: int, layer: float, maths: float, head: float, sweeps: int,
+            apart: bool = False):
+    """The analysis sweep's and the narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
     analysis = (layers * (windows + 3 * held_out) * layer + held_out * layers * (layers - 1) * layer
                 + layers * maths + (1 + 2 * layers) * held_out * head)
-    narrowing = layers * (2 * held_out * layer + maths) + 2 * held_out * head
+    narrowing = sweeps * (layers * (2 * held_out * layer + maths) + 2 * held_out * head)
     return (analysis, narrowing) if apart else analysis + narrowing
 
 
