@@ -385,3 +385,27 @@ def test_what_a_calibration_source_is_is_decided_once_as_a_typed_value(tmp_path)
     options = CalibrationOptions(["a.txt", "generated:8"])
     assert [type(source) for source in options.sources] == [TextFile, GeneratedText] and not options.is_one_text
     assert CalibrationOptions("a.txt").is_one_text and not CalibrationOptions(str(tmp_path / "stats.npz")).has_tokens
+
+
+def test_nucleus_sampling_over_a_large_vocabulary_picks_what_sorting_all_of_it_picks():
+    from onnx_nmm.calibration.generated_text import sample_nucleus
+
+    def sorting_everything(logits, top_p, rng):
+        probabilities = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probabilities /= probabilities.sum(axis=-1, keepdims=True)
+        order = np.argsort(-probabilities, axis=-1)
+        sorted_p = np.take_along_axis(probabilities, order, axis=-1)
+        sorted_p = np.where(np.cumsum(sorted_p, axis=-1) - sorted_p < top_p, sorted_p, 0.0)
+        sorted_p /= sorted_p.sum(axis=-1, keepdims=True)
+        picks = (sorted_p.cumsum(axis=-1) < rng.random((len(logits), 1))).sum(axis=-1)
+        return order[np.arange(len(logits)), picks]
+
+    rng = np.random.default_rng(0)
+    peaked = rng.standard_normal((8, 50_000)) * 4  # the nucleus among the 1024 most likely
+    flat = rng.standard_normal((8, 50_000)) * 0.1  # it is not: every token is sorted
+    for logits in (peaked, flat):
+        for seed in range(5):
+            np.testing.assert_array_equal(sample_nucleus(logits.astype(np.float32), 1.0, 0.95,
+                                                         np.random.default_rng(seed)),
+                                          sorting_everything(logits.astype(np.float32).astype(np.float64), 0.95,
+                                                             np.random.default_rng(seed)))

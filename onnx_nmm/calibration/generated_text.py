@@ -35,6 +35,8 @@ from onnx_nmm.calibration.sources import GENERATED, GeneratedText
 from onnx_nmm.calibration.tokens import TokenWindows, load_tokenizer
 from onnx_nmm.errors import DataError, OptionError
 
+NUCLEUS_CANDIDATES = 1024  # tokens sorted at a sampling step when they hold the nucleus
+
 
 def start_token(tokenizer) -> int:
     """The token a generated window starts with: the tokenizer's BOS (SmolLM2's is "<|im_start|>", and its
@@ -145,13 +147,25 @@ def sample_nucleus(logits: np.ndarray, temperature: float, top_p: float, rng: np
     scaled = logits.astype(np.float64) / temperature
     probabilities = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
     probabilities /= probabilities.sum(axis=-1, keepdims=True)
-    order = np.argsort(-probabilities, axis=-1)
+    order = _most_likely_first(probabilities, top_p)
     sorted_p = np.take_along_axis(probabilities, order, axis=-1)
     before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the more likely tokens
     sorted_p = np.where(before < top_p, sorted_p, 0.0)
     sorted_p /= sorted_p.sum(axis=-1, keepdims=True)
     picks = (sorted_p.cumsum(axis=-1) < rng.random((len(logits), 1))).sum(axis=-1)
-    return order[np.arange(len(logits)), np.minimum(picks, logits.shape[-1] - 1)].astype(np.int64)
+    return order[np.arange(len(logits)), np.minimum(picks, order.shape[-1] - 1)].astype(np.int64)
+
+
+def _most_likely_first(probabilities: np.ndarray, top_p: float) -> np.ndarray:
+    """Token ids of each row, the most likely first: the NUCLEUS_CANDIDATES most likely when they hold the
+    nucleus (top_p of the mass) in every row, else all of them. Sorting a 150k vocabulary at every step took
+    three times as long as the model's step on Qwen2.5-0.5B; the nucleus is rarely more than a few hundred."""
+    if probabilities.shape[-1] > NUCLEUS_CANDIDATES:
+        candidates = np.argpartition(-probabilities, NUCLEUS_CANDIDATES - 1, axis=-1)[:, :NUCLEUS_CANDIDATES]
+        mass = np.take_along_axis(probabilities, candidates, axis=-1)
+        if (mass.sum(axis=-1) >= top_p).all():
+            return np.take_along_axis(candidates, np.argsort(-mass, axis=-1), axis=-1)
+    return np.argsort(-probabilities, axis=-1)
 
 
 def _cache_file(model, text: GeneratedText, seq_len: int, starts: np.ndarray) -> Path | None:
