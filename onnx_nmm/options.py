@@ -268,7 +268,7 @@ class CalibrationOptions:
     batch:           windows per onnxruntime run
     mode:            independent: every layer fitted to the dense model's activations; sequential: each layer
                      fitted, in graph order, to the dense outputs from the inputs the already-compressed model
-                     feeds it
+                     feeds it (narrowed MLPs: refitted so by the layer-wise rewrite alone, layerwise/sequential.py)
     statistics:      saved statistics used instead of gathering them (with `source` still giving the tokens
                      that sequential calibration and the quality budgets run on)
     save_statistics: keep the gathered statistics in this .npz
@@ -368,8 +368,8 @@ class RewriteOptions:
             raise OptionError(f"{{method}} {method} learns from calibration data: give {{calibration}}",
                               method="factorization.method", calibration="calibration.source")
         if calibration is not None and calibration.mode == "sequential" and not self.strategy.fits_sequentially:
-            raise OptionError("sequential calibration fits whitened factors: use it with {method} whiten or fisher",
-                              method="factorization.method")
+            raise OptionError("sequential calibration refits weighted factors or narrowed MLPs: use it with {method} "
+                              "whiten, fisher or nystrom", method="factorization.method")
         if ranks.measures_damage and (calibration is None or calibration.source is None):
             raise OptionError("{rule} measures the damage on calibration windows: give {calibration}",
                               rule=f"ranks.{'budget' if ranks.budget == 'sensitivity' else ranks.rule}",

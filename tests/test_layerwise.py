@@ -6,16 +6,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 import onnx_nmm
 from onnx_nmm.cli import main
 from onnx_nmm.export import ARCHITECTURES
 from onnx_nmm.layerwise import memory
-from onnx_nmm.layerwise.rewrite import rewrite_layerwise
+from onnx_nmm.layerwise.rewrite import _sequential_if_within, rewrite_layerwise
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.pipeline.targets import find_targets
@@ -25,10 +27,10 @@ FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 CALIBRATION = onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24)
 
 
-def _options(**ranks) -> onnx_nmm.RewriteOptions:
+def _options(mode: str = "independent", **ranks) -> onnx_nmm.RewriteOptions:
     return onnx_nmm.RewriteOptions(factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
                                    ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, **ranks),
-                                   calibration=CALIBRATION)
+                                   calibration=replace(CALIBRATION, mode=mode))
 
 
 def _segments(path: Path) -> LayerSegments:
@@ -110,12 +112,52 @@ def test_a_quality_budget_chosen_layer_by_layer_is_measured_at_the_output(export
     assert all(damage > np.log1p(0.05) for prefix, damage in evaluations.items() if prefix > budget["moves_applied"])
 
 
-KILLED_CHILD = textwrap.dedent("""
-    import contextlib, os, signal, sys
-    import onnx_nmm
-    from onnx_nmm.layerwise.rewrite import rewrite_layerwise
+def test_refitted_sequentially_keeping_every_neuron_the_rewrite_writes_the_same_function(export, tmp_path):
+    path = export("llama", "dynamo", cache=True)
+    result = rewrite_layerwise(path, tmp_path / "out.onnx", _options("sequential", keep=1.0))
+    tokens = np.random.default_rng(5).integers(0, 200, (1, 16))
+    np.testing.assert_allclose(_logits(tmp_path / "out.onnx", tokens), _logits(path, tokens), atol=1e-5)
+    sequential = result.report.quality_budget["sequential"]
+    assert sequential["written"] and abs(sequential["measured"]) < 1e-5
 
-    model, output, phase_name, after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+def test_a_sequential_refit_keeps_the_plans_neurons_and_refits_each_layer_after_the_first(export, tmp_path):
+    path = export("llama", "torchscript")
+    independent = rewrite_layerwise(path, tmp_path / "independent.onnx", _options(keep=0.5)).report
+    sequential = rewrite_layerwise(path, tmp_path / "sequential.onnx", _options("sequential", keep=0.5)).report
+    assert [(row.name, row.width) for row in sequential.layers] == [(row.name, row.width) for row in independent.layers]
+    first, second = ([row for row in report.layers if row.role == "down"] for report in (independent, sequential))
+    assert first[0].whitened_loss == second[0].whitened_loss  # layer 0's inputs are the embedding's in both
+    assert all("refitted to the compressed model's inputs" in row.reason for row in second)
+    independent_weights, sequential_weights = (_initializers(tmp_path / f"{name}.onnx")
+                                               for name in ("independent", "sequential"))
+    assert independent_weights.keys() == sequential_weights.keys()
+    differ = [name for name, weight in independent_weights.items()
+              if not np.array_equal(weight, sequential_weights[name])]
+    assert len(differ) == 1 and independent_weights[differ[0]].shape == sequential_weights[differ[0]].shape
+    budget = sequential.quality_budget
+    assert budget["sequential"]["written"] and budget["sequential"]["measured"] > 0
+    assert budget["sequential"]["measured"] != budget["measured"] > 0  # the independent fit's, measured too
+
+
+def test_a_sequential_refit_over_the_budget_is_not_written_and_says_so():
+    report = onnx_nmm.RewriteReport("keep", "mlp", "nystrom", quality_budget={"measured": 0.01})
+    with pytest.warns(UserWarning, match="the independent fit was written"):
+        stage = _sequential_if_within(report, 0.02, "narrowing-00003", [], np.array([0.02, 0.03]))
+    assert stage == "narrowing-00003" and report.quality_budget["sequential"] == {"measured": 0.025, "written": False}
+
+
+def _initializers(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(path)
+    return {tensor.name: onnx.numpy_helper.to_array(tensor, str(path.parent)) for tensor in model.graph.initializer}
+
+
+KILLED_CHILD = textwrap.dedent("""
+    import contextlib, json, os, signal, sys
+    import onnx_nmm
+    from onnx_nmm.layerwise.rewrite import _sequential_if_within, rewrite_layerwise
+
+    model, output, phase_name, after, mode, ranks = sys.argv[1:4] + [int(sys.argv[4]), sys.argv[5], sys.argv[6]]
 
     class Killer(onnx_nmm.Progress):  # kill -9 once `after` steps of the phase are done
         @contextlib.contextmanager
@@ -132,23 +174,30 @@ KILLED_CHILD = textwrap.dedent("""
 
     options = onnx_nmm.RewriteOptions(
         factorization=onnx_nmm.FactorizationOptions(method="nystrom"),
-        ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, max_ppl_increase=0.05),
-        calibration=onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24))
+        ranks=onnx_nmm.RankOptions(align=8, sensitivity_windows=2, **json.loads(ranks)),
+        calibration=onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24, mode=mode))
     rewrite_layerwise(model, output, options, progress=Killer())
 """)
 
 
-@pytest.mark.parametrize("phase, after", [("layer by layer: what narrowing", 1), ("layer by layer: narrowing", 1)])
-def test_a_layerwise_rewrite_killed_in_the_middle_resumes_to_the_same_bytes(export, tmp_path, phase, after):
+BUDGET = {"max_ppl_increase": 0.05}
+
+
+@pytest.mark.parametrize("phase, after, mode, ranks", [
+    ("layer by layer: what narrowing", 1, "independent", BUDGET),
+    ("layer by layer: narrowing", 1, "independent", BUDGET),
+    ("layer by layer: refitting", 1, "sequential", {"keep": 0.5})])  # no budget: the sequential refit is written
+def test_a_layerwise_rewrite_killed_in_the_middle_resumes_to_the_same_bytes(export, tmp_path, phase, after, mode,
+                                                                            ranks):
     path = export("llama", "dynamo", cache=True)
     single = tmp_path / "single" / "out.onnx"
-    rewrite_layerwise(path, single, _options(max_ppl_increase=0.05))
+    rewrite_layerwise(path, single, _options(mode, **ranks))
     resumed = tmp_path / "resumed" / "out.onnx"
-    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(path), str(resumed), phase, str(after)],
-                           capture_output=True, text=True)
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(path), str(resumed), phase, str(after), mode,
+                            json.dumps(ranks)], capture_output=True, text=True)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert not resumed.exists() and onnx_nmm.work_dir_of(resumed).exists()
-    rewrite_layerwise(path, resumed, _options(max_ppl_increase=0.05))
+    rewrite_layerwise(path, resumed, _options(mode, **ranks))
     for name in ("out.onnx", "out.onnx.data"):
         assert (resumed.parent / name).read_bytes() == (single.parent / name).read_bytes(), name
 
@@ -159,6 +208,15 @@ def test_the_layerwise_rewrite_refuses_what_it_does_not_do(export, tmp_path):
         rewrite_layerwise(path, tmp_path / "out.onnx", onnx_nmm.RewriteOptions(
             factorization=onnx_nmm.FactorizationOptions(method="whiten"), calibration=CALIBRATION))
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_the_in_memory_rewrite_refuses_sequential_narrowing_in_one_line_naming_stream(export, tmp_path, capsys):
+    path = export("llama", "torchscript")
+    code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--method", "nystrom", "--keep", 0.5,
+                                  "--calib", "random", "--calib-mode", "sequential")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "add --stream" in err and "--calib-mode independent" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out.onnx").exists()
 
 
 def test_a_streamed_rewrite_narrows_layer_by_layer_with_the_default_budget(export, tmp_path, capsys):

@@ -85,7 +85,11 @@ def register(subparsers) -> None:
                                   "each layer, in graph order, to the dense outputs "
                                   "from the inputs the already-compressed "
                                   "model feeds it (one onnxruntime pass per group of layers; slower, errors stop "
-                                  f"compounding) (default {default(C, 'mode')})")
+                                  "compounding). With --method nystrom, layer by layer only (--stream): once the "
+                                  "widths are chosen, one more sweep over the calibration windows refits each narrowed "
+                                  "MLP's down projection to the compressed model's inputs, written if its damage "
+                                  "measured on the held-out windows is within the budget; whether it narrows better "
+                                  f"has not been measured yet (default {default(C, 'mode')})")
     calibration.add_argument("--calib-stats", metavar="FILE.npz",
                              help="XᵀX statistics saved by --save-calib-stats, used instead of gathering them (with "
                                   "--calib TEXT still giving the tokens sequential calibration and budgets run on)")

@@ -32,8 +32,9 @@ class Method:
 
     @property
     def fits_sequentially(self) -> bool:
-        """Whether sequential calibration (weighted factors refitted to the compressed model's inputs) applies."""
-        return self.weighted and not self.narrows_mlps
+        """Whether sequential calibration applies: weighted factors, or (layer by layer) a narrowed MLP's output
+        projection, refitted to the compressed model's inputs."""
+        return self.weighted
 
 
 SVD = Method("svd", "svd")

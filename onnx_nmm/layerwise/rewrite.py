@@ -6,6 +6,8 @@ quality budget) in the memory of one layer, for models that do not fit in memory
     choose           the quality budget spends them, as in memory                           sensitivity.choose
     narrowing sweep  each MLP narrowed; the plan's damage measured at the output          narrowing.py
                      (a budget of damage: sweeps search the longest greedy prefix within it) budget_search.py
+    sequential       (--calib-mode sequential) one more sweep: the plan's kept neurons        sequential.py
+                     refitted to the compressed model's inputs, written if within the budget
     assembly         the narrowed weights into the graph, written tensor by tensor          scale/writer.py
     answers          with a tokenizer, the check prompts' answers of the output against the input's, one
                      model in onnxruntime at a time
@@ -32,6 +34,7 @@ from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
 from onnx_nmm.layerwise.budget_search import longest_prefix_within
 from onnx_nmm.layerwise.narrowing import dense_rows, narrow_layers
 from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.layerwise.sequential import SEQUENTIAL, refit_sequentially
 from onnx_nmm.layerwise.work import LayerWork
 from onnx_nmm.model_io import carry_genai_config, check_model_file, check_output_path, weight_bytes
 from onnx_nmm.model_source import ModelSource
@@ -83,14 +86,18 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
         analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
         choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work,
                                                               progress)
+        refitted = (refit_sequentially(segments, analyses, stage, calibration, batch, held_out.tokens, metric, work,
+                                       progress) if options.sequential else None)
     except Exception:
         work.work.remove_if_empty()  # refused before a layer was finished: nothing to take up
         raise
     report.layers = rows
-    if ranks.measures_damage:
+    if ranks.measures_damage or refitted is not None:
         report.quality_budget = choice.to_dict(ranks.keep) | {
             "measured_on": held_out.description, "layer_by_layer": True,
             "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}
+    if refitted is not None:
+        stage = _sequential_if_within(report, choice.budget, stage, *refitted)
     with progress.phase("writing"):
         _assemble(source, segments, work, stage)
         report.weight_bytes_after = weight_bytes(source.model)
@@ -145,6 +152,22 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
                       "every MLP is kept dense; give a larger budget, or --keep", stacklevel=3)
     rows, damage = sweeps[low]
     return choice, rows, damage, _stage(low)
+
+
+def _sequential_if_within(report: RewriteReport, budget: float | None, stage: str, rows: list[LayerOutcome],
+                          damage: np.ndarray) -> str:
+    """The stage to write: the sequential refit's, its rows in `report`, if its damage (mean over the held-out
+    windows) is within `budget` or there is no budget of damage; else `stage`, the searched plan's, in a warning.
+    Both damages are in the report's quality budget."""
+    written = budget is None or float(damage.mean()) <= budget
+    report.quality_budget["sequential"] = {"measured": float(damage.mean()), "written": written}
+    if not written:
+        warnings.warn(f"the sequential refit measured {float(damage.mean()):.4g} nats over the budget of "
+                      f"{budget:.4g}: the independent fit was written", stacklevel=3)
+        return stage
+    refitted = {row.name: row for row in rows}
+    report.layers = [refitted.get(row.name, row) for row in report.layers]
+    return SEQUENTIAL
 
 
 def _predicted_prefixes(candidates: list[sensitivity.Candidate], moves: list) -> list[float]:

@@ -1,13 +1,14 @@
 """What a layer-wise rewrite has finished, in `<output>.partial/` (scale.work_dir: fingerprinted, every file
 written whole and renamed into place). The layer is the unit of work:
 
-    <stage>-NNNN.json      layer NNNN's result in a stage (analysis, narrowing): written last, it says the
+    <stage>-NNNN.json      layer NNNN's result in a stage (analysis, narrowing, sequential): written last, it says the
                            layer is finished
     <stage>-NNNN.npz       the held-out windows' paths after that layer (probe.Paths)
     gram-NNNN.npy          the layer's MLP Gram hᵀh (the analysis; the narrowing reads it)
     <stage>-narrowed-NNNN.npz  the neurons kept and the refitted output projection (a narrowing sweep; removed
                            when the budget's search does not choose that sweep's plan)
     dense-calibration/     the calibration windows' residual stream before the next layer (carried.py)
+    sequential-calibration/  the same in the model narrowed and refitted so far (sequential.py)
 
 Run again after a kill: each stage takes up after its last finished layer.
 """

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.calibration_data import CalibrationData, calibration_text, check_source_files
 from onnx_nmm.decomposition import sequential
+from onnx_nmm.errors import OptionError
 from onnx_nmm.model_io import weight_bytes
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
@@ -67,6 +68,9 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     Raises an OnnxNmmError subclass (errors.py) for anything the input or the options make impossible.
     """
     options, progress = options or RewriteOptions(), progress or Progress()
+    if options.sequential and options.strategy.narrows_mlps:
+        raise OptionError("sequential calibration refits narrowed MLPs in the layer-wise rewrite only: add --stream "
+                          "(rewrite_streamed), or give {mode} independent", mode="calibration.mode")
     check_source_files(options.calibration)  # a missing file is said before the model loads
     check_report_files(options.ranks)
     source = ModelSource.of(model)

@@ -400,9 +400,13 @@ def describe_measurement(quality_budget: dict) -> str:
     allowed = quality_budget.get("budget")
     target = "" if allowed is None else f" (budget {show(math.expm1(allowed)) if ppl else show(allowed)})"
     count, measured = len(spread["windows"]), quality_budget["measured"]
+    sequential = quality_budget.get("sequential")
+    refit = "" if sequential is None else (
+        f"Refitted sequentially: {show(math.expm1(sequential['measured']) if ppl else sequential['measured'])}, "
+        + ("which was written. " if sequential["written"] else "over the budget: the independent fit was written. "))
     return (f"{'perplexity increase' if ppl else 'KL to the dense model'} measured on {count} calibration "
             f"window{'s' if count != 1 else ''} held out of the statistics: "
             f"{show(math.expm1(measured) if ppl else measured)}"
             f"{target}; per window {show(spread['min'])} … {show(spread['max'])}, "
-            f"std {show(spread['std']).lstrip('+')}. "
+            f"std {show(spread['std']).lstrip('+')}. {refit}"
             "A budget holds for text like the calibration text; other text may lose more (docs/quality.md).")
