@@ -52,7 +52,7 @@ from onnx_nmm.pipeline.report import LayerOutcome
 from onnx_nmm.pipeline.statistics import budget_windows
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks import sensitivity
-from onnx_nmm.ranks.rank_plan import Dense, RankOrWidth, RankPlan, keep_width
+from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankOrWidth, RankPlan, keep_width
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import INLINE_BYTES, write_streamed
 from onnx_nmm.teacher import record_calibration, record_calibration_text, record_dense_model
@@ -86,8 +86,9 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
         analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
         choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work,
                                                               progress)
+        narrows = any(isinstance(width, Narrowed) for width in choice.plan.values())  # else nothing to refit
         refitted = (refit_sequentially(segments, analyses, stage, calibration, batch, held_out.tokens, metric, work,
-                                       progress) if options.sequential else None)
+                                       progress) if options.sequential and narrows else None)
     except Exception:
         work.work.remove_if_empty()  # refused before a layer was finished: nothing to take up
         raise
