@@ -43,6 +43,9 @@ DEFAULT_PPL_INCREASE = 0.02
 DEFAULT_MIXED_GENERATED = 32
 DEFAULT_WINDOW = 512  # tokens per perplexity window
 DEFAULT_ALIGN = 128  # the TensorE tile
+# Layers whose MLPs' damage the layer-wise analysis measures at the output; the others' is a local proxy
+# calibrated on them (layerwise/damage_proxy.py). Chosen for cost: the sweep grows as M·L, not L².
+DEFAULT_REFERENCE_LAYERS = 8
 FULL_RANK = "full"
 METHODS = tuple(methods.METHODS)  # svd, whiten, fisher, nystrom
 BUDGETS = ("uniform", "global", "sensitivity")
@@ -74,6 +77,9 @@ class RankOptions:
     sensitivity_windows: calibration windows the quality budgets are measured on
     sensitivity_from:  the report of an earlier rewrite of the model with a quality budget on the same
                        calibration: its measured sensitivities are reused instead of measured again
+    reference_layers:  layer by layer, the layers (evenly spaced, the first and the last among them) whose MLPs'
+                       damage is measured at the output; the others' is a local proxy calibrated on them.
+                       0: every layer
     """
 
     keep: float | None = None
@@ -86,6 +92,7 @@ class RankOptions:
     align: int = DEFAULT_ALIGN
     sensitivity_windows: int = 4
     sensitivity_from: str | os.PathLike | None = None
+    reference_layers: int = DEFAULT_REFERENCE_LAYERS
     by_default: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self):
@@ -125,6 +132,9 @@ class RankOptions:
         if self.sensitivity_windows < 1:
             raise OptionError(f"{{windows}} must be a positive integer, got {self.sensitivity_windows}",
                               windows="ranks.sensitivity_windows")
+        if self.reference_layers < 0 or self.reference_layers == 1:
+            raise OptionError("{reference_layers} must be 0 (every layer) or at least 2 (the first and the last "
+                              f"layer), got {self.reference_layers}", reference_layers="ranks.reference_layers")
 
     @property
     def rule(self) -> str:

@@ -1,6 +1,7 @@
 """The layer-by-layer rewrite (onnx_nmm.layerwise): the decoder cut at its residual stream runs as the whole
 model does, and narrowing one layer at a time gives what the in-memory rewrite gives, resumable after a kill."""
 
+import functools
 import json
 import signal
 import subprocess
@@ -14,14 +15,21 @@ import onnx
 import pytest
 
 import onnx_nmm
-from onnx_nmm.cli import main
+from onnx_nmm.cli import build_parser, main
+from onnx_nmm.cli.rewrite import rewrite_options
 from onnx_nmm.export import ARCHITECTURES
-from onnx_nmm.layerwise import memory
+from onnx_nmm.layerwise import damage_proxy, memory
+from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
+from onnx_nmm.layerwise.dry_run import LayerwisePlan
 from onnx_nmm.layerwise.rewrite import _sequential_if_within, rewrite_layerwise
 from onnx_nmm.layerwise.segments import LayerSegments
+from onnx_nmm.layerwise.work import LayerWork
 from onnx_nmm.model_source import ModelSource
+from onnx_nmm.pipeline import calibration_data
+from onnx_nmm.pipeline.statistics import budget_windows
 from onnx_nmm.pipeline.targets import find_targets
 from onnx_nmm.runtime.causal_lm import CausalLm
+from onnx_nmm.scale.work_dir import WorkDir
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 CALIBRATION = onnx_nmm.CalibrationOptions(source="random", samples=6, seq_len=24)
@@ -248,6 +256,88 @@ def test_without_calibration_the_rewrite_says_what_it_learns_from(export, tmp_pa
         capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    """A tiny Llama of four decoder layers (the cached exports have two)."""
+    path = tmp_path_factory.mktemp("four-layers") / "model.onnx"
+    shape = onnx_nmm.TinyShape(hidden=64, intermediate=128, layers=4, heads=2, kv_heads=1, vocab=300)
+    onnx_nmm.export_causal_lm(onnx_nmm.build_model("llama", shape), path, "torchscript")
+    return path
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    """analysed(model, reference_layers) -> every layer's analysis, its damages in KL (always positive)."""
+
+    @functools.cache
+    def analyse(path: Path, reference_layers: int) -> list[LayerAnalysis]:
+        options = _options(max_kl=0.05, reference_layers=reference_layers)
+        source = ModelSource(path)
+        segments = LayerSegments.of(source, find_targets(source.model, options), options)
+        data = calibration_data(options, source, onnx_nmm.Progress())
+        output = tmp_path_factory.mktemp("analysis") / "out.onnx"
+        work = LayerWork(WorkDir.open(output, "analysis", resume=False))
+        return analyse_layers(segments, data.windows(), budget_windows(data, None), 1, "kl", work,
+                              onnx_nmm.Progress())
+
+    return analyse
+
+
+def test_measuring_every_layer_gives_each_the_damage_of_its_own_paths(export, four_layers, analysed):
+    every = analysed(four_layers, 0)
+    assert [analysis.references for analysis in analysed(four_layers, 4)] == \
+        [analysis.references for analysis in every]  # M ≥ L: every layer is a calibration layer
+    assert all(len(analysis.references) == 2 and analysis.mlp_energy > 0 and analysis.stream_energy > 0
+               for analysis in every)
+    two = export("llama", "dynamo", cache=True)  # two layers: M = 2 measures both
+    assert damage_proxy.calibration_layers(2, 2) == [0, 1]
+    assert [analysis.references for analysis in analysed(two, 2)] == \
+        [analysis.references for analysis in analysed(two, 0)]
+
+
+def test_between_calibration_layers_the_damage_is_the_proxy_scaled_by_the_interpolated_ratio(four_layers, analysed):
+    measured, proxied = analysed(four_layers, 0), analysed(four_layers, 2)
+    assert damage_proxy.calibration_layers(4, 2) == [0, 3]
+    for layer in (0, 3):  # the calibration layers' paths are the same whatever else is carried
+        assert proxied[layer].references == measured[layer].references
+    first, last = proxied[0], proxied[3]
+    for position in range(2):
+        ratios = [analysis.references[position][1] / analysis.proxy(analysis.references[position][0])
+                  for analysis in (first, last)]
+        for layer in (1, 2):
+            width, damage = proxied[layer].references[position]
+            t = layer / 3
+            expected = proxied[layer].proxy(width) * ratios[0] ** (1 - t) * ratios[1] ** t
+            assert damage == pytest.approx(expected, rel=1e-12)
+    again = LayerAnalysis.from_json(proxied[1].to_json())  # the energies survive a resume
+    assert (again.mlp_energy, again.stream_energy) == (proxied[1].mlp_energy, proxied[1].stream_energy)
+
+
+def test_the_damage_proxy_spaces_calibration_layers_and_interpolates_ratios_in_log_space():
+    assert damage_proxy.calibration_layers(32, 8) == [0, 4, 9, 13, 18, 22, 27, 31]
+    assert damage_proxy.calibration_layers(5, 0) == damage_proxy.calibration_layers(5, 8) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(damage_proxy.interpolated_ratios({0: 1.0, 4: 16.0}, 5), [1, 2, 4, 8, 16])
+    # a ratio that is not positive says nothing of the scale: the next calibration layer's stands in
+    np.testing.assert_allclose(damage_proxy.interpolated_ratios({0: 2.0, 2: -1.0, 4: 2.0}, 5), [2] * 5)
+    assert list(damage_proxy.interpolated_ratios({0: 0.0}, 3)) == [1, 1, 1]
+    proxies = [[0.1, 0.4], [0.2, 0.5], [0.3, 0.6]]
+    damages = damage_proxy.reference_damages(proxies, {0: [0.1, 0.8], 2: [1.2, 0.6]})
+    np.testing.assert_allclose(damages, [[0.1, 0.8], [0.2 * 2, 0.5 * np.sqrt(2)], [1.2, 0.6]])
+    assert damage_proxy.local_proxy(0.5, 2.0, 4.0) == 0.25
+    with pytest.raises(onnx_nmm.OptionError, match="at least 2"):
+        onnx_nmm.RankOptions(reference_layers=1)
+    args = build_parser().parse_args(["rewrite", "m.onnx", "-o", "o.onnx", "--reference-layers", "3"])
+    assert rewrite_options(args).ranks.reference_layers == 3
+
+
+def test_with_calibration_layers_the_modelled_analysis_grows_linearly_in_depth():
+    plan = LayerwisePlan(2, 6, 2, 24, 1.0, 0.5, 0.25, 0.0, 0.0, 0, 1, 2, reference_layers=8)
+    analysis = [replace(plan, narrowing_sweeps=0).seconds_for(layers) for layers in (32, 64, 96)]
+    assert analysis[2] - analysis[1] == pytest.approx(analysis[1] - analysis[0], rel=0.01)
+    every = [replace(plan, narrowing_sweeps=0, reference_layers=0).seconds_for(layers) for layers in (32, 64, 96)]
+    assert every[2] - every[1] > 1.5 * (every[1] - every[0])  # every layer measured: quadratic
+
+
 def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export, tmp_path, capsys):
     path = export("llama", "dynamo", cache=True)
     plan = onnx_nmm.plan_layerwise(path, _options(max_ppl_increase=0.05))
@@ -255,6 +345,7 @@ def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export
     assert 0 < plan.layer_seconds and 0 < plan.maths_seconds and 0 < plan.head_seconds
     assert plan.analysis_seconds > 0 and plan.narrowing_seconds > 0 and plan.peak_bytes > 0
     assert plan.narrowing_sweeps == 2 and onnx_nmm.plan_layerwise(path, _options(keep=0.5)).narrowing_sweeps == 1
+    assert plan.seconds_for(plan.layers) == pytest.approx(plan.seconds)
     code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--calib", "random", "--dry-run")])
     out = capsys.readouterr().out
     assert code == 0 and "layer by layer: 2 layers" in out and "Nothing was written" in out

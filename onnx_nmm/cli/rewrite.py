@@ -106,6 +106,13 @@ def register(subparsers) -> None:
                         help="calibration windows the budget is measured on, drawn from the --calib sources beside "
                              "and never among the windows the statistics come from (default "
                              f"{default(R, 'sensitivity_windows')})")
+    budget.add_argument("--reference-layers", type=int, metavar="N",
+                        help="layer by layer (--stream, or a model too large for memory): the layers whose MLPs' "
+                             "damage is measured at the output, evenly spaced from the first to the last; the others' "
+                             "is predicted from how much narrowing perturbs the residual stream, scaled by those "
+                             "measurements, so the analysis costs about N·L layer runs instead of L² (0: every layer; "
+                             f"default {default(R, 'reference_layers')}); how well the prediction ranks the layers "
+                             "of real models has not been measured yet")
     budget.add_argument("--sensitivity-from", metavar="REPORT.json",
                         help="reuse the sensitivities another quality budget of this model measured (its --report, "
                              "same calibration and targets), to try another --keep or budget without measuring again")
@@ -176,7 +183,8 @@ def rewrite_options(args) -> onnx_nmm.RewriteOptions:
     ranks = onnx_nmm.RankOptions(**given(
         keep=args.keep, rank=args.rank, energy=args.energy, max_ppl_increase=args.max_ppl_increase,
         max_kl=args.max_kl, ranks_from=args.ranks_from, budget=args.budget, align=args.align,
-        sensitivity_windows=args.sensitivity_windows, sensitivity_from=args.sensitivity_from))
+        sensitivity_windows=args.sensitivity_windows, sensitivity_from=args.sensitivity_from,
+        reference_layers=args.reference_layers))
     calibration = None
     if args.calib is not None or args.calib_stats is not None or _self_calibrated(args):
         calib = args.calib if args.calib is not None or args.calib_stats is not None else [SELF_CALIBRATION]

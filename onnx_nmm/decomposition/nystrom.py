@@ -54,6 +54,7 @@ class MlpNarrowing:
     ridge: float = RIDGE_DEFAULT
     ridge_chosen: bool = False  # ρ chosen on held-out activations (choose_ridge), not RIDGE_DEFAULT
     _order: np.ndarray | None = field(default=None, repr=False)  # neurons, the first to drop first
+    _output_energy: float | None = field(default=None, repr=False)  # tr(W_dᵀ C W_d), once computed
 
     def __post_init__(self):
         if self.score not in NEURON_SCORES:
@@ -83,6 +84,13 @@ class MlpNarrowing:
             else:
                 self._order = np.argsort(self._scores(), kind="stable")
         return self._order
+
+    def output_energy(self) -> float:
+        """‖h·W_d‖² = tr(W_dᵀ C W_d): what the MLP writes into the residual stream on the calibration activations
+        (relative_errors computes it on the way)."""
+        if self._output_energy is None:
+            self._output_energy = float(np.einsum("ih,ih->", self.down, self.gram @ self.down))
+        return self._output_energy
 
     def refit(self, kept: np.ndarray) -> np.ndarray:
         """W_d' [k, H]: the output weight on the kept neurons' activations, ridge-pulled towards W_d[S]."""
@@ -128,7 +136,7 @@ class MlpNarrowing:
                     for width in widths for kept in [self.kept(width)]}
         ordered = w[priority]
         cw = c @ w
-        full = float(np.einsum("ih,ih->", w, cw))
+        full = self._output_energy = float(np.einsum("ih,ih->", w, cw))
         rhs = cw[priority]  # I×H matrices are GBs at 8B too: one at a time where it can be
         del cw
         rhs += damping * ordered

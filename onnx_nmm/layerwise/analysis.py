@@ -5,9 +5,12 @@ For layer i, with Xᵢ the dense model's residual stream before it on every cali
     hᵀh       the Gram of its MLP's intermediate activation, on Xᵢ (kept on disk for the narrowing)
     ridge     chosen on the held-out windows' Gram, as the in-memory rewrite chooses it
     losses    the refit's relative error at every aligned width
-    damage    at two reference widths: the held-out windows run through this layer narrowed and every later
-              layer dense, to the logits (paths: one per reference, all carried together, so each layer's
-              weights are read once)
+    energies  ‖h·W_d‖² = tr(W_dᵀ C W_d) and ‖Xᵢ₊₁‖², what the MLP and the whole layer write on the calibration
+              windows: the local proxy of damage_proxy.py
+    damage    at two reference widths: at a calibration layer (damage_proxy.calibration_layers), the held-out
+              windows run through this layer narrowed and every later layer dense, to the logits (paths: one per
+              reference, all carried together, so each layer's weights are read once); at any other layer, the
+              proxy scaled by what the calibration layers measured
 
 then Xᵢ₊₁ = layer i (dense) of Xᵢ, from the same onnxruntime run as the Gram. The damages and losses are what
 the quality budget spends (sensitivity.choose), as in memory; nothing but one layer and its Gram is ever held.
@@ -25,7 +28,8 @@ from onnx_nmm.calibration.activation_stats import GramStatistics, accumulated_gr
 from onnx_nmm.calibration.tokens import TokenWindows
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.layerwise.carried import CarriedValues
-from onnx_nmm.layerwise.probe import Paths, damage_of_paths
+from onnx_nmm.layerwise.damage_proxy import calibration_layers, local_proxy, reference_damages
+from onnx_nmm.layerwise.probe import Key, Paths, damage_of_paths
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.work import LayerWork
 from onnx_nmm.passes.mlp_rules.mlp import Mlp
@@ -43,6 +47,8 @@ class LayerAnalysis:
     width: int
     parameters_per_neuron: int
     ridge: float
+    mlp_energy: float  # ‖h·W_d‖² on the calibration windows
+    stream_energy: float  # ‖Xᵢ₊₁‖², the residual stream after the layer on the same windows
     losses: dict[int, float] = field(default_factory=dict)
     references: list[tuple[int, float]] = field(default_factory=list)  # (width, damage at the output)
 
@@ -50,6 +56,15 @@ class LayerAnalysis:
         return NarrowingCandidate(self.name, self.width, self.parameters_per_neuron, None, losses=dict(self.losses),
                                   references=[(Narrowed(width, self.width), damage)
                                               for width, damage in self.references])
+
+    def reference_widths(self, align: int) -> tuple[int, int]:
+        """The middle and the lowest reference width (the same when the MLP has one width to narrow to)."""
+        widths = [choice.width for choice in self.candidate().reference_ranks(align) if isinstance(choice, Narrowed)]
+        return widths[0], widths[-1]
+
+    def proxy(self, width: int) -> float:
+        """The local proxy of damage_proxy.py: the refit's error at `width` relative to the residual stream."""
+        return local_proxy(self.losses[width], self.mlp_energy, self.stream_energy)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"losses": {str(k): v for k, v in self.losses.items()}})
@@ -67,6 +82,7 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
     """Every layer's analysis, taking up the layers a killed run finished."""
     options = segments.options
     align, score = options.ranks.align, options.factorization.neuron_score
+    measured_layers = calibration_layers(segments.layers, options.ranks.reference_layers)
     stream = CarriedValues(work.folder / "dense-calibration")
     batches = list(calibration.batches(batch))
     done = [LayerAnalysis.from_json(text) for text in work.finished("analysis")]
@@ -78,46 +94,63 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
             carried = _carried_inputs(stream, segment.carried_inputs)
             last = layer + 1 == segments.layers  # the calibration windows go no further than the last layer
+            stream_energy = 0.0
 
-            def keep(index: int, outputs: list[np.ndarray], segment=segment) -> None:  # the next layer's inputs
-                for name, value in zip(segment.outputs, outputs):
-                    stream.put(name, index, value)
+            def keep(index: int, outputs: list[np.ndarray], segment=segment, last=last) -> None:
+                nonlocal stream_energy
+                residual = outputs[0].reshape(-1)  # the boundary: the residual stream after the layer
+                stream_energy += float(np.einsum("i,i->", residual, residual, dtype=np.float64))
+                if not last:  # the next layer's inputs
+                    for name, value in zip(segment.outputs, outputs):
+                        stream.put(name, index, value)
 
             session, plan = segments.gram_session(layer)
             grams = accumulated_grams(session, plan, (segments.feeds(segment, tokens, carried(index))
-                                                      for index, tokens in enumerate(batches)),
-                                      on_outputs=None if last else keep)
+                                                      for index, tokens in enumerate(batches)), on_outputs=keep)
             held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer))
             del session  # the maths holds the Gram (GBs at 8B) without the layer's weights beside it
-            ridge, losses, references = _narrowing_costs(mlp, grams, held, score, align, work, layer)
+            ridge, losses, mlp_energy, references = _narrowing_costs(mlp, grams, held, score, align, work, layer,
+                                                                     layer in measured_layers)
             del grams, held
             branches = {(layer, width): segments.narrowed_session(layer, *references[width]) for width in references}
             paths = paths.through(segments, layer, segments.session(segment), branches)
-            analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, ridge, losses)
+            analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, ridge, mlp_energy,
+                                     stream_energy, losses)
             work.finish_layer("analysis", layer, analysis.to_json(), paths)
             done.append(analysis)
             drop_unread(stream, segments, layer)
             phase.advance(detail=mlp.name)
-    damages = damage_of_paths(segments, paths, metric)
-    for analysis in done:
-        analysis.references = [(width, float(damages[(origin, width)].mean())) for origin, width in damages
-                               if origin == analysis.layer]
+    _set_references(done, damage_of_paths(segments, paths, metric), measured_layers, align)
     return done
 
 
+def _set_references(analyses: list[LayerAnalysis], damages: dict[Key, np.ndarray], measured_layers: list[int],
+                    align: int) -> None:
+    """Each layer's damage at its reference widths: the mean over the held-out windows of its paths' at a
+    calibration layer, the proxy scaled by theirs elsewhere (damage_proxy.reference_damages)."""
+    widths = [analysis.reference_widths(align) for analysis in analyses]
+    measured = {layer: [float(damages[(layer, width)].mean()) for width in widths[layer]] for layer in measured_layers}
+    proxies = [[analysis.proxy(width) for width in widths[analysis.layer]] for analysis in analyses]
+    for analysis, damage in zip(analyses, reference_damages(proxies, measured)):
+        analysis.references = list(dict(zip(widths[analysis.layer], damage)).items())
+
+
 def _narrowing_costs(mlp: Mlp, grams: GramStatistics, held: GramStatistics, score: str, align: int, work: LayerWork,
-                     layer: int) -> tuple[float, dict[int, float], dict[int, tuple[np.ndarray, np.ndarray]]]:
+                     layer: int, measured: bool
+                     ) -> tuple[float, dict[int, float], float, dict[int, tuple[np.ndarray, np.ndarray]]]:
     """From the MLP's Grams on the calibration and the held-out windows: the ridge, the refit's error at every
-    aligned width, and the kept neurons and refit at each reference width; the Gram kept in `work`."""
+    aligned width, ‖h·W_d‖², and (at a layer whose damage is `measured`) the kept neurons and refit at each
+    reference width; the Gram kept in `work`."""
     x = mlp.down.x.name or ""
     narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
     narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
     losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
     candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
     widths = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
-    references = {width: (kept, narrowing.refit(kept)) for width in widths for kept in [narrowing.kept(width)]}
+    references = {width: (kept, narrowing.refit(kept)) for width in widths if measured
+                  for kept in [narrowing.kept(width)]}
     work.save_gram(layer, narrowing.gram)
-    return narrowing.ridge, losses, references
+    return narrowing.ridge, losses, narrowing.output_energy(), references
 
 
 def _carried_inputs(stream: CarriedValues, names: list[str]) -> Callable[[int], dict[str, np.ndarray]]:

@@ -1,9 +1,11 @@
 """A layer-wise rewrite's cost before it runs, on this machine: one layer run on one window, its narrowing's
 maths, the head on one window, all timed now; the sweeps' time and the peak memory modelled from them.
 
-    analysis sweep    L·(W + P·3)·t_layer + P·L(L−1)·t_layer + L·t_maths + (1 + 2L)·P·t_head
-                      (the calibration windows W, the held-out windows P on the dense path and two reference
-                      paths per layer; the paths of earlier layers carried through each later one)
+    analysis sweep    (L·(W + 2P) + 2P·Σ_c (L − c))·t_layer + L·t_maths + (1 + 2M)·P·t_head
+                      (through every layer: the calibration windows W, the held-out windows P for the Gram and
+                      on the dense path; at each of the M calibration layers c (damage_proxy.calibration_layers),
+                      two reference paths of P windows from it to the last layer, Σ_c (L − c) ≈ M·(L + 1)/2:
+                      linear in L for a fixed M, L(L + 1)/2 when every layer is one)
     narrowing sweeps  N·(L·(2P·t_layer + t_maths) + 2P·t_head), N = BUDGET_SWEEPS for a budget of damage
                       (the search's probes), else 1
     peak memory       what the timing itself held at most, or the largest segment's weights in float32 with a
@@ -26,6 +28,7 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.sources import GeneratedText
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.layerwise.damage_proxy import calibration_layers
 from onnx_nmm.layerwise.memory import float32_weight_bytes
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.model_source import ModelSource
@@ -55,6 +58,7 @@ class LayerwisePlan:
     peak_bytes: int  # modelled
     sample_layer: int
     narrowing_sweeps: int
+    reference_layers: int  # the option: calibration layers M (0: every layer)
 
     @property
     def seconds(self) -> float:
@@ -62,8 +66,8 @@ class LayerwisePlan:
 
     def seconds_for(self, layers: int) -> float:
         """The same model's sweeps with `layers` layers of this width (modelled)."""
-        return _sweeps(layers, self.windows, self.held_out, self.layer_seconds, self.maths_seconds,
-                       self.head_seconds, self.narrowing_sweeps)
+        return _sweeps(layers, self.windows, self.held_out, self.reference_layers, self.layer_seconds,
+                       self.maths_seconds, self.head_seconds, self.narrowing_sweeps)
 
 
 def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
@@ -99,22 +103,24 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     held_out = options.ranks.sensitivity_windows
     ranks = options.ranks
     sweeps = BUDGET_SWEEPS if ranks.measures_damage and ranks.budget != "sensitivity" else 1
-    analysis, narrowing_sweeps = _sweeps(layers, windows, held_out, layer_seconds, maths_seconds, head_seconds,
-                                         sweeps, apart=True)
+    analysis, narrowing_sweeps = _sweeps(layers, windows, held_out, ranks.reference_layers, layer_seconds,
+                                         maths_seconds, head_seconds, sweeps, apart=True)
     weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
     widest = max(segments.mlps, key=lambda mlp: mlp.width)
     gram_bytes = (GRAM_COPIES * widest.width + DOWN_COPIES * widest.down.n) * widest.width * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
     return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, head_seconds, analysis,
-                         narrowing_sweeps, int(peak), sample, sweeps)
+                         narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
 
 
-def _sweeps(layers: int, windows: int, held_out: int, layer: float, maths: float, head: float, sweeps: int,
-            apart: bool = False):
+def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, maths: float, head: float,
+            sweeps: int, apart: bool = False):
     """The analysis sweep's and the narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
-    analysis = (layers * (windows + 3 * held_out) * layer + held_out * layers * (layers - 1) * layer
-                + layers * maths + (1 + 2 * layers) * held_out * head)
+    measured = calibration_layers(layers, reference_layers)
+    reference_runs = 2 * held_out * sum(layers - c for c in measured)
+    analysis = ((layers * (windows + 2 * held_out) + reference_runs) * layer + layers * maths
+                + (1 + 2 * len(measured)) * held_out * head)
     narrowing = sweeps * (layers * (2 * held_out * layer + maths) + 2 * held_out * head)
     return (analysis, narrowing) if apart else analysis + narrowing
 
