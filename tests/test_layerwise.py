@@ -223,7 +223,7 @@ def test_the_in_memory_rewrite_refuses_sequential_narrowing_in_one_line_naming_s
     code = main([str(a) for a in ("rewrite", path, "-o", tmp_path / "out.onnx", "--method", "nystrom", "--keep", 0.5,
                                   "--calib", "random", "--calib-mode", "sequential")])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "add --stream" in err and "--calib-mode independent" in err
+    assert code == 2 and "layer by layer (--stream)" in err and "--calib-mode independent" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "out.onnx").exists()
 
 

@@ -39,6 +39,7 @@ FLAGS = {
     "calibration.save_statistics": "--save-calib-stats",
     "calibration.mix_generated": "--calib-mix",
     "output": "-o",
+    "rewrite_streamed": "--stream",
     "overwrite_input": "--force",
     "overwrite": "--force",
     "training.learning_rate": "--lr",

@@ -69,8 +69,9 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     """
     options, progress = options or RewriteOptions(), progress or Progress()
     if options.sequential and options.strategy.narrows_mlps:
-        raise OptionError("sequential calibration refits narrowed MLPs in the layer-wise rewrite only: add --stream "
-                          "(rewrite_streamed), or give {mode} independent", mode="calibration.mode")
+        raise OptionError("sequential calibration refits narrowed MLPs in the layer-wise rewrite only: rewrite "
+                          "layer by layer ({stream}), or give {mode} independent", stream="rewrite_streamed",
+                          mode="calibration.mode")
     check_source_files(options.calibration)  # a missing file is said before the model loads
     check_report_files(options.ranks)
     source = ModelSource.of(model)
