@@ -85,7 +85,7 @@ def print_plan(args, options, source: Path) -> int:
 
 
 def _sweeps(count: int) -> str:
-    return "the narrowing sweep" if count == 1 else f"{count} narrowing sweeps (the budget's usual search)"
+    return "the narrowing sweep" if count == 1 else f"at most {count} narrowing sweeps (the budget's search)"
 
 
 def _print_layerwise_plan(options, source: Path) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 CLOSE = 0.9  # a measured damage this share of the budget or more is near enough: no more probes
 AIM = (1 + CLOSE) / 2  # a probe aims at the middle of that band
+MAX_SWEEPS = 5  # probes at most (Qwen2.5-0.5B's default budget took all five, a minute each)
 
 
 def longest_prefix_within(predicted: Sequence[float], budget: float, measure: Callable[[int], float],

@@ -6,8 +6,8 @@ maths, the head on one window, all timed now; the sweeps' time and the peak memo
                       on the dense path; at each of the M calibration layers c (damage_proxy.calibration_layers),
                       two reference paths of P windows from it to the last layer, Σ_c (L − c) ≈ M·(L + 1)/2:
                       linear in L for a fixed M, L(L + 1)/2 when every layer is one)
-    narrowing sweeps  N·(L·(2P·t_layer + t_maths) + 2P·t_head), N = BUDGET_SWEEPS for a budget of damage
-                      (the search's probes), else 1
+    narrowing sweeps  N·(L·(2P·t_layer + t_refit) + 2P·t_head), N = MAX_SWEEPS for a budget of damage
+                      (the search's most probes), else 1; t_refit one MLP's refit at one width
     peak memory       what the timing itself held at most, or the largest segment's weights in float32 with a
                       window's logits over what the process held before, and the narrowing's float64 matrices
                       of the widest MLP (GRAM_COPIES of I×I, DOWN_COPIES of I×H)
@@ -28,6 +28,7 @@ import onnx_ir as ir
 
 from onnx_nmm.calibration.sources import GeneratedText
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
+from onnx_nmm.layerwise.budget_search import MAX_SWEEPS
 from onnx_nmm.layerwise.damage_proxy import calibration_layers
 from onnx_nmm.layerwise.memory import float32_weight_bytes
 from onnx_nmm.layerwise.segments import LayerSegments
@@ -40,8 +41,6 @@ from onnx_nmm.ranks.rank_plan import aligned_widths
 # working copy for the refit's solve or the Cholesky factor) and I×H (the output weight and its products)
 GRAM_COPIES = 3
 DOWN_COPIES = 4
-# Narrowing sweeps a budget of damage usually takes (budget_search; at most rewrite.SWEEPS)
-BUDGET_SWEEPS = 2
 
 
 @dataclass
@@ -52,6 +51,7 @@ class LayerwisePlan:
     seq_len: int
     layer_seconds: float  # one layer on one window (measured)
     maths_seconds: float  # one MLP's narrowing maths (measured)
+    refit_seconds: float  # one MLP's refit at one width, what a narrowing sweep does (measured)
     head_seconds: float  # the head on one window (measured)
     analysis_seconds: float  # modelled
     narrowing_seconds: float  # modelled, every sweep
@@ -67,7 +67,7 @@ class LayerwisePlan:
     def seconds_for(self, layers: int) -> float:
         """The same model's sweeps with `layers` layers of this width (modelled)."""
         return _sweeps(layers, self.windows, self.held_out, self.reference_layers, self.layer_seconds,
-                       self.maths_seconds, self.head_seconds, self.narrowing_sweeps)
+                       self.maths_seconds, self.refit_seconds, self.head_seconds, self.narrowing_sweeps)
 
 
 def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
@@ -94,6 +94,9 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     narrowing.choose_ridge(gram, reference_width(mlp.width))
     narrowing.relative_errors(aligned_widths(mlp.width, options.ranks.align))
     maths_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    narrowing.refit(narrowing.kept(reference_width(mlp.width)))
+    refit_seconds = time.perf_counter() - start
     head = segments.cut.head
     stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
     head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})
@@ -102,26 +105,27 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
                                                 if isinstance(source, GeneratedText))
     held_out = options.ranks.sensitivity_windows
     ranks = options.ranks
-    sweeps = BUDGET_SWEEPS if ranks.measures_damage and ranks.budget != "sensitivity" else 1
+    sweeps = MAX_SWEEPS if ranks.measures_damage and ranks.budget != "sensitivity" else 1
     analysis, narrowing_sweeps = _sweeps(layers, windows, held_out, ranks.reference_layers, layer_seconds,
-                                         maths_seconds, head_seconds, sweeps, apart=True)
+                                         maths_seconds, refit_seconds, head_seconds, sweeps, apart=True)
     weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
     widest = max(segments.mlps, key=lambda mlp: mlp.width)
     gram_bytes = (GRAM_COPIES * widest.width + DOWN_COPIES * widest.down.n) * widest.width * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
-    return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, head_seconds, analysis,
+    return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, refit_seconds, head_seconds,
+                         analysis,
                          narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
 
 
-def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, maths: float, head: float,
-            sweeps: int, apart: bool = False):
+def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, maths: float, refit: float,
+            head: float, sweeps: int, apart: bool = False):
     """The analysis sweep's and the narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
     measured = calibration_layers(layers, reference_layers)
     reference_runs = 2 * held_out * sum(layers - c for c in measured)
     analysis = ((layers * (windows + 2 * held_out) + reference_runs) * layer + layers * maths
                 + (1 + 2 * len(measured)) * held_out * head)
-    narrowing = sweeps * (layers * (2 * held_out * layer + maths) + 2 * held_out * head)
+    narrowing = sweeps * (layers * (2 * held_out * layer + refit) + 2 * held_out * head)
     return (analysis, narrowing) if apart else analysis + narrowing
 
 

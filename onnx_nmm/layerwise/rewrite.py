@@ -31,7 +31,7 @@ from onnx_nmm import __version__
 from onnx_nmm.calibration.calibration_data import calibration_text, check_source_files
 from onnx_nmm.errors import OptionError
 from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
-from onnx_nmm.layerwise.budget_search import longest_prefix_within
+from onnx_nmm.layerwise.budget_search import MAX_SWEEPS, longest_prefix_within
 from onnx_nmm.layerwise.narrowing import dense_rows, narrow_layers
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.sequential import SEQUENTIAL, refit_sequentially
@@ -56,9 +56,6 @@ from onnx_nmm.ranks.rank_plan import Dense, Narrowed, RankOrWidth, RankPlan, kee
 from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.scale.writer import INLINE_BYTES, write_streamed
 from onnx_nmm.teacher import record_calibration, record_calibration_text, record_dense_model
-
-# At most this many narrowing sweeps measure plans against a budget of damage (budget_search).
-SWEEPS = 5
 
 
 def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, options: RewriteOptions | None = None,
@@ -142,12 +139,12 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
         return float(sweeps[prefix][1].mean())
 
     allowed = _allowed(options, metric)
-    low, measured = longest_prefix_within(_predicted_prefixes(candidates, moves), allowed, measure, SWEEPS)
+    low, measured = longest_prefix_within(_predicted_prefixes(candidates, moves), allowed, measure, MAX_SWEEPS)
     for prefix in measured:
         if prefix != low:
             work.drop_narrowed(_stage(prefix))
     choice = sensitivity.BudgetChoice(plan(low), measured[low], allowed, metric, low, len(moves),
-                                      sorted(measured.items()))
+                                      sorted(measured.items()), sensitivity.sensitivity_of(candidates, ranks.align))
     if low == 0 and moves:
         warnings.warn(f"narrowing any MLP costs more than the {ranks.quality_budget} on the held-out windows: "
                       "every MLP is kept dense; give a larger budget, or --keep", stacklevel=3)

@@ -360,9 +360,13 @@ def choose(candidates: list[Candidate], damage_of: DamageOf, align: int, metric:
     else:
         assert budget is not None, "the goal is a budget of damage or a count of parameters to remove"
         chosen = select_within_budget(candidates, align, budget, metric, damage_of, kept_dense)
-    chosen.sensitivity = {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)]
-                          for c in candidates}
+    chosen.sensitivity = sensitivity_of(candidates, align)
     return chosen
+
+
+def sensitivity_of(candidates: list[Candidate], align: int) -> dict[str, list[tuple[RankOrWidth, float]]]:
+    """What the report shows of each candidate: its measured references, or its predicted damage at every rank."""
+    return {c.name: c.references or [(rank, c.predicted_damage(rank)) for rank in c.ranks(align)] for c in candidates}
 
 
 def references_from(report: str | os.PathLike, candidates: list[Candidate], metric: str) -> None:
