@@ -114,6 +114,7 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             del grams, held
             branches = {(layer, width): segments.narrowed_session(layer, *references[width]) for width in references}
             paths = paths.through(segments, layer, segments.session(segment), branches)
+            del branches  # two narrowed copies of the layer: not beside the next layer's Grams and maths
             analysis = LayerAnalysis(layer, mlp.name, mlp.width, mlp.parameters_per_neuron, ridge, mlp_energy,
                                      stream_energy, losses)
             work.finish_layer("analysis", layer, analysis.to_json(), paths)

@@ -38,7 +38,6 @@ def narrow_layers(segments: LayerSegments, analyses: list[LayerAnalysis], plan: 
         for layer in range(len(done), segments.layers):
             mlp, analysis = segments.mlps[layer], analyses[layer]
             segment = segments.cut.segments[layer]
-            session = segments.session(segment)
             choice = plan.get(mlp.down.name)
             rows: list[LayerOutcome] = []
             sessions = {}
@@ -53,7 +52,8 @@ def narrow_layers(segments: LayerSegments, analyses: list[LayerAnalysis], plan: 
                 del narrowing
             elif isinstance(choice, Dense):
                 rows = _dense_rows(mlp, choice)
-            paths = paths.through(segments, layer, session, {}, sessions)
+            paths = paths.through(segments, layer, segments.session(segment), {}, sessions)
+            del sessions  # the layer's weights, twice: not beside the next layer's maths (GBs at 8B)
             work.finish_layer(stage, layer, json.dumps([asdict(row) for row in rows]), paths)
             done.append([asdict(row) for row in rows])
             phase.advance(detail=mlp.name)

@@ -69,6 +69,7 @@ def refit_sequentially(segments: LayerSegments, analyses: list[LayerAnalysis], c
             if layer + 1 < segments.layers:  # the calibration windows go no further than the last layer
                 _forward(stream, segments, layer, sessions.get(NARROWED, dense), batches)
             paths = paths.through(segments, layer, dense, {}, sessions)
+            del dense, sessions  # the layer's weights, twice: not beside the next layer's Gram and maths
             work.finish_layer(SEQUENTIAL, layer, json.dumps([asdict(row) for row in rows]), paths)
             done.append([asdict(row) for row in rows])
             drop_unread(stream, segments, layer)
