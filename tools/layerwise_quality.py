@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -39,8 +40,8 @@ def main() -> None:
     small, report_file, measured_file = work / "small.onnx", work / "small.report.json", work / "small.measured.json"
     rewrite = ["rewrite", model, "-o", small, "--calib", calibration, "--tokenizer", gguf]
     priced = log.run(*rewrite, "--dry-run").strip()
+    log.kept(*rewrite)  # recorded as typed; run below with its report, in a process of its own
     if not measured_file.exists():
-        log.kept(*rewrite)  # recorded as typed; run below with its report and in a process of its own
         measured = run_measured([sys.executable, "-m", "onnx_nmm", *rewrite, "--report", report_file, "--force"])
         measured_file.write_text(json.dumps(measured))
     measured = json.loads(measured_file.read_text())
@@ -60,7 +61,7 @@ def main() -> None:
     lines = [f"`{invocation()}` on {machine()}:", "",
              "| | |", "|---|---:|",
              f"| wall time | {measured['wall_s'] / 60:.0f} min |",
-             f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GB |",
+             f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB |",
              f"| `--dry-run` (modelled, sampling and writing not included) | {_priced(priced)} |",
              f"| budget (perplexity on held-out calibration windows) | +{math.expm1(budget['budget']):.1%} |",
              f"| measured there, after {len(budget['evaluations']) - 1} narrowing sweeps | "
@@ -93,9 +94,10 @@ def _bench(log: CommandLog, kept: Path, model: Path, small: Path, *flags) -> dic
 
 
 def _priced(line: str) -> str:
-    """'39.6 min in all' and the peak memory, from the dry run's sentence."""
-    parts = [part.strip() for part in line.replace(";", ",").split(",")]
-    return ", ".join(part for part in parts if part.endswith("in all") or part.startswith("peak memory")) or line
+    """The time in all and the peak memory, from the dry run's sentence ("..., 39.6 min in all (...); peak memory
+    2.7 GB. ...")."""
+    time, peak = re.search(r"([\d.,]+ min) in all", line), re.search(r"peak memory ([\d.]+ GB)", line)
+    return f"{time.group(1)}, peak {peak.group(1)}" if time and peak else line
 
 
 if __name__ == "__main__":
