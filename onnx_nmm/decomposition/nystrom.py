@@ -54,7 +54,7 @@ class MlpNarrowing:
     ridge: float = RIDGE_DEFAULT
     ridge_chosen: bool = False  # ρ chosen on held-out activations (choose_ridge), not RIDGE_DEFAULT
     _order: np.ndarray | None = field(default=None, repr=False)  # neurons, the first to drop first
-    _output_energy: float | None = field(default=None, repr=False)  # tr(W_dᵀ C W_d), once computed
+    _gram_down: np.ndarray | None = field(default=None, repr=False)  # C·W_d [I, H], once computed
 
     def __post_init__(self):
         if self.score not in NEURON_SCORES:
@@ -85,12 +85,15 @@ class MlpNarrowing:
                 self._order = np.argsort(self._scores(), kind="stable")
         return self._order
 
+    def gram_down(self) -> np.ndarray:
+        """C·W_d, computed once: every refit, error and energy reads it (an I²·H product: minutes at 8B)."""
+        if self._gram_down is None:
+            self._gram_down = self.gram @ self.down
+        return self._gram_down
+
     def output_energy(self) -> float:
-        """‖h·W_d‖² = tr(W_dᵀ C W_d): what the MLP writes into the residual stream on the calibration activations
-        (relative_errors computes it on the way)."""
-        if self._output_energy is None:
-            self._output_energy = float(np.einsum("ih,ih->", self.down, self.gram @ self.down))
-        return self._output_energy
+        """‖h·W_d‖² = tr(W_dᵀ C W_d): what the MLP writes into the residual stream on the calibration activations."""
+        return float(np.einsum("ih,ih->", self.down, self.gram_down()))
 
     def refit(self, kept: np.ndarray) -> np.ndarray:
         """W_d' [k, H]: the output weight on the kept neurons' activations, ridge-pulled towards W_d[S]."""
@@ -99,18 +102,20 @@ class MlpNarrowing:
         damping = self.damping
         a = self.gram[np.ix_(kept, kept)]  # C_SS + λI in the one copy, solved in place
         a[np.diag_indices_from(a)] += damping
-        b = (self.gram @ self.down)[kept] + damping * self.down[kept]  # C_S: W_d, without a k×I copy of C
+        b = self.gram_down()[kept] + damping * self.down[kept]  # C_S: W_d, without a k×I copy of C
         try:
             return scipy.linalg.solve(a, b, assume_a="pos", overwrite_a=True, overwrite_b=True, check_finite=False)
         except np.linalg.LinAlgError:  # not positive definite (λ = 0 on a singular C): a was not overwritten
             return np.linalg.solve(a, b)
 
-    def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None) -> float:
-        """E(S) / ‖h·W_d‖² on the activations whose correlation is `gram` (default: the calibration's C); C_SS
-        read a block of rows at a time (no k×k copy)."""
+    def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None,
+                       gram_down: np.ndarray | None = None) -> float:
+        """E(S) / ‖h·W_d‖² on the activations whose correlation is `gram` (default: the calibration's C), with
+        `gram_down` its product with W_d when the caller has it; C_SS read a block of rows at a time (no k×k
+        copy)."""
         c = self.gram if gram is None else gram
         w = self.down
-        cw = c @ w
+        cw = gram_down if gram_down is not None else self.gram_down() if gram is None else c @ w
         full = np.einsum("ih,ih->", w, cw)
         cross = np.einsum("ih,ih->", cw[kept], refit)  # tr(W_dᵀ C_:S W_d'), C symmetric
         narrowed = sum(np.einsum("ih,ih->", refit[rows], c[np.ix_(kept[rows], kept)] @ refit)
@@ -135,10 +140,8 @@ class MlpNarrowing:
             return {width: self.relative_error(kept, self.refit(kept))
                     for width in widths for kept in [self.kept(width)]}
         ordered = w[priority]
-        cw = c @ w
-        full = self._output_energy = float(np.einsum("ih,ih->", w, cw))
-        rhs = cw[priority]  # I×H matrices are GBs at 8B too: one at a time where it can be
-        del cw
+        full = self.output_energy()
+        rhs = self.gram_down()[priority]  # I×H matrices are GBs at 8B too: one at a time where it can be
         rhs += damping * ordered
         y = lower_inverse @ rhs
         del rhs
@@ -160,10 +163,11 @@ class MlpNarrowing:
     def choose_ridge(self, held_out_gram: np.ndarray, width: int) -> float:
         """ρ among RIDGE_CANDIDATES whose refit at `width` errs least on held-out activations; kept as self.ridge."""
         kept = self.kept(width)
+        held_out_down = held_out_gram @ self.down  # the same for every ridge
         errors = {}
         for ridge in RIDGE_CANDIDATES:
             self.ridge = ridge
-            errors[ridge] = self.relative_error(kept, self.refit(kept), held_out_gram)
+            errors[ridge] = self.relative_error(kept, self.refit(kept), held_out_gram, held_out_down)
         self.ridge, self.ridge_chosen = min(errors, key=errors.__getitem__), True
         return self.ridge
 
