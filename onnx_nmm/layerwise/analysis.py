@@ -19,7 +19,6 @@ the quality budget spends (sensitivity.choose), as in memory; nothing but one la
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -59,7 +58,7 @@ class LayerAnalysis:
 
     def reference_widths(self, align: int) -> tuple[int, int]:
         """The middle and the lowest reference width (the same when the MLP has one width to narrow to)."""
-        widths = [choice.width for choice in self.candidate().reference_ranks(align) if isinstance(choice, Narrowed)]
+        widths = _reference_widths(self.width, align)
         return widths[0], widths[-1]
 
     def proxy(self, width: int) -> float:
@@ -92,7 +91,6 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             phase.advance(detail="resumed")
         for layer in range(len(done), segments.layers):
             segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
-            carried = _carried_inputs(stream, segment.carried_inputs)
             last = layer + 1 == segments.layers  # the calibration windows go no further than the last layer
             stream_energy = 0.0
 
@@ -105,8 +103,9 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
                         stream.put(name, index, value)
 
             session, plan = segments.gram_session(layer)
-            grams = accumulated_grams(session, plan, (segments.feeds(segment, tokens, carried(index))
-                                                      for index, tokens in enumerate(batches)), on_outputs=keep)
+            feeds = (segments.feeds(segment, tokens, stream.of_batch(segment.carried_inputs, index))
+                     for index, tokens in enumerate(batches))
+            grams = accumulated_grams(session, plan, feeds, on_outputs=keep)
             held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer))
             del session  # the maths holds the Gram (GBs at 8B) without the layer's weights beside it
             ridge, losses, mlp_energy, references = _narrowing_costs(mlp, grams, held, score, align, work, layer,
@@ -146,16 +145,17 @@ def _narrowing_costs(mlp: Mlp, grams: GramStatistics, held: GramStatistics, scor
     narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
     narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
     losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
-    candidate = NarrowingCandidate(mlp.name, mlp.width, mlp.parameters_per_neuron, None, narrowing=narrowing)
-    widths = [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
-    references = {width: (kept, narrowing.refit(kept)) for width in widths if measured
+    references = {width: (kept, narrowing.refit(kept)) for width in _reference_widths(mlp.width, align) if measured
                   for kept in [narrowing.kept(width)]}
     work.save_gram(layer, narrowing.gram)
     return narrowing.ridge, losses, narrowing.output_energy(), references
 
 
-def _carried_inputs(stream: CarriedValues, names: list[str]) -> Callable[[int], dict[str, np.ndarray]]:
-    return lambda index: {name: stream.get(name, index) for name in names}
+def _reference_widths(width: int, align: int) -> list[int]:
+    """Where an MLP of `width` neurons has its damage measured: the middle and the lowest aligned width
+    (sensitivity.Candidate.reference_ranks)."""
+    candidate = NarrowingCandidate("", width, 1, None)
+    return [choice.width for choice in candidate.reference_ranks(align) if isinstance(choice, Narrowed)]
 
 
 def drop_unread(stream: CarriedValues, segments: LayerSegments, layer: int) -> None:

@@ -26,6 +26,10 @@ class CarriedValues:
     def get(self, name: str, batch: int) -> np.ndarray:
         return np.load(self._path(name, batch), mmap_mode="r")
 
+    def of_batch(self, names: list[str], batch: int) -> dict[str, np.ndarray]:
+        """The values `names` of batch `batch`: what a segment reads of those before it."""
+        return {name: self.get(name, batch) for name in names}
+
     def drop(self, name: str) -> None:
         for path in self.folder.glob(f"{_slug(name)}-*.npy"):
             path.unlink()

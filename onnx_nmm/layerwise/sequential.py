@@ -95,7 +95,7 @@ def _gram(stream: CarriedValues, segments: LayerSegments, layer: int, batches: l
     """C̃: the Gram of layer `layer`'s MLP intermediate activation, the layer dense, on the windows of `stream`."""
     segment, mlp = segments.cut.segments[layer], segments.mlps[layer]
     session, plan = segments.gram_session(layer)
-    feeds = (segments.feeds(segment, tokens, _carried(stream, segment.carried_inputs, index))
+    feeds = (segments.feeds(segment, tokens, stream.of_batch(segment.carried_inputs, index))
              for index, tokens in enumerate(batches))
     return accumulated_grams(session, plan, feeds).gram(mlp.down.x.name or "")
 
@@ -104,10 +104,7 @@ def _forward(stream: CarriedValues, segments: LayerSegments, layer: int, session
     """The windows of `stream` through layer `layer` by `session`: the next layer's inputs, in `stream`."""
     segment = segments.cut.segments[layer]
     for index, tokens in enumerate(batches):
-        feeds = segments.feeds(segment, tokens, _carried(stream, segment.carried_inputs, index))
+        feeds = segments.feeds(segment, tokens, stream.of_batch(segment.carried_inputs, index))
         for name, value in zip(segment.outputs, session.run(segment.outputs, feeds)):
             stream.put(name, index, value)
 
-
-def _carried(stream: CarriedValues, names: list[str], batch: int) -> dict[str, np.ndarray]:
-    return {name: stream.get(name, batch) for name in names}
