@@ -3,7 +3,7 @@ quality budget) in the memory of one layer, for models that do not fit in memory
 
     cut at the residual stream (cut.py)
     analysis sweep   dense: each layer's Gram, ridge, refit losses, damage at two widths   analysis.py
-    choose           the quality budget spends them, as in memory                           sensitivity.choose
+    choose           the greedy moves of the in-memory budget, their damages predicted      sensitivity.greedy_moves
     narrowing sweep  each MLP narrowed; the plan's damage measured at the output          narrowing.py
                      (a budget of damage: sweeps search the longest greedy prefix within it) budget_search.py
     sequential       (--calib-mode sequential) one more sweep: the plan's kept neurons        sequential.py

@@ -234,18 +234,14 @@ def log_loss_and_kl_by_positions(logits: np.ndarray, tokens: np.ndarray, referen
                                  positions: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """What log_loss_and_kl_per_window gives, from the reference's logits, `positions` next-token predictions at a
     time: a float64 copy of one chunk of a 150k vocabulary at once (64 positions: 78 MB), never of a window."""
-    import torch
-
     predicted = logits.shape[1] - 1
     nll, kl = np.zeros(len(logits)), np.zeros(len(logits))
     for start in range(0, predicted, positions):
-        chunk = slice(start, min(start + positions, predicted))
-        log_probs = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(logits[:, chunk])).double(), dim=-1)
-        reference = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(reference_logits[:, chunk])).double(),
-                                      dim=-1)
-        targets = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:][:, chunk]))
-        nll -= log_probs.gather(-1, targets[..., None])[..., 0].sum(dim=1).numpy()
-        kl += (reference.exp() * (reference - log_probs)).sum(dim=-1).sum(dim=1).numpy()
+        end = min(start + positions, predicted)
+        reference = log_softmax(reference_logits[:, start:end].astype(np.float64))
+        chunk_nll, chunk_kl = log_loss_and_kl_per_window(logits[:, start:end + 1], tokens[:, start:end + 1], reference)
+        nll += chunk_nll * (end - start)
+        kl += chunk_kl * (end - start)
     return nll / predicted, kl / predicted
 
 
