@@ -114,8 +114,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
     peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
     return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, refit_seconds, head_seconds,
-                         analysis,
-                         narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
+                         analysis, narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
 
 
 def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, maths: float, refit: float,
