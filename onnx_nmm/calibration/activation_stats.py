@@ -120,7 +120,7 @@ def accumulated_grams(session, plan: GramPlan, feeds: Iterable[dict], descriptio
                       on_outputs: Callable[[int, list[np.ndarray]], None] | None = None) -> GramStatistics:
     """Σ XᵀX of `plan`'s inputs over the runs of `session` (a gram_graph) on each of `feeds`; the graph's kept
     outputs of each run go to `on_outputs(index, outputs)`."""
-    sums: list[np.ndarray] | None = None
+    grams: dict[str, np.ndarray] | None = None  # summed in place: one float64 Gram, not per-block sums beside it
     tokens = 0
     for index, feed in enumerate(feeds):
         try:
@@ -133,19 +133,17 @@ def accumulated_grams(session, plan: GramPlan, feeds: Iterable[dict], descriptio
         if bad is not None:
             raise ExecutionError(f"calibration batch {index} gives non-finite activations at '{bad}' (NaN or Inf): "
                                  "the model overflows on these inputs; check the calibration data, or run in float32")
-        if sums is None:
-            sums = [block.astype(np.float64) for block in blocks]
-        else:
-            for total, block in zip(sums, blocks):
-                total += block  # fp32 within a batch, float64 across batches
+        if grams is None:
+            grams = plan.zeros()
+        plan.add(grams, blocks)  # fp32 within a batch, float64 across batches
         tokens += int(rows)
         if on_outputs is not None:
             on_outputs(index, kept)
         if on_batch is not None:
             on_batch(int(rows))
-    if sums is None or tokens == 0:
+    if grams is None or tokens == 0:
         raise DataError("the calibration set is empty")
-    return GramStatistics(plan.assemble(sums), tokens, description)
+    return GramStatistics(grams, tokens, description)
 
 
 class GramPlan:
@@ -175,18 +173,27 @@ class GramPlan:
                 position += 1
         return None
 
-    def assemble(self, blocks: list[np.ndarray]) -> dict[str, np.ndarray]:
-        """The upper blocks, in graph-output order, as full symmetric float64 Gram matrices."""
-        grams, position = {}, 0
-        for name, width in self.inputs.items():
-            edges = self.edges[name]
-            gram = np.empty((width, width), np.float64)
+    def zeros(self) -> dict[str, np.ndarray]:
+        """A float64 Gram of zeros per input."""
+        return {name: np.zeros((width, width), np.float64) for name, width in self.inputs.items()}
+
+    def add(self, grams: dict[str, np.ndarray], blocks: list[np.ndarray]) -> None:
+        """Adds one run's upper blocks, in graph-output order, to the full symmetric `grams` in place."""
+        position = 0
+        for name in self.inputs:
+            edges, gram = self.edges[name], grams[name]
             for a, b in self.products(name):
                 block = blocks[position]
                 position += 1
-                gram[edges[a]:edges[a + 1], edges[b]:edges[b + 1]] = block
-                gram[edges[b]:edges[b + 1], edges[a]:edges[a + 1]] = block.T
-            grams[name] = gram
+                rows, columns = slice(edges[a], edges[a + 1]), slice(edges[b], edges[b + 1])
+                if a != b:
+                    gram[rows, columns] += block
+                gram[columns, rows] += block.T
+
+    def assemble(self, blocks: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The upper blocks of one run as full symmetric float64 Gram matrices."""
+        grams = self.zeros()
+        self.add(grams, blocks)
         return grams
 
 

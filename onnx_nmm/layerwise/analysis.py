@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from onnx_nmm.calibration.activation_stats import GramStatistics, accumulated_grams
+from onnx_nmm.calibration.activation_stats import accumulated_grams
 from onnx_nmm.calibration.tokens import TokenWindows
 from onnx_nmm.decomposition.nystrom import MlpNarrowing, reference_width
 from onnx_nmm.layerwise.carried import CarriedValues
@@ -31,7 +31,6 @@ from onnx_nmm.layerwise.damage_proxy import calibration_layers, local_proxy, ref
 from onnx_nmm.layerwise.probe import Key, Paths, damage_of_paths
 from onnx_nmm.layerwise.segments import LayerSegments
 from onnx_nmm.layerwise.work import LayerWork
-from onnx_nmm.passes.mlp_rules.mlp import Mlp
 from onnx_nmm.progress import Progress
 from onnx_nmm.ranks.rank_plan import Narrowed, aligned_widths
 from onnx_nmm.ranks.sensitivity import NarrowingCandidate
@@ -105,12 +104,15 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             session, plan = segments.gram_session(layer)
             feeds = (segments.feeds(segment, tokens, stream.of_batch(segment.carried_inputs, index))
                      for index, tokens in enumerate(batches))
-            grams = accumulated_grams(session, plan, feeds, on_outputs=keep)
-            held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer))
+            x = mlp.down.x.name or ""
+            gram = accumulated_grams(session, plan, feeds, on_outputs=keep).gram(x)
+            held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer)).gram(x)
             del session  # the maths holds the Gram (GBs at 8B) without the layer's weights beside it
-            ridge, losses, mlp_energy, references = _narrowing_costs(mlp, grams, held, score, align, work, layer,
-                                                                     layer in measured_layers)
-            del grams, held
+            narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), score)
+            ridge = narrowing.choose_ridge(held, reference_width(mlp.width))
+            del gram, held  # the held-out Gram is not kept beside the Cholesky factor's copy
+            losses, mlp_energy, references = _narrowing_costs(narrowing, align, work, layer, layer in measured_layers)
+            del narrowing
             branches = {(layer, width): segments.narrowed_session(layer, *references[width]) for width in references}
             paths = paths.through(segments, layer, segments.session(segment), branches)
             del branches  # two narrowed copies of the layer: not beside the next layer's Grams and maths
@@ -135,20 +137,16 @@ def _set_references(analyses: list[LayerAnalysis], damages: dict[Key, np.ndarray
         analysis.references = list(dict(zip(widths[analysis.layer], damage)).items())
 
 
-def _narrowing_costs(mlp: Mlp, grams: GramStatistics, held: GramStatistics, score: str, align: int, work: LayerWork,
-                     layer: int, measured: bool
-                     ) -> tuple[float, dict[int, float], float, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """From the MLP's Grams on the calibration and the held-out windows: the ridge, the refit's error at every
-    aligned width, ‖h·W_d‖², and (at a layer whose damage is `measured`) the kept neurons and refit at each
-    reference width; the Gram kept in `work`."""
-    x = mlp.down.x.name or ""
-    narrowing = MlpNarrowing(grams.gram(x), mlp.down.weight_matrix(), score)
-    narrowing.choose_ridge(held.gram(x), reference_width(mlp.width))
-    losses = narrowing.relative_errors(aligned_widths(mlp.width, align))
-    references = {width: (kept, narrowing.refit(kept)) for width in _reference_widths(mlp.width, align) if measured
-                  for kept in [narrowing.kept(width)]}
+def _narrowing_costs(narrowing: MlpNarrowing, align: int, work: LayerWork, layer: int, measured: bool
+                     ) -> tuple[dict[int, float], float, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """From the MLP's narrowing (its ridge chosen): the refit's error at every aligned width, ‖h·W_d‖², and (at a
+    layer whose damage is `measured`) the kept neurons and refit at each reference width; the Gram kept in
+    `work`."""
+    losses = narrowing.relative_errors(aligned_widths(narrowing.width, align))
+    references = {width: (kept, narrowing.refit(kept)) for width in _reference_widths(narrowing.width, align)
+                  if measured for kept in [narrowing.kept(width)]}
     work.save_gram(layer, narrowing.gram)
-    return narrowing.ridge, losses, narrowing.output_energy(), references
+    return losses, narrowing.output_energy(), references
 
 
 def _reference_widths(width: int, align: int) -> list[int]:

@@ -87,7 +87,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     session, plan = segments.gram_session(sample)
     layer_seconds, outputs = _timed(session, None, segments.feeds(segment, tokens, carried))
     carried |= dict(zip(segment.outputs, outputs[plan.block_count + 1:]))
-    gram = plan.assemble([block.astype(np.float64) for block in outputs[:plan.block_count]])[mlp.down.x.name or ""]
+    gram = plan.assemble(outputs[:plan.block_count])[mlp.down.x.name or ""]
     del session, outputs  # as in the sweep: the maths runs without the layer's weights beside it
     start = time.perf_counter()
     narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), options.factorization.neuron_score)
