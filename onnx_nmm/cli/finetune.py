@@ -73,6 +73,9 @@ def register(subparsers) -> None:
                           help=f"clip the gradient to this global norm (default {default(T, 'max_grad_norm')})")
     training.add_argument("--seed", type=int, help="seed of the window order and the adapters (default "
                                                    f"{default(T, 'seed')})")
+    training.add_argument("--device", metavar="DEVICE",
+                          help="the torch device to train on: cpu (default), cuda, cuda:N, mps; the trained weights "
+                               "come back to the CPU to be written")
     training.add_argument("--threads", type=int,
                           help="PyTorch CPU threads (default: PyTorch's, one per core); 1 is much faster on a "
                                "machine whose cores other jobs keep busy")
@@ -157,7 +160,8 @@ def finetune_options(args, checkpoints: dict[int, Path] | None = None) -> onnx_n
     if args.eval_text:
         evaluation = onnx_nmm.TextOptions(args.eval_text, args.tokenizer, window=args.eval_window,
                                           max_windows=args.eval_windows, bos=not args.no_bos)
-    return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads, dict(checkpoints or {}))
+    return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads, dict(checkpoints or {}),
+                                    **_common.given(device=args.device))
 
 
 def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nmm.FinetuneResult,

@@ -79,17 +79,23 @@ class TrainingResult:
 
 def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs, options: TrainingOptions,
                   teacher: LogitsFn | None = None, on_step: Callable[[StepRecord], None] | None = None,
-                  weights: dict[str, nn.Parameter] | None = None) -> TrainingResult:
+                  weights: dict[str, nn.Parameter] | None = None, device: str = "cpu") -> TrainingResult:
     """Train the factors of the lowered `module`, and the narrowed `weights` (lowering.weights_as_parameters),
-    in place on `windows` [samples, S] of token ids.
+    in place on `windows` [samples, S] of token ids, on the torch `device` (the module is moved there; each
+    batch and the teacher's logits go there).
 
     `teacher` (token ids [B, S] → logits [B, S, vocab]) is needed for the distillation loss. On return the
-    module holds the tuned factors (adapters merged) and weights, and no parameter requires a gradient.
+    module holds the tuned factors (adapters merged) and weights, on `device`, and no parameter requires a
+    gradient.
     """
+    module.to(device)  # in place: the Parameters of `weights` are the ones that move
     factors, weights = factor_parameters(module), weights or {}
     _check_ready(factors | weights, windows, options, teacher)
     torch.manual_seed(options.seed)
     adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank and factors else None
+    if adapters:
+        for adapter in adapters.values():
+            adapter.to(device)
     trainable = ([p for adapter in adapters.values() for p in adapter.parameters()] if adapters
                  else list(factors.values())) + list(weights.values())
     for parameter in trainable:
@@ -107,7 +113,7 @@ def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
         batch = next(batches)
-        loss = _loss(module, inputs, batch, options, teacher)
+        loss = _loss(module, inputs, batch, options, teacher, device)
         if not torch.isfinite(loss):
             raise TrainingDiverged(f"the loss became {loss.item()} at step {len(result.records) + 1}; nothing was "
                                    "written: lower the {learning_rate}", learning_rate="training.learning_rate")
@@ -185,15 +191,15 @@ def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options:
 
 
 def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: TrainingOptions,
-          teacher: LogitsFn | None) -> torch.Tensor:
+          teacher: LogitsFn | None, device: str) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # onnx2torch's internal deprecations, which say nothing about the model
-        logits = module(*inputs(batch))
+        logits = module(*(tensor.to(device) for tensor in inputs(batch)))
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits
     if options.loss == "next-token":
-        return next_token_loss(logits, torch.from_numpy(batch))
+        return next_token_loss(logits, torch.from_numpy(batch).to(device))
     assert teacher is not None, "the distillation loss is checked to have a teacher"
-    return distillation_loss(logits, torch.from_numpy(np.asarray(teacher(batch))), options.temperature)
+    return distillation_loss(logits, torch.from_numpy(np.asarray(teacher(batch))).to(device), options.temperature)
 
 
 def _shuffled_batches(windows: np.ndarray, batch: int, seed: int) -> Iterator[np.ndarray]:

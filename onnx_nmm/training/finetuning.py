@@ -41,6 +41,7 @@ from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import vocabulary_size
 from onnx_nmm.runtime.graph_probe import first_step
 from onnx_nmm.teacher import recorded_calibration_text, recorded_dense_model
+from onnx_nmm.training.device import DEFAULT_DEVICE, check_device
 from onnx_nmm.training.schedule import TrainingOptions
 
 if TYPE_CHECKING:
@@ -124,15 +125,19 @@ class FinetuneOptions:
     model the rewrite started from, by default the one the rewrite recorded (onnx_nmm.teacher). evaluation:
     held-out text scored before and after (its window defaults to the training windows' length). threads:
     PyTorch's CPU threads. checkpoints: step → path, where the model trained so far is also written when
-    training reaches that step (a steps-against-quality curve from one run)."""
+    training reaches that step (a steps-against-quality curve from one run). device: the torch device the
+    lowered model, the batches and the teacher's logits train on ("cpu", "cuda", "cuda:1", ...); the trained
+    weights come back to the CPU to be written into the graph."""
 
     training: TrainingOptions = field(default_factory=TrainingOptions)
     teacher: Model | None = None
     evaluation: TextOptions | None = None
     threads: int | None = None
     checkpoints: dict[int, str | os.PathLike] = field(default_factory=dict)
+    device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
+        check_device(self.device)
         if self.training.loss is None and self.teacher is not None:
             object.__setattr__(self, "training", replace(self.training, loss="distill"))
         if self.threads is not None and self.threads < 1:
@@ -249,7 +254,8 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
 
         on_step = _advancing_and_saving(phase, options.checkpoints, source, module, weights)
         training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
-                                 teacher.logits if teacher is not None else None, on_step=on_step, weights=weights)
+                                 teacher.logits if teacher is not None else None, on_step=on_step, weights=weights,
+                                 device=options.device)
     result = FinetuneResult(source.model, training, windows.description, options.training.loss,
                             None if teacher is None else teacher.label, before=before, seconds=phases.seconds,
                             source_path=source.path, source_used_external_data=source.used_external_data)
