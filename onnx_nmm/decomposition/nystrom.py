@@ -99,14 +99,23 @@ class MlpNarrowing:
         """W_d' [k, H]: the output weight on the kept neurons' activations, ridge-pulled towards W_d[S]."""
         if len(kept) == self.width:
             return self.down.copy()  # every neuron kept: the refit is exact, and W_d itself
-        damping = self.damping
-        a = self.gram[np.ix_(kept, kept)]  # C_SS + λI in the one copy, solved in place
-        a[np.diag_indices_from(a)] += damping
-        b = self.gram_down()[kept] + damping * self.down[kept]  # C_S: W_d, without a k×I copy of C
         try:
-            return scipy.linalg.solve(a, b, assume_a="pos", overwrite_a=True, overwrite_b=True, check_finite=False)
-        except np.linalg.LinAlgError:  # not positive definite (λ = 0 on a singular C): a was not overwritten
-            return np.linalg.solve(a, b)
+            return _solved_in_place(*self._normal_equations(kept))
+        except np.linalg.LinAlgError:  # not positive definite (λ = 0 on a singular C)
+            return np.linalg.solve(*self._normal_equations(kept))
+
+    def _normal_equations(self, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A = C_SS + λI and B = C_S:·W_d + λ·W_d[S], each in one copy: no k×I copy of C, and B made in the
+        Fortran order LAPACK solves it in, a block of rows at a time."""
+        damping = self.damping
+        a = self.gram[np.ix_(kept, kept)]
+        a[np.diag_indices_from(a)] += damping
+        b = np.empty((len(kept), self.down.shape[1]), order="F")
+        gram_down = self.gram_down()
+        for start in range(0, len(kept), BLOCK_ROWS):
+            rows = kept[start:start + BLOCK_ROWS]
+            b[start:start + BLOCK_ROWS] = gram_down[rows] + damping * self.down[rows]
+        return a, b
 
     def relative_error(self, kept: np.ndarray, refit: np.ndarray, gram: np.ndarray | None = None,
                        gram_down: np.ndarray | None = None) -> float:
@@ -176,6 +185,16 @@ class MlpNarrowing:
         if self.score == "energy":
             return np.diag(c) * np.einsum("ih,ih->i", w, w)
         return np.diag(np.linalg.solve(c + self.damping * np.eye(self.width), c))  # leverage; C symmetric
+
+
+def _solved_in_place(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """X for A·X = B in B's memory (Fortran order), A symmetric positive definite in C order: LAPACK's posv runs
+    on Aᵀ, the same matrix in Fortran order, so neither is copied (the k×k copy is GBs at 8B). Raises
+    LinAlgError when A is not positive definite, A then overwritten."""
+    _, solution, info = scipy.linalg.lapack.dposv(a.T, b, lower=0, overwrite_a=1, overwrite_b=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"not positive definite (posv info {info})")
+    return solution
 
 
 def _inverse_cholesky_factor(matrix: np.ndarray) -> np.ndarray:
