@@ -4,11 +4,13 @@ weights, write them back (onnx_nmm.finetune)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import onnx_nmm
 from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.model_io import check_new_output
+from onnx_nmm.training.fits import too_large_to_finetune_whole
 from onnx_nmm.training.schedule import LOSSES
 
 
@@ -73,6 +75,14 @@ def register(subparsers) -> None:
                           help=f"clip the gradient to this global norm (default {default(T, 'max_grad_norm')})")
     training.add_argument("--seed", type=int, help="seed of the window order and the adapters (default "
                                                    f"{default(T, 'seed')})")
+    whole = training.add_mutually_exclusive_group()
+    whole.add_argument("--layer-by-layer", action="store_true",
+                       help="tune one decoder layer at a time to the dense layer's outputs (the cut of the layer-wise "
+                            "rewrite), never holding the model twice: --steps per layer, --minutes shared by the "
+                            "layers; resumable from OUT.partial/ after a kill (default: when the whole model would "
+                            "not fit in memory, which is said in one line)")
+    whole.add_argument("--whole-model", action="store_true",
+                       help="train the whole model on its logits even when it looks too large for memory")
     training.add_argument("--device", metavar="DEVICE",
                           help="the torch device to train on: cpu (default), cuda, cuda:N, mps; the trained weights "
                                "come back to the CPU to be written")
@@ -93,7 +103,8 @@ def register(subparsers) -> None:
     parser.add_argument("--quiet", action="store_true", help=_common.quiet_help("summary"))
     parser.set_defaults(handler=run, flags={"window": "--eval-window", "max_windows": "--eval-windows",
                                             "data.seq_len": "--train-window", "data.samples": "--samples",
-                                            "training.temperature": "--distill-temperature"})
+                                            "training.temperature": "--distill-temperature",
+                                            "checkpoints": "--save-at"})
 
 
 def run(args) -> int:
@@ -104,7 +115,12 @@ def run(args) -> int:
                                                  prompts=args.prompts, prompted=args.prompted))
     source = Path(args.model)
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
-    options = finetune_options(args, checkpoint_paths(output, args.save_at or ()))
+    options = finetune_options(args, checkpoint_paths(output, args.save_at or ()), output)
+    if options.layer_by_layer is None:  # decided here to say so in one line, as the rewrite does
+        reason = too_large_to_finetune_whole(source) if source.is_file() else None
+        if reason is not None:
+            _common.stderr.print(reason, soft_wrap=True)
+        options = replace(options, layer_by_layer=reason is not None)
     for checkpoint in options.checkpoints.values():
         check_new_output(Path(checkpoint), args.force)
     onnx_nmm.check_output_path(source, output, args.force)  # before the long work, not after
@@ -149,7 +165,8 @@ def _steps(text: str) -> tuple[int, ...]:
     return steps
 
 
-def finetune_options(args, checkpoints: dict[int, Path] | None = None) -> onnx_nmm.FinetuneOptions:
+def finetune_options(args, checkpoints: dict[int, Path] | None = None,
+                     output: Path | None = None) -> onnx_nmm.FinetuneOptions:
     if args.minutes is not None and not args.minutes > 0:
         raise onnx_nmm.OptionError(f"--minutes must be positive, got {args.minutes:g}")
     training = onnx_nmm.TrainingOptions(**_common.given(
@@ -160,8 +177,9 @@ def finetune_options(args, checkpoints: dict[int, Path] | None = None) -> onnx_n
     if args.eval_text:
         evaluation = onnx_nmm.TextOptions(args.eval_text, args.tokenizer, window=args.eval_window,
                                           max_windows=args.eval_windows, bos=not args.no_bos)
+    layer_by_layer = True if args.layer_by_layer else False if args.whole_model else None
     return onnx_nmm.FinetuneOptions(training, args.teacher, evaluation, args.threads, dict(checkpoints or {}),
-                                    **_common.given(device=args.device))
+                                    **_common.given(device=args.device), layer_by_layer=layer_by_layer, output=output)
 
 
 def _plot_title(source: Path, options: onnx_nmm.FinetuneOptions, result: onnx_nmm.FinetuneResult,
@@ -183,10 +201,19 @@ def _print_summary(result: onnx_nmm.FinetuneResult, options: onnx_nmm.FinetuneOp
     trainable = result.training.trainable_parameters / 1e6
     trained = (f"adapters of rank {training.adapter_rank} ({trainable:.2f}M parameters) on the factors"
                if training.adapter_rank else f"{trainable:.2f}M parameters (SVD factors and narrowed weights)")
-    _common.stdout.print(
-        f"trained {trained} for {last.step} steps ({last.tokens} tokens of {result.data}) in {last.seconds:.1f} s, "
-        f"stopped by {stopped}; {_loss_words(result)} {result.training.mean_loss(first=True):.4f} → "
-        f"{result.training.mean_loss(first=False):.4f} (mean of the first and last tenth of the steps)")
+    if result.layers:
+        tuned = [layer for layer in result.layers if layer.steps]
+        before = sum(layer.error_before for layer in tuned) / len(tuned)
+        after = sum(layer.error_after for layer in tuned) / len(tuned)
+        _common.stdout.print(
+            f"tuned {len(tuned)} layers one at a time, {trained}, {last.step} steps in all ({last.tokens} "
+            f"tokens of {result.data}) in {last.seconds:.1f} s; {_loss_words(result)} {before:.4g} → {after:.4g} "
+            "(mean over the layers)")
+    else:
+        _common.stdout.print(
+            f"trained {trained} for {last.step} steps ({last.tokens} tokens of {result.data}) in {last.seconds:.1f} "
+            f"s, stopped by {stopped}; {_loss_words(result)} {result.training.mean_loss(first=True):.4f} → "
+            f"{result.training.mean_loss(first=False):.4f} (mean of the first and last tenth of the steps)")
     if result.before and result.after:
         _common.stdout.print(
             f"perplexity {result.before.perplexity:.4f} → {result.after.perplexity:.4f} in onnxruntime on "
@@ -195,6 +222,8 @@ def _print_summary(result: onnx_nmm.FinetuneResult, options: onnx_nmm.FinetuneOp
 
 
 def _loss_words(result: onnx_nmm.FinetuneResult) -> str:
+    if result.layers:
+        return f"relative error of each layer's output to the dense {result.teacher}'s"
     if result.loss == "distill":
         return f"distillation loss (KL to the dense {result.teacher})"
     return "next-token loss (learns the training text, its style included)"

@@ -88,9 +88,28 @@ def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs
     module holds the tuned factors (adapters merged) and weights, on `device`, and no parameter requires a
     gradient.
     """
+    if options.loss is None:
+        raise ValueError("choose the loss first (FinetuneOptions chooses it from the teacher)")
+    if options.loss == "distill" and teacher is None:
+        raise OptionError("the distillation loss needs the dense model's logits: give the {teacher}", teacher="teacher")
+    check_windows(windows, options)
+
+    def loss_of(batch: np.ndarray) -> torch.Tensor:
+        return _loss(module, inputs, windows[batch], options, teacher, device)
+
+    return train_parameters(module, weights or {}, len(windows), windows.shape[1], loss_of, options, on_step, device)
+
+
+def train_parameters(module: nn.Module, weights: dict[str, nn.Parameter], samples: int, tokens_per_sample: int,
+                     loss_of: Callable[[np.ndarray], torch.Tensor], options: TrainingOptions,
+                     on_step: Callable[[StepRecord], None] | None = None, device: str = "cpu") -> TrainingResult:
+    """The loop of the module docstring: the factors of the lowered `module` (or adapters on them) and `weights`
+    trained in place on `device` to lower `loss_of(sample indices)`, `options.batch` of the `samples` at a time.
+    On return the module holds the tuned factors (adapters merged) and weights, and no parameter requires a
+    gradient."""
     module.to(device)  # in place: the Parameters of `weights` are the ones that move
-    factors, weights = factor_parameters(module), weights or {}
-    _check_ready(factors | weights, windows, options, teacher)
+    factors = factor_parameters(module)
+    _check_trainable(factors | weights)
     torch.manual_seed(options.seed)
     adapters = add_adapters(module, options.adapter_rank, options.seed) if options.adapter_rank and factors else None
     if adapters:
@@ -102,7 +121,7 @@ def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs
         parameter.requires_grad_(True)
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=0.0)
     result = TrainingResult(trainable_parameters=sum(p.numel() for p in trainable))
-    batches = _shuffled_batches(windows, options.batch, options.seed)
+    batches = _shuffled_batches(np.arange(samples), options.batch, options.seed)
     start, tokens_seen = time.perf_counter(), 0
     while len(result.records) < options.steps:
         seconds = time.perf_counter() - start
@@ -113,7 +132,7 @@ def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
         batch = next(batches)
-        loss = _loss(module, inputs, batch, options, teacher, device)
+        loss = loss_of(batch)
         if not torch.isfinite(loss):
             raise TrainingDiverged(f"the loss became {loss.item()} at step {len(result.records) + 1}; nothing was "
                                    "written: lower the {learning_rate}", learning_rate="training.learning_rate")
@@ -121,7 +140,7 @@ def train_factors(module: nn.Module, windows: np.ndarray, inputs: CausalLmInputs
         loss.backward()
         nn.utils.clip_grad_norm_(trainable, options.max_grad_norm)
         optimizer.step()
-        tokens_seen += batch.size
+        tokens_seen += len(batch) * tokens_per_sample
         record = StepRecord(len(result.records) + 1, loss.item(), learning_rate, time.perf_counter() - start,
                             tokens_seen)
         result.records.append(record)
@@ -175,19 +194,13 @@ def replace_factors(model: ir.Model, factors: dict[str, torch.Tensor]) -> None:
         model.graph.initializers[name].const_value = tensor
 
 
-def _check_ready(factors: dict[str, nn.Parameter], windows: np.ndarray, options: TrainingOptions,
-                 teacher: LogitsFn | None) -> None:
-    if not factors:
+def _check_trainable(parameters: dict[str, nn.Parameter]) -> None:
+    if not parameters:
         raise ModelError("the model has no SVD factors or narrowed weights to fine-tune; rewrite it first")
-    wrong = sorted({str(factor.dtype) for factor in factors.values() if factor.dtype != torch.float32})
+    wrong = sorted({str(factor.dtype) for factor in parameters.values() if factor.dtype != torch.float32})
     if wrong:
         raise ModelError(f"fine-tuning trains float32 factors and weights; this model's are {', '.join(wrong)}: "
-                        "rewrite the float32 export and fine-tune that")
-    if options.loss is None:
-        raise ValueError("choose the loss first (FinetuneOptions chooses it from the teacher)")
-    if options.loss == "distill" and teacher is None:
-        raise OptionError("the distillation loss needs the dense model's logits: give the {teacher}", teacher="teacher")
-    check_windows(windows, options)
+                         "rewrite the float32 export and fine-tune that")
 
 
 def _loss(module: nn.Module, inputs: CausalLmInputs, batch: np.ndarray, options: TrainingOptions,

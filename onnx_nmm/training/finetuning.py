@@ -2,8 +2,11 @@
 and the narrowed MLP weights of a nystrom rewrite.
 
     read the training windows (and held-out text) ─ perplexity before (onnxruntime)
-    ─ lower to PyTorch ─ train the factors and narrowed weights only (factor_training) ─ write them into the
-    ONNX graph ─ perplexity after (onnxruntime, the tuned model)
+    ─ whole:          lower to PyTorch ─ train the factors and narrowed weights only on the logits' loss
+                      (factor_training) ─ write them into the ONNX graph
+      layer by layer: each decoder layer in turn trained to the dense layer's outputs (layer_by_layer), for a
+                      model that does not fit in memory twice (fits)
+    ─ perplexity after (onnxruntime, the tuned model)
 
 Only those initializers change, each in its dtype; the result saves like a rewrite's.
 """
@@ -42,10 +45,14 @@ from onnx_nmm.runtime.causal_lm import vocabulary_size
 from onnx_nmm.runtime.graph_probe import first_step
 from onnx_nmm.teacher import recorded_calibration_text, recorded_dense_model
 from onnx_nmm.training.device import DEFAULT_DEVICE, check_device
+from onnx_nmm.training.fits import too_large_to_finetune_whole
+from onnx_nmm.training.layer_pairs import LayerPairs
 from onnx_nmm.training.schedule import TrainingOptions
 
 if TYPE_CHECKING:
+    from onnx_nmm.scale.work_dir import WorkDir
     from onnx_nmm.training.factor_training import TrainingResult
+    from onnx_nmm.training.layer_by_layer import LayerTuning
 
 DEFAULT_TRAINING_TEXT = "generated:32"  # and DEFAULT_PROMPTED more that continue calibration passages
 DEFAULT_PROMPTED = 32
@@ -127,7 +134,12 @@ class FinetuneOptions:
     PyTorch's CPU threads. checkpoints: step → path, where the model trained so far is also written when
     training reaches that step (a steps-against-quality curve from one run). device: the torch device the
     lowered model, the batches and the teacher's logits train on ("cpu", "cuda", "cuda:1", ...); the trained
-    weights come back to the CPU to be written into the graph."""
+    weights come back to the CPU to be written into the graph.
+
+    layer_by_layer: tune one decoder layer at a time to the dense layer's outputs (layer_by_layer.py), never
+    holding the model twice; None: when the whole model would not fit in memory (fits.py). output: where the
+    tuned model will be written; layer by layer keeps its finished layers in `<output>.partial/`, where the same
+    call takes up after a kill (None: a temporary folder, removed when the result is saved)."""
 
     training: TrainingOptions = field(default_factory=TrainingOptions)
     teacher: Model | None = None
@@ -135,9 +147,19 @@ class FinetuneOptions:
     threads: int | None = None
     checkpoints: dict[int, str | os.PathLike] = field(default_factory=dict)
     device: str = DEFAULT_DEVICE
+    layer_by_layer: bool | None = None
+    output: str | os.PathLike | None = None
 
     def __post_init__(self):
         check_device(self.device)
+        if self.layer_by_layer and self.training.loss == "next-token":
+            raise OptionError("{layer_by_layer} tunes each layer to the dense layer's outputs: the next-token "
+                              "{loss} has no target inside the model; fine-tune the whole model for it",
+                              layer_by_layer="layer_by_layer", loss="training.loss")
+        if self.layer_by_layer and self.checkpoints:
+            raise OptionError("{checkpoints} are steps of one training, and {layer_by_layer} trains each layer in "
+                              "turn: fine-tune the whole model for them", checkpoints="checkpoints",
+                              layer_by_layer="layer_by_layer")
         if self.training.loss is None and self.teacher is not None:
             object.__setattr__(self, "training", replace(self.training, loss="distill"))
         if self.threads is not None and self.threads < 1:
@@ -160,28 +182,51 @@ class FinetuneResult:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
     source_path: Path | None = None
     source_used_external_data: bool = False
+    layers: list[LayerTuning] = field(default_factory=list)  # layer by layer: how each layer went
+    work: WorkDir | None = None  # layer by layer: where the tuned weights are, until saved
 
     @property
     def loss_rose(self) -> bool:
-        """The last tenth's mean loss well above the first tenth's: the learning rate was too high, and the
-        tuned model is likely worse than its input."""
-        return self.training.mean_loss(first=False) > LOSS_ROSE * self.training.mean_loss(first=True)
+        """The last tenth's mean loss well above the first tenth's (of any layer's, layer by layer): the learning
+        rate was too high, and the tuned model is likely worse than its input."""
+        from onnx_nmm.training.factor_training import TrainingResult
+
+        runs = [TrainingResult(layer.records) for layer in self.layers if layer.records] or [self.training]
+        return any(run.mean_loss(first=False) > LOSS_ROSE * run.mean_loss(first=True) for run in runs)
 
     def save(self, path: str | os.PathLike, overwrite_input: bool = False) -> Path:
-        """Write the tuned model atomically, as the input was written (external data or not)."""
+        """Write the tuned model atomically, as the input was written (external data or not); the layer-by-layer
+        work folder, whose files held the tuned weights, goes once they are written."""
         start = time.perf_counter()
+        if self.work is not None and not self.source_used_external_data:
+            _read_into_memory(self.model, self.work.folder)  # the model's one file holds every weight
         written = save_derived(self.model, path, self.source_path, self.source_used_external_data,
                                overwrite_input=overwrite_input)
+        if self.work is not None:
+            self.work.remove()
         self.seconds["writing"] = time.perf_counter() - start
         return written
 
     def to_dict(self, options: FinetuneOptions) -> dict:
-        training = replace(options.training, loss=self.loss)
+        training = options.training
         return {"loss": self.loss, "teacher": self.teacher, "training_data": self.data,
-                "options": asdict(training) | {"warmup_steps": training.warmup_steps}, **self.training.to_dict(),
+                "options": asdict(training) | {"loss": self.loss, "warmup_steps": training.warmup_steps},
+                **self.training.to_dict(),
                 "seconds_by_phase": self.seconds,
                 "perplexity_before": self.before.to_dict() if self.before else None,
-                "perplexity_after": self.after.to_dict() if self.after else None}
+                "perplexity_after": self.after.to_dict() if self.after else None,
+                **({"layers": [{"layer": layer.layer, "relative_error_before": layer.error_before,
+                                "relative_error_after": layer.error_after, "steps": layer.steps,
+                                "seconds": layer.seconds, "stopped_by": layer.stopped_by} for layer in self.layers]}
+                   if self.layers else {})}
+
+
+def _read_into_memory(model: ir.Model, folder: Path) -> None:
+    """The initializers `model` reads from files in `folder`, held in memory instead."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and Path(tensor.base_dir).resolve() == folder.resolve():
+            value.const_value = ir.tensor(tensor.numpy(), dtype=tensor.dtype, name=value.name)
 
 
 # The last tenth's mean loss over the first tenth's that is taken as divergence: a margin, because single
@@ -192,10 +237,9 @@ LOSS_ROSE = 1.5
 
 def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None = None,
              progress: Progress | None = None) -> FinetuneResult:
-    """Train the factors and narrowed weights of the rewritten `model` on `data`; the tuned model (same graph)
-    and how it went."""
-    from onnx_nmm.lowering import CausalLmInputs
-    from onnx_nmm.training.factor_training import check_windows, replace_factors
+    """Train the factors and narrowed weights of the rewritten `model` on `data`, the whole model at once or one
+    layer at a time (`options.layer_by_layer`); the tuned model (same graph) and how it went."""
+    from onnx_nmm.training.factor_training import check_windows
 
     options, progress = options or FinetuneOptions(), progress or Progress()
     data.check()  # a bad text or tokenizer is said before the model loads
@@ -206,26 +250,25 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     if generated_only and data.prompts is None and data.prompted and data.tokenizer is not None:
         data = replace(data, prompts=recorded_calibration_text(source.model))  # the default data: both kinds
         data.check()
-    narrowed = narrowed_weights(source.model)
-    custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
-    if not narrowed and not custom:
-        if any(".narrowed" in name for name in source.model.graph.initializers):
-            raise ModelError(f"the narrowed weights of {source.label} are stored quantized (or in float16), and "
-                             "fine-tuning trains float32 weights: narrow the float32 export to fine-tune")
-        if any(".svd_" in name for name in source.model.graph.initializers):
-            raise ModelError(f"the factors of {source.label} are written quantized, and fine-tuning trains float "
-                             "factors: rewrite it with {factor_dtype} float32 (or float16) to fine-tune",
-                             factor_dtype="factorization.factor_dtype")
-        raise ModelError(f"{source.label} has no {DOMAIN} SVD ops and no narrowed MLPs, so nothing to fine-tune; "
-                         "rewrite it first")
+    narrowed = _trained_weights(source)
     vocabulary = vocabulary_size(source.model.graph)
     options = _with_teacher(options, source)
-    teacher = None
+    layer_by_layer = options.layer_by_layer
+    if layer_by_layer is None:
+        layer_by_layer = too_large_to_finetune_whole(source) is not None
+    if layer_by_layer:
+        options = replace(options, layer_by_layer=True)  # checked again: a loss or checkpoints it cannot do
+    teacher = dense = None
     if options.training.loss == "distill" and options.teacher is not None:
-        teacher = ModelRunner(options.teacher)
-    if teacher is not None and None not in (vocabulary, teacher.vocabulary) and vocabulary != teacher.vocabulary:
-        raise ModelError(f"the teacher {teacher.label} predicts {teacher.vocabulary} tokens, {source.label} "
+        # layer by layer reads the dense model one layer at a time; whole, onnxruntime runs all of it
+        dense = ModelSource.of(options.teacher) if layer_by_layer else None
+        teacher = None if layer_by_layer else ModelRunner(options.teacher)
+    teacher_vocabulary = (teacher.vocabulary if teacher is not None
+                          else vocabulary_size(dense.model.graph) if dense is not None else None)
+    if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
+        raise ModelError(f"the teacher {options.teacher} predicts {teacher_vocabulary} tokens, {source.label} "
                          f"{vocabulary}: give the dense model this one was rewritten from")
+    pairs = LayerPairs.of(dense, source) if dense is not None else None  # a model that cannot be cut: said now
     phases = _Phases()
     with phases("reading data"):
         windows = data.windows(options.teacher or recorded_dense_model(source.model), progress)
@@ -243,31 +286,87 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     if evaluation is not None:
         with phases("perplexity before"):
             before = _perplexity(ModelRunner(source), eval_tokens, eval_windows, progress, "perplexity before")
-    with phases("lowering"), progress.phase("lowering to PyTorch"):
-        from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
-
-        module = lower(first_step(source.full_proto()), consume=True)
-        weights = weights_as_parameters(module, narrowed)
-    with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
-                                            total=options.training.steps) as phase:
-        from onnx_nmm.training.factor_training import train_factors
-
-        on_step = _advancing_and_saving(phase, options.checkpoints, source, module, weights)
-        training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
-                                 teacher.logits if teacher is not None else None, on_step=on_step, weights=weights,
-                                 device=options.device)
-    result = FinetuneResult(source.model, training, windows.description, options.training.loss,
-                            None if teacher is None else teacher.label, before=before, seconds=phases.seconds,
-                            source_path=source.path, source_used_external_data=source.used_external_data)
-    del teacher  # its onnxruntime session
-    with phases("writing the factors"), progress.phase("writing the factors into the graph"):
-        replace_factors(source.model, factor_parameters(module) | weights)
-        del module
+    if pairs is not None:
+        result = _tune_layer_by_layer(pairs, windows, narrowed, options, phases, progress)
+    else:
+        result = _tune_whole(source, teacher, windows, narrowed, options, phases, progress)
+        del teacher  # its onnxruntime session
+    result.before = before
     if evaluation is not None:
         with phases("perplexity after"):
             result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress,
                                        "perplexity after")
     return result
+
+
+def _tune_whole(source: ModelSource, teacher: ModelRunner | None, windows: TokenWindows, narrowed: list[str],
+                options: FinetuneOptions, phases: _Phases, progress: Progress) -> FinetuneResult:
+    """The whole rewritten model lowered to PyTorch and trained on the loss of its logits."""
+    from onnx_nmm.lowering import CausalLmInputs, factor_parameters, lower, weights_as_parameters
+    from onnx_nmm.training.factor_training import replace_factors, train_factors
+
+    with phases("lowering"), progress.phase("lowering to PyTorch"):
+        module = lower(first_step(source.full_proto()), consume=True)
+        weights = weights_as_parameters(module, narrowed)
+    with phases("training"), progress.phase(f"training ({options.training.loss} loss)",
+                                            total=options.training.steps) as phase:
+        on_step = _advancing_and_saving(phase, options.checkpoints, source, module, weights)
+        training = train_factors(module, windows.tokens, CausalLmInputs(source), options.training,
+                                 teacher.logits if teacher is not None else None, on_step=on_step, weights=weights,
+                                 device=options.device)
+    with phases("writing the factors"), progress.phase("writing the factors into the graph"):
+        replace_factors(source.model, factor_parameters(module) | weights)
+        del module
+    return FinetuneResult(source.model, training, windows.description, options.training.loss,
+                          None if teacher is None else teacher.label, seconds=phases.seconds,
+                          source_path=source.path, source_used_external_data=source.used_external_data)
+
+
+def _tune_layer_by_layer(pairs: LayerPairs, windows: TokenWindows, narrowed: list[str], options: FinetuneOptions,
+                         phases: _Phases, progress: Progress) -> FinetuneResult:
+    """Each decoder layer tuned in turn to the dense layer's outputs (layer_by_layer.py)."""
+    from onnx_nmm.training.layer_by_layer import LAYER_LOSS, tune_layer_by_layer, work_for
+
+    source = pairs.compressed_source
+    work = work_for(source, options, windows.tokens)
+    with phases("training layer by layer"):
+        layers = tune_layer_by_layer(pairs, windows.tokens, narrowed, options.training, work, options.device,
+                                     progress)
+    return FinetuneResult(source.model, _one_run(layers), windows.description, LAYER_LOSS, pairs.dense_source.label,
+                          seconds=phases.seconds, source_path=source.path,
+                          source_used_external_data=source.used_external_data, layers=layers, work=work)
+
+
+def _one_run(layers: list[LayerTuning]) -> TrainingResult:
+    """The layers' steps one after the other, as one run: steps, seconds and tokens counted on from the layer
+    before."""
+    from onnx_nmm.training.factor_training import StepRecord, TrainingResult
+
+    run = TrainingResult(stopped_by="time" if any(layer.stopped_by == "time" for layer in layers) else "steps",
+                         trainable_parameters=sum(layer.trainable_parameters for layer in layers))
+    for layer in layers:
+        last = run.records[-1] if run.records else StepRecord(0, 0.0, 0.0, 0.0, 0)
+        run.records += [replace(record, step=last.step + record.step, seconds=last.seconds + record.seconds,
+                                tokens=last.tokens + record.tokens) for record in layer.records]
+    return run
+
+
+def _trained_weights(source: ModelSource) -> list[str]:
+    """The narrowed weights of `source` that fine-tuning trains (besides its SVD factors); refused when it has
+    neither, or only in a form that cannot be trained."""
+    narrowed = narrowed_weights(source.model)
+    custom = any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(source.model.graph))
+    if narrowed or custom:
+        return narrowed
+    if any(".narrowed" in name for name in source.model.graph.initializers):
+        raise ModelError(f"the narrowed weights of {source.label} are stored quantized (or in float16), and "
+                         "fine-tuning trains float32 weights: narrow the float32 export to fine-tune")
+    if any(".svd_" in name for name in source.model.graph.initializers):
+        raise ModelError(f"the factors of {source.label} are written quantized, and fine-tuning trains float "
+                         "factors: rewrite it with {factor_dtype} float32 (or float16) to fine-tune",
+                         factor_dtype="factorization.factor_dtype")
+    raise ModelError(f"{source.label} has no {DOMAIN} SVD ops and no narrowed MLPs, so nothing to fine-tune; "
+                     "rewrite it first")
 
 
 def _advancing_and_saving(phase, checkpoints: dict, source: ModelSource, module, weights: dict):

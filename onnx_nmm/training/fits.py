@@ -1,0 +1,25 @@
+"""Whether the whole-model fine-tuning fits this machine's memory; when it does not, `finetune` tunes one layer
+at a time (layer_by_layer.py), as the rewrite does (onnx_nmm.layerwise.memory). The whole-model path holds the
+rewritten model lowered to PyTorch (its proto and its module, briefly both), the gradients and AdamW's two
+moments of the trained weights, the activations of a batch, and the dense teacher in onnxruntime beside it: it
+is taken to need WHOLE_MODEL_FACTOR × the rewritten model's weights in float32."""
+
+from __future__ import annotations
+
+from onnx_nmm.layerwise.memory import GB, available_memory, float32_weight_bytes
+from onnx_nmm.model_source import ModelSource
+
+WHOLE_MODEL_FACTOR = 6
+
+
+def too_large_to_finetune_whole(model) -> str | None:
+    """Why fine-tuning the whole rewritten `model` (a path or a ModelSource) at once would not fit in memory (one
+    line), or None if it fits."""
+    source = ModelSource.of(model)
+    weights = float32_weight_bytes(source.model)
+    needed, available = WHOLE_MODEL_FACTOR * weights, available_memory()
+    if needed <= available:
+        return None
+    return (f"{source.label} holds {weights / GB:.1f} GB of weights in float32; fine-tuning it whole beside its "
+            f"dense teacher needs about {needed / GB:.0f} GB and this machine has {available / GB:.0f} GB "
+            "available: tuning it one layer at a time")
