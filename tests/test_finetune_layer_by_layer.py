@@ -52,6 +52,16 @@ def _initializers(model):
     return {name: value.const_value.numpy() for name, value in model.graph.initializers.items()}
 
 
+def _mean_log_loss(model, tokens):
+    """−mean log q(x_{t+1} | x_≤t) of `model` (onnxruntime) over the windows of 16 tokens that `tokens` [1, 64]
+    is cut into."""
+    windows = tokens.reshape(-1, 16)
+    logits = ModelRunner(model).logits(windows).astype(np.float64)[:, :-1]
+    log_q = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    return -np.mean(np.take_along_axis(log_q, windows[:, 1:, None], axis=-1))
+
+
 def _layer_errors(dense, compressed, tuned, tokens):
     """For each layer i, on the residual stream of `tuned`'s layers before it: ‖f(X̃ᵢ) − dense layer i(X̃ᵢ)‖² of
     the `compressed` layer and of the `tuned` one."""
@@ -131,10 +141,11 @@ def test_a_model_too_large_to_finetune_whole_is_tuned_layer_by_layer_and_says_so
     assert main(["rewrite", str(source), "-o", str(rewritten), "--keep", "0.5", "--align", "32", "--quiet",
                  "--fuse-mlp"]) == 0
     np.savez(tmp_path / "train.npz", input_ids=_tokens(4, 16, seed=2))
+    np.savez(tmp_path / "held-out.npz", input_ids=_tokens(1, 64, seed=5))
     monkeypatch.setattr(fits, "available_memory", lambda: 1 << 20)
     output, report = tmp_path / "tuned.onnx", tmp_path / "report.json"
     code = main([str(a) for a in ("finetune", rewritten, "--text", tmp_path / "train.npz", "--steps", 10, "--lr",
-                                  "1e-3", "-o", output, "--report", report)])
+                                  "1e-3", "--eval-text", tmp_path / "held-out.npz", "-o", output, "--report", report)])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "tuning it one layer at a time" in " ".join(err.split()) and "GB available" in err
@@ -142,6 +153,8 @@ def test_a_model_too_large_to_finetune_whole_is_tuned_layer_by_layer_and_says_so
     assert written["loss"] == "layer-mse" and [layer["layer"] for layer in written["layers"]] == [0, 1]
     assert all(layer["relative_error_after"] < layer["relative_error_before"] for layer in written["layers"])
     assert "tuned 2 layers one at a time" in " ".join(out.split())
+    after = written["perplexity_after"]["perplexity"]  # of the tuned weights (a random model's is no better)
+    assert after == pytest.approx(float(np.exp(_mean_log_loss(output, _tokens(1, 64, seed=5)))), rel=1e-4)
     assert (tmp_path / "tuned.onnx.data").is_file() and not (tmp_path / "tuned.onnx.partial").exists()
     factors = [name for name in _initializers(load_model(rewritten)) if ".svd_" in name]
     before, after = _initializers(load_model(rewritten)), _initializers(load_model(output))

@@ -266,7 +266,8 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
     teacher_vocabulary = (teacher.vocabulary if teacher is not None
                           else vocabulary_size(dense.model.graph) if dense is not None else None)
     if None not in (vocabulary, teacher_vocabulary) and vocabulary != teacher_vocabulary:
-        raise ModelError(f"the teacher {options.teacher} predicts {teacher_vocabulary} tokens, {source.label} "
+        label = teacher.label if teacher is not None else dense.label if dense is not None else ""
+        raise ModelError(f"the teacher {label} predicts {teacher_vocabulary} tokens, {source.label} "
                          f"{vocabulary}: give the dense model this one was rewritten from")
     pairs = LayerPairs.of(dense, source) if dense is not None else None  # a model that cannot be cut: said now
     phases = _Phases()
@@ -293,6 +294,8 @@ def finetune(model: Model, data: TrainingData, options: FinetuneOptions | None =
         del teacher  # its onnxruntime session
     result.before = before
     if evaluation is not None:
+        if result.work is not None:  # onnxruntime reads external weights from one folder, the input's
+            _read_into_memory(result.model, result.work.folder)
         with phases("perplexity after"):
             result.after = _perplexity(ModelRunner(source.model), eval_tokens, eval_windows, progress,
                                        "perplexity after")
