@@ -333,8 +333,12 @@ def _tune_layer_by_layer(pairs: LayerPairs, windows: TokenWindows, narrowed: lis
     source = pairs.compressed_source
     work = work_for(source, options, windows.tokens)
     with phases("training layer by layer"):
-        layers = tune_layer_by_layer(pairs, windows.tokens, narrowed, options.training, work, options.device,
-                                     progress)
+        try:
+            layers = tune_layer_by_layer(pairs, windows.tokens, narrowed, options.training, work, options.device,
+                                         progress)
+        except Exception:
+            work.remove_if_empty()  # refused before a layer was finished: nothing to take up
+            raise
     return FinetuneResult(source.model, _one_run(layers), windows.description, LAYER_LOSS, pairs.dense_source.label,
                           seconds=phases.seconds, source_path=source.path,
                           source_used_external_data=source.used_external_data, layers=layers, work=work)
