@@ -74,7 +74,8 @@ class RankOptions:
     ranks_from:        the ranks of an earlier rewrite of the same model: its report (a JSON file), or a
                        mapping layer name → rank (None: dense)
     align:             ranks are multiples of this
-    sensitivity_windows: calibration windows the quality budgets are measured on
+    sensitivity_windows: calibration windows the quality budgets are measured on, an equal share from each
+                       calibration source; a budget holds on each source's share
     sensitivity_from:  the report of an earlier rewrite of the model with a quality budget on the same
                        calibration: its measured sensitivities are reused instead of measured again
     reference_layers:  layer by layer, the layers (evenly spaced, the first and the last among them) whose MLPs'
@@ -90,7 +91,7 @@ class RankOptions:
     ranks_from: str | os.PathLike | Mapping[str, int | None] | None = None
     budget: str = "uniform"
     align: int = DEFAULT_ALIGN
-    sensitivity_windows: int = 4
+    sensitivity_windows: int = 8
     sensitivity_from: str | os.PathLike | None = None
     reference_layers: int = DEFAULT_REFERENCE_LAYERS
     by_default: bool = field(default=False, init=False, compare=False)

@@ -9,7 +9,13 @@ import pytest
 from onnx_nmm import Dense, OptionError
 from onnx_nmm.cli import main
 from onnx_nmm.decomposition.lowrank import Spectrum
-from onnx_nmm.ranks.sensitivity import Candidate, greedy_moves, select_for_parameters, select_within_budget
+from onnx_nmm.ranks.sensitivity import (
+    Candidate,
+    greedy_moves,
+    held_out_damage,
+    select_for_parameters,
+    select_within_budget,
+)
 
 DENSE = Dense("kept dense by the test")
 
@@ -173,3 +179,10 @@ def test_the_damage_by_chunks_of_positions_is_the_damage_of_the_whole_window():
     whole = log_loss_and_kl_per_window(logits, tokens, log_softmax(reference[:, :-1].astype(np.float64)))
     by_chunks = log_loss_and_kl_by_positions(logits, tokens, reference, positions=5)  # 22 = 4 × 5 + 2
     np.testing.assert_allclose(by_chunks, whole, rtol=1e-12)
+
+
+def test_held_out_damage_is_the_worst_source_mean():
+    per_window = np.array([0.01, 0.03, 0.10, 0.20, 0.00])
+    ids = ["kjv.txt#128", "kjv.txt#129", "generated#32", "generated#33", "news.txt#7"]
+    assert held_out_damage(per_window, ids) == pytest.approx(0.15)
+    assert held_out_damage(per_window[:2], ids[:2]) == pytest.approx(0.02)  # one source: its mean

@@ -29,6 +29,7 @@ import onnx_ir as ir
 
 from onnx_nmm import __version__
 from onnx_nmm.calibration.calibration_data import calibration_text, check_source_files
+from onnx_nmm.calibration.tokens import TokenWindows
 from onnx_nmm.errors import OptionError
 from onnx_nmm.layerwise.analysis import LayerAnalysis, analyse_layers
 from onnx_nmm.layerwise.budget_search import MAX_SWEEPS, longest_prefix_within
@@ -81,8 +82,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     batch = options.calibration.batch if options.calibration is not None else 1
     try:
         analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
-        choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out.tokens, metric, work,
-                                                              progress)
+        choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out, metric, work, progress)
         narrows = any(isinstance(width, Narrowed) for width in choice.plan.values())  # else nothing to refit
         refitted = (refit_sequentially(segments, analyses, stage, calibration, batch, held_out.tokens, metric, work,
                                        progress) if options.sequential and narrows else None)
@@ -95,7 +95,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
             "measured_on": held_out.description, "layer_by_layer": True,
             "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}
     if refitted is not None:
-        stage = _sequential_if_within(report, choice.budget, stage, *refitted)
+        stage = _sequential_if_within(report, choice.budget, stage, *refitted, held_out.ids)
     with progress.phase("writing"):
         _assemble(source, segments, work, stage)
         report.weight_bytes_after = weight_bytes(source.model)
@@ -112,7 +112,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     return RewriteResult(source.model, report, model_path, True)
 
 
-def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysis], held_out: np.ndarray,
+def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysis], held_out: TokenWindows,
                             metric: str, work: LayerWork, progress: Progress
                             ) -> tuple[sensitivity.BudgetChoice, list[LayerOutcome], np.ndarray, str]:
     """The plan, the report's rows, the plan's damage per held-out window and the narrowing stage that holds its
@@ -121,8 +121,9 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
     ranks = options.ranks
     if not (ranks.measures_damage and ranks.budget != "sensitivity"):
         choice = _choose(analyses, segments, options, metric)
-        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out, metric, work, "narrowing", progress)
-        choice.damage = float(damage.mean())
+        rows, damage = narrow_layers(segments, analyses, choice.plan, held_out.tokens, metric, work, "narrowing",
+                                     progress)
+        choice.damage = sensitivity.held_out_damage(damage, held_out.ids)
         return choice, rows, damage, "narrowing"
     candidates: list[sensitivity.Candidate] = [analysis.candidate() for analysis in analyses]
     moves = sensitivity.greedy_moves(candidates, ranks.align)
@@ -131,12 +132,12 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
     def plan(prefix: int) -> RankPlan:
         return _by_layer(segments, sensitivity.plan_after(moves[:prefix], candidates, kept_dense))
 
-    sweeps = {0: (dense_rows(segments, kept_dense), np.zeros(len(held_out)))}  # nothing narrowed: no sweep
+    sweeps = {0: (dense_rows(segments, kept_dense), np.zeros(len(held_out.tokens)))}  # nothing narrowed: no sweep
 
     def measure(prefix: int) -> float:
-        sweeps[prefix] = narrow_layers(segments, analyses, plan(prefix), held_out, metric, work,
+        sweeps[prefix] = narrow_layers(segments, analyses, plan(prefix), held_out.tokens, metric, work,
                                        _stage(prefix), progress)
-        return float(sweeps[prefix][1].mean())
+        return sensitivity.held_out_damage(sweeps[prefix][1], held_out.ids)
 
     allowed = _allowed(options, metric)
     low, measured = longest_prefix_within(_predicted_prefixes(candidates, moves), allowed, measure, MAX_SWEEPS)
@@ -153,14 +154,15 @@ def _narrowed_within_budget(segments: LayerSegments, analyses: list[LayerAnalysi
 
 
 def _sequential_if_within(report: RewriteReport, budget: float | None, stage: str, rows: list[LayerOutcome],
-                          damage: np.ndarray) -> str:
-    """The stage to write: the sequential refit's, its rows in `report`, if its damage (mean over the held-out
-    windows) is within `budget` or there is no budget of damage; else `stage`, the searched plan's, in a warning.
-    Both damages are in the report's quality budget."""
-    written = budget is None or float(damage.mean()) <= budget
-    report.quality_budget["sequential"] = {"measured": float(damage.mean()), "written": written}
+                          damage: np.ndarray, ids: list[str]) -> str:
+    """The stage to write: the sequential refit's, its rows in `report`, if its damage on the held-out windows
+    `ids` (sensitivity.held_out_damage) is within `budget` or there is no budget of damage; else `stage`, the
+    searched plan's, in a warning. Both damages are in the report's quality budget."""
+    measured = sensitivity.held_out_damage(damage, ids)
+    written = budget is None or measured <= budget
+    report.quality_budget["sequential"] = {"measured": measured, "written": written}
     if not written:
-        warnings.warn(f"the sequential refit measured {float(damage.mean()):.4g} nats over the budget of "
+        warnings.warn(f"the sequential refit measured {measured:.4g} nats over the budget of "
                       f"{budget:.4g}: the independent fit was written", stacklevel=3)
         return stage
     refitted = {row.name: row for row in rows}

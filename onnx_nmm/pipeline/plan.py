@@ -182,7 +182,7 @@ class Planner:
                                                on_measured=lambda name: phase.advance(detail=name))
         with self.progress.phase(f"choosing within the {ranks.quality_budget}") as phase:
             def measured(plan):  # each plan tried is one run over the held-out windows
-                damage = probe(plan)
+                damage = sensitivity.held_out_damage(probe.damage_per_window(plan), held_out.ids)
                 phase.advance()
                 return damage
 
