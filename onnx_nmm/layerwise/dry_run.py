@@ -97,6 +97,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     start = time.perf_counter()
     narrowing.refit(narrowing.kept(reference_width(mlp.width)))
     refit_seconds = time.perf_counter() - start
+    del narrowing, gram  # as in the sweep: the head runs without the maths's matrices beside it
     head = segments.cut.head
     stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
     head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})
