@@ -2,6 +2,7 @@
 on the residual stream of the layers tuned before it, one layer in memory at a time; the path `finetune` takes
 by itself when the whole model would not fit in memory twice."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -50,6 +51,23 @@ def _tokens(samples, seq_len, seed):
 
 def _initializers(model):
     return {name: value.const_value.numpy() for name, value in model.graph.initializers.items()}
+
+
+class _Details(onnx_nmm.Progress):
+    """What each phase was told as it advanced."""
+
+    def __init__(self):
+        self.details = {}
+
+    @contextlib.contextmanager
+    def phase(self, description, total=None):
+        details = self.details.setdefault(description, [])
+
+        class Phase(onnx_nmm.Phase):
+            def advance(self, amount=1, detail=None):
+                details.append(detail)
+
+        yield Phase()
 
 
 def _mean_log_loss(model, tokens):
@@ -185,9 +203,12 @@ def test_a_layer_the_rewrite_kept_dense_is_passed_through_untrained(tmp_path):
     assert main(["rewrite", str(exported_model("llama", "dynamo")), "-o", str(narrowed), "--method", "nystrom",
                  "--calib", "random", "--calib-samples", "4", "--calib-window", "32", "--keep", "0.5", "--align",
                  "32", "--include", r"layers\.1\.", "--quiet"]) == 0
+    progress = _Details()
     result = onnx_nmm.finetune(narrowed, onnx_nmm.TrainingData(_tokens(8, 16, seed=4)),
-                               onnx_nmm.FinetuneOptions(TRAINING, layer_by_layer=True))
+                               onnx_nmm.FinetuneOptions(TRAINING, layer_by_layer=True), progress)
     kept_dense, tuned = result.layers
+    assert progress.details["layer by layer: each layer tuned to the dense layer's outputs"] == [
+        "layer 1: kept dense", f"layer 2: relative error {tuned.error_before:.3g} → {tuned.error_after:.3g}"]
     assert kept_dense.steps == 0 and kept_dense.trainable_parameters == 0
     assert tuned.steps == 30 and tuned.error_after < tuned.error_before
     assert result.training.trainable_parameters == tuned.trainable_parameters and not result.loss_rose

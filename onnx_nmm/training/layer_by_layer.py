@@ -103,23 +103,28 @@ def tune_layer_by_layer(pairs: LayerPairs, windows: np.ndarray, trained: list[st
     for tuning in done:
         _point_at_file(pairs.compressed_source.model, work, tuning)
     started = time.perf_counter()
-    for layer in range(len(done), pairs.layers):
-        budget = options.time_budget
-        if budget is not None:
-            spent = sum(tuning.seconds for tuning in done) + time.perf_counter() - started
-            budget = max(budget - spent, MIN_SECONDS) / (pairs.layers - layer)
-        layer_options = replace(options, batch=1, time_budget=budget)  # a step: one group of `batch` windows
-        if _trains_anything(pairs, layer, trained):
-            tuning, tuned = _tune_layer(pairs, layer, groups, trained, layer_options, stream, targets, device,
-                                        progress)
-        else:  # a layer the rewrite kept dense: what it writes is the dense layer's already
-            tuning, tuned = LayerTuning(layer, 0.0, 0.0, 0, 0.0, "steps", 0), {}
-            _pass_through(pairs, layer, groups, stream, progress)
-        _write_layer(pairs.compressed_source.model, work, tuning, tuned)
-        del tuned
-        done.append(tuning)
-        for name in pairs.unread_after(layer):
-            stream.drop(name)
+    with progress.phase("layer by layer: each layer tuned to the dense layer's outputs", total=pairs.layers) as phase:
+        for tuning in done:
+            phase.advance(detail=f"layer {tuning.layer + 1} resumed")
+        for layer in range(len(done), pairs.layers):
+            budget = options.time_budget
+            if budget is not None:
+                spent = sum(tuning.seconds for tuning in done) + time.perf_counter() - started
+                budget = max(budget - spent, MIN_SECONDS) / (pairs.layers - layer)
+            layer_options = replace(options, batch=1, time_budget=budget)  # a step: one group of `batch` windows
+            if _trains_anything(pairs, layer, trained):
+                tuning, tuned = _tune_layer(pairs, layer, groups, trained, layer_options, stream, targets, device,
+                                            progress)
+            else:  # a layer the rewrite kept dense: what it writes is the dense layer's already
+                tuning, tuned = LayerTuning(layer, 0.0, 0.0, 0, 0.0, "steps", 0), {}
+                _pass_through(pairs, layer, groups, stream, progress)
+            _write_layer(pairs.compressed_source.model, work, tuning, tuned)
+            del tuned
+            done.append(tuning)
+            for name in pairs.unread_after(layer):
+                stream.drop(name)
+            phase.advance(detail=f"layer {layer + 1}: relative error {tuning.error_before:.3g} → "
+                                 f"{tuning.error_after:.3g}" if tuning.steps else f"layer {layer + 1}: kept dense")
     return done
 
 
