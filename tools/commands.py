@@ -4,6 +4,7 @@ the exact commands behind their numbers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -99,6 +100,15 @@ def run_measured(command: list) -> dict:
     if status != 0:
         raise SystemExit(f"command failed (exit {os.waitstatus_to_exitcode(status)}): {shlex.join(command)}")
     return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def held_out_by_source(spread: dict) -> str:
+    """Each calibration source's perplexity increase on its held-out windows, from a rewrite report's
+    quality_budget.spread (per-window increases; the mean is taken over their log-losses, as the budget is)."""
+    by_source: dict[str, list[float]] = {}
+    for window, value in zip(spread["windows"], spread["per_window"]):
+        by_source.setdefault(window.rsplit("#", 1)[0], []).append(math.log1p(value))
+    return ", ".join(f"{source} {math.expm1(sum(values) / len(values)):+.1%}" for source, values in by_source.items())
 
 
 def as_typed(argument: str) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, as_typed, invocation, run_measured  # noqa: E402
+from commands import CommandLog, as_typed, held_out_by_source, invocation, run_measured  # noqa: E402
 
 GB = 2**30
 
@@ -63,9 +63,10 @@ def main() -> None:
              f"| wall time | {measured['wall_s'] / 60:.0f} min |",
              f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB |",
              f"| `--dry-run` (modelled, sampling and writing not included) | {_priced(priced)} |",
-             f"| budget (perplexity on held-out calibration windows) | +{math.expm1(budget['budget']):.1%} |",
+             f"| budget (perplexity on the held-out windows of each calibration source) | "
+             f"+{math.expm1(budget['budget']):.1%} |",
              f"| measured there, after {len(budget['evaluations']) - 1} narrowing sweeps | "
-             f"+{math.expm1(budget['measured']):.1%} |",
+             f"{held_out_by_source(budget['spread'])} |",
              f"| MLP parameters removed | {1 - mlp_after / mlp_before:.1%} ({(mlp_before - mlp_after) / 1e6:.1f}M) |",
              f"| check prompts: answers that start as the dense model's; likelihood drop of its answers | "
              f"{sum(starts)} of {len(starts)}; {answers['mean_drop']:.2f} nats/token "
