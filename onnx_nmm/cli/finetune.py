@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx_nmm
 from onnx_nmm.cli import _common, _parsing
 from onnx_nmm.model_io import check_new_output
-from onnx_nmm.training.fits import too_large_to_finetune_whole
+from onnx_nmm.training.finetuning import too_large_to_finetune_whole  # what finetune decides by, said first
 from onnx_nmm.training.schedule import LOSSES
 
 

@@ -48,9 +48,9 @@ from onnx_nmm.training.device import DEFAULT_DEVICE, check_device
 from onnx_nmm.training.fits import too_large_to_finetune_whole
 from onnx_nmm.training.layer_pairs import LayerPairs
 from onnx_nmm.training.schedule import TrainingOptions
+from onnx_nmm.training.tuning_work import TuningWork
 
 if TYPE_CHECKING:
-    from onnx_nmm.scale.work_dir import WorkDir
     from onnx_nmm.training.factor_training import TrainingResult
     from onnx_nmm.training.layer_by_layer import LayerTuning
 
@@ -183,7 +183,7 @@ class FinetuneResult:
     source_path: Path | None = None
     source_used_external_data: bool = False
     layers: list[LayerTuning] = field(default_factory=list)  # layer by layer: how each layer went
-    work: WorkDir | None = None  # layer by layer: where the tuned weights are, until saved
+    work: TuningWork | None = None  # layer by layer: where the tuned weights are, until saved
 
     @property
     def loss_rose(self) -> bool:
@@ -328,10 +328,11 @@ def _tune_whole(source: ModelSource, teacher: ModelRunner | None, windows: Token
 def _tune_layer_by_layer(pairs: LayerPairs, windows: TokenWindows, narrowed: list[str], options: FinetuneOptions,
                          phases: _Phases, progress: Progress) -> FinetuneResult:
     """Each decoder layer tuned in turn to the dense layer's outputs (layer_by_layer.py)."""
-    from onnx_nmm.training.layer_by_layer import LAYER_LOSS, tune_layer_by_layer, work_for
+    from onnx_nmm.training.layer_by_layer import LAYER_LOSS, tune_layer_by_layer, work_settings
 
     source = pairs.compressed_source
-    work = work_for(source, options, windows.tokens)
+    work = TuningWork.open(source, options.output, work_settings(options.training, pairs.dense_source.label,
+                                                                 options.device, windows.tokens))
     with phases("training layer by layer"):
         try:
             layers = tune_layer_by_layer(pairs, windows.tokens, narrowed, options.training, work, options.device,

@@ -17,21 +17,18 @@ Each layer trains with `training.steps` steps (one whole-model step costs about 
 layer) and, with a time budget, the time left shared evenly by the layers left. The head (final norm, lm_head)
 is not trained.
 
-Resumable: `work` (scale.work_dir) keeps the stream and each finished layer (its tuned weights in
-layer-NNNN.bin, its summary in layer-NNNN.json, written last); the same call with the same model, windows and
-options takes up after the last finished layer.
+Resumable: `work` (tuning_work.py) keeps the stream and each finished layer (its tuned weights in layer-NNNN.bin,
+its summary in layer-NNNN.json, written last); the same call with the same model, windows and options takes up
+after the last finished layer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -41,16 +38,12 @@ from torch import nn
 from onnx_nmm import __version__
 from onnx_nmm.layerwise.carried import CarriedValues
 from onnx_nmm.lowering import factor_parameters, lower, weights_as_parameters
-from onnx_nmm.model_source import ModelSource
 from onnx_nmm.passes.svd_ops import DOMAIN
 from onnx_nmm.progress import Progress
-from onnx_nmm.scale.work_dir import WorkDir, fingerprint
 from onnx_nmm.training.factor_training import StepRecord, replace_factors, train_parameters
 from onnx_nmm.training.layer_pairs import LayerPairs
 from onnx_nmm.training.schedule import TrainingOptions
-
-if TYPE_CHECKING:
-    from onnx_nmm.training.finetuning import FinetuneOptions
+from onnx_nmm.training.tuning_work import TuningWork
 
 LAYER_LOSS = "layer-mse"  # the loss FinetuneResult reports for this path
 MIN_SECONDS = 1e-6  # the time budget of the layers left once it is spent: one step each (a step is always taken)
@@ -81,19 +74,14 @@ class LayerTuning:
         return cls(**values)
 
 
-def work_for(source: ModelSource, options: FinetuneOptions, windows: np.ndarray) -> WorkDir:
-    """Where the layers' work is kept: `<options.output>.partial/`, taken up when a killed run tuned the same
-    model file on the same windows with the same options; without an output (or a model file), a temporary
-    folder."""
-    if options.output is None or source.path is None:
-        return WorkDir.open(Path(tempfile.mkdtemp(prefix="onnx-nmm-finetune-")) / "tuned.onnx", "", resume=False)
-    settings = (f"finetune layer by layer|{__version__}|{options.training!r}|{options.teacher}|{options.device}|"
-                f"{hashlib.sha256(np.ascontiguousarray(windows).tobytes()).hexdigest()}")
-    return WorkDir.open(options.output, fingerprint(source.path, settings), resume=True)
+def work_settings(options: TrainingOptions, teacher: str, device: str, windows: np.ndarray) -> str:
+    """What a killed run must have shared with this one for its finished layers to be taken up."""
+    digest = hashlib.sha256(np.ascontiguousarray(windows).tobytes()).hexdigest()
+    return f"finetune layer by layer|{__version__}|{options!r}|{teacher}|{device}|{digest}"
 
 
 def tune_layer_by_layer(pairs: LayerPairs, windows: np.ndarray, trained: list[str], options: TrainingOptions,
-                        work: WorkDir, device: str, progress: Progress) -> list[LayerTuning]:
+                        work: TuningWork, device: str, progress: Progress) -> list[LayerTuning]:
     """Tune every decoder layer of `pairs.compressed_source` in turn on the token `windows` [samples, S]: its
     factors and the `trained` narrowed weights it holds, written into the rewritten model as each layer finishes
     (their bytes in `work`); what each layer did, those a killed run finished included."""
@@ -245,7 +233,7 @@ def _outputs(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
-def _finished(work: WorkDir) -> list[LayerTuning]:
+def _finished(work: TuningWork) -> list[LayerTuning]:
     """The layers a run finished, from layer 0 on, up to the first missing one."""
     done: list[LayerTuning] = []
     while (path := work.folder / f"layer-{len(done):04d}.json").is_file():
@@ -253,7 +241,7 @@ def _finished(work: WorkDir) -> list[LayerTuning]:
     return done
 
 
-def _write_layer(model: ir.Model, work: WorkDir, tuning: LayerTuning, tuned: dict[str, torch.Tensor]) -> None:
+def _write_layer(model: ir.Model, work: TuningWork, tuning: LayerTuning, tuned: dict[str, torch.Tensor]) -> None:
     """The `tuned` tensors of `tuning`'s layer written into `model` in their initializers' dtypes, their bytes to
     the layer's file in `work` (the model reads them there: one layer's tuned weights are held at a time), then
     the layer's summary: the layer is finished."""
@@ -268,7 +256,7 @@ def _write_layer(model: ir.Model, work: WorkDir, tuning: LayerTuning, tuned: dic
     work.write_bytes(f"layer-{tuning.layer:04d}.json", tuning.to_json().encode())
 
 
-def _point_at_file(model: ir.Model, work: WorkDir, tuning: LayerTuning) -> None:
+def _point_at_file(model: ir.Model, work: TuningWork, tuning: LayerTuning) -> None:
     """The tuned initializers of `tuning`'s layer read from its file in `work`."""
     for name, (offset, length) in tuning.written.items():
         value = model.graph.initializers[name]
