@@ -206,9 +206,9 @@ def _print_summary(result: onnx_nmm.FinetuneResult, options: onnx_nmm.FinetuneOp
         before = sum(layer.error_before for layer in tuned) / len(tuned)
         after = sum(layer.error_after for layer in tuned) / len(tuned)
         _common.stdout.print(
-            f"tuned {len(tuned)} layers one at a time, {trained}, {last.step} steps in all ({last.tokens} "
-            f"tokens of {result.data}) in {last.seconds:.1f} s; {_loss_words(result)} {before:.4g} → {after:.4g} "
-            "(mean over the layers)")
+            f"tuned {len(tuned)} layers one at a time, {trained}, {last.step} steps in all (a step: one layer on "
+            f"{training.batch} windows of {result.data}) in {last.seconds:.1f} s; {_loss_words(result)} "
+            f"{before:.4g} → {after:.4g} (mean over the layers)")
     else:
         _common.stdout.print(
             f"trained {trained} for {last.step} steps ({last.tokens} tokens of {result.data}) in {last.seconds:.1f} "
