@@ -84,6 +84,22 @@ def test_a_model_whose_layers_add_attention_and_mlp_in_parallel_still_cuts_exact
     np.testing.assert_allclose(_logits_through_segments(_segments(path), tokens), _logits(path, tokens), atol=1e-6)
 
 
+def test_the_activation_session_gives_the_rows_whose_gram_the_gram_session_gives(export):
+    segments = _segments(export("llama", "dynamo", cache=True))
+    tokens = np.random.default_rng(0).integers(0, 200, (2, 16))
+    carried: dict[str, np.ndarray] = {}
+    for segment in segments.cut.segments[:1]:
+        carried |= dict(zip(segment.outputs, segments.session(segment).run(segment.outputs,
+                                                                           segments.feeds(segment, tokens, carried))))
+    layer, mlp = 1, segments.mlps[1]
+    feeds = segments.feeds(segments.cut.segments[layer], tokens, carried)
+    session, plan = segments.gram_session(layer)
+    gram = plan.assemble(session.run(None, feeds)[:plan.block_count])[mlp.down.x.name]
+    (rows,) = segments.activation_session(layer).run(None, feeds)
+    assert rows.shape == (2 * 16, mlp.width)
+    np.testing.assert_allclose(rows.astype(np.float64).T @ rows, gram, rtol=1e-4, atol=1e-4 * np.abs(gram).max())
+
+
 def test_keeping_every_neuron_the_layerwise_rewrite_writes_the_same_function(export, tmp_path):
     path = export("llama", "dynamo", cache=True)
     result = rewrite_layerwise(path, tmp_path / "out.onnx", _options(keep=1.0))
@@ -152,8 +168,9 @@ def test_a_sequential_refit_keeps_the_plans_neurons_and_refits_each_layer_after_
 def test_a_sequential_refit_over_the_budget_is_not_written_and_says_so():
     report = onnx_nmm.RewriteReport("keep", "mlp", "nystrom", quality_budget={"measured": 0.01})
     with pytest.warns(UserWarning, match="the independent fit was written"):
-        stage = _sequential_if_within(report, 0.02, "narrowing-00003", [], np.array([0.02, 0.03]))
-    assert stage == "narrowing-00003" and report.quality_budget["sequential"] == {"measured": 0.025, "written": False}
+        stage = _sequential_if_within(report, 0.02, "narrowing-00003", [], np.array([0.02, 0.03, 0.01]),
+                                      ["text#0", "generated#1", "text#2"])
+    assert stage == "narrowing-00003" and report.quality_budget["sequential"] == {"measured": 0.03, "written": False}
 
 
 def _initializers(path: Path) -> dict[str, np.ndarray]:

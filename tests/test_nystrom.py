@@ -293,12 +293,30 @@ def test_a_budget_reuses_the_sensitivities_an_earlier_one_measured(export, tmp_p
     path = export("llama", "dynamo")
     first = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.75, align=64, budget="sensitivity")))
     (tmp_path / "first.json").write_text(json.dumps(first.report.to_dict()))
-    measured = []
+    references, choices = [], []  # a reference is measured by calling the probe, a plan by its windows' damages
+    per_window = sensitivity.DamageProbe.damage_per_window
     monkeypatch.setattr(sensitivity.DamageProbe, "__call__",
-                        lambda self, plan: measured.append(plan) or float(np.mean(self.damage_per_window(plan))))
+                        lambda self, plan: references.append(plan) or float(np.mean(per_window(self, plan))))
+    monkeypatch.setattr(sensitivity.DamageProbe, "damage_per_window",
+                        lambda self, plan: choices.append(plan) or per_window(self, plan))
     again = onnx_nmm.rewrite(path, _nystrom(RankOptions(keep=0.5, align=64, budget="sensitivity",
                                                         sensitivity_from=tmp_path / "first.json")))
     assert again.report.quality_budget["sensitivity"] == first.report.quality_budget["sensitivity"]
-    assert len(measured) == 1  # only the choice itself, not the 2 × 2 references
+    assert not references and choices  # only the choice is measured, none of the 2 × 2 references
     with pytest.raises(OptionError, match="with --budget sensitivity|budget sensitivity"):
         RankOptions(keep=0.5, sensitivity_from=tmp_path / "first.json")
+
+
+def test_the_ridge_chosen_on_held_out_rows_is_the_one_chosen_on_their_gram():
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((40, WIDTH))
+    held_out = rng.standard_normal((30, WIDTH))  # fewer rows than neurons: the rows are smaller than the Gram
+    down = rng.standard_normal((WIDTH, HIDDEN))
+    on_gram, on_rows = MlpNarrowing(h.T @ h, down), MlpNarrowing(h.T @ h, down)
+    assert on_rows.choose_ridge_on_rows(held_out.astype(np.float32), WIDTH - 8) == \
+        on_gram.choose_ridge(held_out.T @ held_out, WIDTH - 8)
+    kept = on_rows.kept(WIDTH - 8)
+    refit = on_rows.refit(kept)
+    residual = held_out @ down - held_out[:, kept] @ refit
+    assert on_rows.relative_error(kept, refit, held_out.T @ held_out) == pytest.approx(
+        np.sum(residual**2) / np.sum((held_out @ down) ** 2), rel=1e-9)

@@ -238,3 +238,21 @@ def gram_graph(proto: onnx.ModelProto, plan: GramPlan, kept_outputs: int = 0) ->
     graph.output.extend(kept)
     prune(graph)
     return proto
+
+
+def activation_graph(proto: onnx.ModelProto, name: str, width: int) -> onnx.ModelProto:
+    """`proto` (changed in place) whose one output is the value `name` as float32 rows [tokens, `width`]; nodes it
+    does not need are pruned. Where a Gram (`width`² entries) is larger than the rows, as a few held-out windows'
+    activation at an 8B MLP's width, the rows are what to keep."""
+    graph = proto.graph
+    if name not in {output for node in graph.node for output in node.output}:
+        raise ModelError(f"cannot observe '{name}': no node of the model computes it")
+    helper = onnx.helper
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, width], np.int64), "onnx_nmm_rows_shape"))
+    rows = "onnx_nmm_rows"
+    graph.node.append(helper.make_node("Reshape", [name, "onnx_nmm_rows_shape"], [f"{rows}_any"]))
+    graph.node.append(helper.make_node("Cast", [f"{rows}_any"], [rows], to=onnx.TensorProto.FLOAT))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(rows, onnx.TensorProto.FLOAT, [None, width]))
+    prune(graph)
+    return proto

@@ -26,6 +26,7 @@ Scores:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -170,13 +171,30 @@ class MlpNarrowing:
         return errors
 
     def choose_ridge(self, held_out_gram: np.ndarray, width: int) -> float:
-        """ρ among RIDGE_CANDIDATES whose refit at `width` errs least on held-out activations; kept as self.ridge."""
-        kept = self.kept(width)
+        """ρ among RIDGE_CANDIDATES whose refit at `width` errs least on held-out activations whose correlation is
+        `held_out_gram`; kept as self.ridge."""
         held_out_down = held_out_gram @ self.down  # the same for every ridge
+        return self._ridge_erring_least(width, lambda kept, refit: self.relative_error(kept, refit, held_out_gram,
+                                                                                        held_out_down))
+
+    def choose_ridge_on_rows(self, held_out: np.ndarray, width: int) -> float:
+        """choose_ridge on the held-out activations themselves, rows [tokens, I]: the same error, ‖h·W_d −
+        h_S·W_d'‖² / ‖h·W_d‖², without an I×I Gram where there are fewer rows than neurons."""
+        target = held_out @ self.down  # float64, the same for every ridge
+        full = float(np.einsum("th,th->", target, target))
+
+        def error(kept: np.ndarray, refit: np.ndarray) -> float:
+            residual = target - held_out[:, kept] @ refit
+            return float(np.einsum("th,th->", residual, residual) / full) if full > 0 else 0.0
+
+        return self._ridge_erring_least(width, error)
+
+    def _ridge_erring_least(self, width: int, error: Callable[[np.ndarray, np.ndarray], float]) -> float:
+        kept = self.kept(width)
         errors = {}
         for ridge in RIDGE_CANDIDATES:
             self.ridge = ridge
-            errors[ridge] = self.relative_error(kept, self.refit(kept), held_out_gram, held_out_down)
+            errors[ridge] = error(kept, self.refit(kept))
         self.ridge, self.ridge_chosen = min(errors, key=errors.__getitem__), True
         return self.ridge
 

@@ -3,7 +3,7 @@
 For layer i, with Xᵢ the dense model's residual stream before it on every calibration window (on disk):
 
     hᵀh       the Gram of its MLP's intermediate activation, on Xᵢ (kept on disk for the narrowing)
-    ridge     chosen on the held-out windows' Gram, as the in-memory rewrite chooses it
+    ridge     chosen on the held-out windows' activation, as the in-memory rewrite chooses it on their Gram
     losses    the refit's relative error at every aligned width
     energies  ‖h·W_d‖² = tr(W_dᵀ C W_d) and ‖Xᵢ₊₁‖², what the MLP and the whole layer write on the calibration
               windows: the local proxy of damage_proxy.py
@@ -104,13 +104,12 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             session, plan = segments.gram_session(layer)
             feeds = (segments.feeds(segment, tokens, stream.of_batch(segment.carried_inputs, index))
                      for index, tokens in enumerate(batches))
-            x = mlp.down.x.name or ""
-            gram = accumulated_grams(session, plan, feeds, on_outputs=keep).gram(x)
-            held = accumulated_grams(session, plan, paths.dense_feeds(segments, layer)).gram(x)
+            gram = accumulated_grams(session, plan, feeds, on_outputs=keep).gram(mlp.down.x.name or "")
             del session  # the maths holds the Gram (GBs at 8B) without the layer's weights beside it
+            held = held_out_rows(segments, layer, paths)
             narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), score)
-            ridge = narrowing.choose_ridge(held, reference_width(mlp.width))
-            del gram, held  # the held-out Gram is not kept beside the Cholesky factor's copy
+            ridge = narrowing.choose_ridge_on_rows(held, reference_width(mlp.width))
+            del gram, held
             losses, mlp_energy, references = _narrowing_costs(narrowing, align, work, layer, layer in measured_layers)
             del narrowing
             branches = {(layer, width): segments.narrowed_session(layer, *references[width]) for width in references}
@@ -124,6 +123,13 @@ def analyse_layers(segments: LayerSegments, calibration: TokenWindows, held_out:
             phase.advance(detail=mlp.name)
     _set_references(done, damage_of_paths(segments, paths, metric), measured_layers, align)
     return done
+
+
+def held_out_rows(segments: LayerSegments, layer: int, paths: Paths) -> np.ndarray:
+    """Layer `layer`'s MLP intermediate activation on the held-out windows (their dense path), rows [tokens, I]:
+    a few windows' rows are a fraction of the I×I Gram at an 8B MLP (60 MB against 1.6 GB)."""
+    session = segments.activation_session(layer)
+    return np.concatenate([session.run(None, feeds)[0] for feeds in paths.dense_feeds(segments, layer)])
 
 
 def _set_references(analyses: list[LayerAnalysis], damages: dict[Key, np.ndarray], measured_layers: list[int],

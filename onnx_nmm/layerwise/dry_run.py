@@ -37,10 +37,10 @@ from onnx_nmm.options import RewriteOptions
 from onnx_nmm.pipeline import find_targets
 from onnx_nmm.ranks.rank_plan import aligned_widths
 
-# Float64 matrices the narrowing holds at once: I×I (the Gram, the held-out Gram while the ridge is chosen, one
-# working copy for the refit's solve or the Cholesky factor) and I×H (the output weight and its products)
-GRAM_COPIES = 3
-DOWN_COPIES = 4
+# Float64 matrices the narrowing holds at once: I×I (the Gram, and one working copy for the refit's solve or the
+# Cholesky factor) and I×H (the output weight, C·W_d, and relative_errors' ordered rows, right-hand side and fit)
+GRAM_COPIES = 2
+DOWN_COPIES = 5
 
 
 @dataclass
@@ -85,19 +85,22 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
         carried |= dict(zip(segment.outputs, outputs))
     segment, mlp = segments.cut.segments[sample], segments.mlps[sample]
     session, plan = segments.gram_session(sample)
-    layer_seconds, outputs = _timed(session, None, segments.feeds(segment, tokens, carried))
+    feeds = segments.feeds(segment, tokens, carried)
+    layer_seconds, outputs = _timed(session, None, feeds)
     carried |= dict(zip(segment.outputs, outputs[plan.block_count + 1:]))
     gram = plan.assemble(outputs[:plan.block_count])[mlp.down.x.name or ""]
     del session, outputs  # as in the sweep: the maths runs without the layer's weights beside it
+    rows = segments.activation_session(sample).run(None, feeds)[0]  # the MLP's activation, as held out
     start = time.perf_counter()
     narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), options.factorization.neuron_score)
-    narrowing.choose_ridge(gram, reference_width(mlp.width))  # the same Gram as held out: the time is the same
+    held_rows = np.tile(rows, (options.ranks.sensitivity_windows, 1))  # as many rows as the held-out windows
+    narrowing.choose_ridge_on_rows(held_rows, reference_width(mlp.width))
     narrowing.relative_errors(aligned_widths(mlp.width, options.ranks.align))
     maths_seconds = time.perf_counter() - start
     start = time.perf_counter()
     narrowing.refit(narrowing.kept(reference_width(mlp.width)))
     refit_seconds = time.perf_counter() - start
-    del narrowing, gram  # as in the sweep: the head runs without the maths's matrices beside it
+    del narrowing, gram, held_rows  # as in the sweep: the head runs without the maths's matrices beside it
     head = segments.cut.head
     stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
     head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.calibration.activation_stats import GramPlan, gram_graph
+from onnx_nmm.calibration.activation_stats import GramPlan, activation_graph, gram_graph
 from onnx_nmm.errors import ModelError
 from onnx_nmm.layerwise.cut import DecoderCut, Segment, cut_decoder, residual_boundary
 from onnx_nmm.model_source import ModelSource
@@ -81,3 +81,10 @@ class LayerSegments:
         proto = onnx.ModelProto()
         proto.CopyFrom(segment.model)
         return self.source.session_of(gram_graph(proto, plan, len(segment.outputs))), plan
+
+    def activation_session(self, layer: int):
+        """Layer `layer`'s segment computing its MLP's intermediate activation h alone, as float32 rows."""
+        mlp = self.mlps[layer]
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.cut.segments[layer].model)
+        return self.source.session_of(activation_graph(proto, mlp.down.x.name or "", mlp.width))
