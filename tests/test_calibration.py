@@ -215,12 +215,12 @@ def test_a_budget_on_loaded_statistics_refuses_windows_they_came_from(capsys, ex
     _tokenize_by_characters(monkeypatch)
     model, stats, out = export("llama", "dynamo"), tmp_path / "s.npz", tmp_path / "o.onnx"
     common = ["--calib", text, "--tokenizer", text, "--seq-len", "4", "--quiet", "--no-answer-check", "--calib-mix",
-              "0"]
+              "0", "--sensitivity-windows", "2"]
     code, _, err = _run(capsys, "rewrite", model, "-o", tmp_path / "first.onnx", *common, "--calib-samples", "6",
                         "--keep", "0.5", "--save-calib-stats", stats)
     assert code == 0, err
     assert calibration_data.GramStatistics.load(stats).windows == tuple(f"t.txt#{i}" for i in range(6))
-    budget = ["--max-ppl-increase", "0.5", "--sensitivity-windows", "2", "--calib-stats", stats]
+    budget = ["--max-ppl-increase", "0.5", "--calib-stats", stats]
     code, _, err = _run(capsys, "rewrite", model, "-o", out, *common, "--calib-samples", "4", *budget)
     assert code != 0 and not out.exists()
     assert "came from 2 of the windows the quality budget is measured on (t.txt#4, t.txt#5)" in err
