@@ -11,10 +11,13 @@ from onnx_nmm.cli import main
 from onnx_nmm.decomposition.lowrank import Spectrum
 from onnx_nmm.ranks.sensitivity import (
     Candidate,
+    describe_measurement,
     greedy_moves,
     held_out_damage,
     select_for_parameters,
     select_within_budget,
+    source_means,
+    spread_over_windows,
 )
 
 DENSE = Dense("kept dense by the test")
@@ -186,3 +189,13 @@ def test_held_out_damage_is_the_worst_source_mean():
     ids = ["kjv.txt#128", "kjv.txt#129", "generated#32", "generated#33", "news.txt#7"]
     assert held_out_damage(per_window, ids) == pytest.approx(0.15)
     assert held_out_damage(per_window[:2], ids[:2]) == pytest.approx(0.02)  # one source: its mean
+
+
+def test_the_budget_line_gives_each_sources_mean_beside_the_worst():
+    per_window = np.array([0.01, 0.03, 0.10, 0.20])
+    ids = ["kjv.txt#1", "kjv.txt#2", "generated#3", "generated#4"]
+    spread = spread_over_windows("ppl", per_window, ids)
+    assert source_means(spread) == pytest.approx({"kjv.txt": math.expm1(0.02), "generated": math.expm1(0.15)})
+    line = describe_measurement({"spread": spread, "measured": held_out_damage(per_window, ids), "budget": 0.2})
+    assert "4 calibration windows held out of the statistics: +16.2% (the worst source's mean; kjv.txt +2.0%, " \
+           "generated +16.2%) (budget +22.1%)" in line

@@ -4,7 +4,6 @@ the exact commands behind their numbers."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -104,11 +103,10 @@ def run_measured(command: list) -> dict:
 
 def held_out_by_source(spread: dict) -> str:
     """Each calibration source's perplexity increase on its held-out windows, from a rewrite report's
-    quality_budget.spread (per-window increases; the mean is taken over their log-losses, as the budget is)."""
-    by_source: dict[str, list[float]] = {}
-    for window, value in zip(spread["windows"], spread["per_window"]):
-        by_source.setdefault(window.rsplit("#", 1)[0], []).append(math.log1p(value))
-    return ", ".join(f"{source} {math.expm1(sum(values) / len(values)):+.1%}" for source, values in by_source.items())
+    quality_budget.spread."""
+    from onnx_nmm.ranks.sensitivity import source_means
+
+    return ", ".join(f"{source} {mean:+.1%}" for source, mean in source_means(spread).items())
 
 
 def as_typed(argument: str) -> str:

@@ -413,9 +413,23 @@ def describe_measurement(quality_budget: dict) -> str:
     refit = "" if sequential is None else (
         f"Refitted sequentially: {show(math.expm1(sequential['measured']) if ppl else sequential['measured'])}, "
         + ("which was written. " if sequential["written"] else "over the budget: the independent fit was written. "))
+    sources = source_means(spread)
+    worst = "" if len(sources) < 2 else " (the worst source's mean; " + ", ".join(
+        f"{source} {show(mean)}" for source, mean in sources.items()) + ")"
     return (f"{'perplexity increase' if ppl else 'KL to the dense model'} measured on {count} calibration "
             f"window{'s' if count != 1 else ''} held out of the statistics: "
-            f"{show(math.expm1(measured) if ppl else measured)}"
+            f"{show(math.expm1(measured) if ppl else measured)}{worst}"
             f"{target}; per window {show(spread['min'])} … {show(spread['max'])}, "
             f"std {show(spread['std']).lstrip('+')}. {refit}"
             "A budget holds for text like the calibration text; other text may lose more (docs/quality.md).")
+
+
+def source_means(spread: dict) -> dict[str, float]:
+    """Each source's mean over its held-out windows, from a spread_over_windows record (in its unit), taken as
+    held_out_damage takes it: for perplexity increases, over the windows' log-losses."""
+    ppl = spread["unit"] == "perplexity increase"
+    by_source: dict[str, list[float]] = {}
+    for window, value in zip(spread["windows"], spread["per_window"]):
+        by_source.setdefault(window.rsplit("#", 1)[0], []).append(math.log1p(value) if ppl else value)
+    return {source: math.expm1(float(np.mean(values))) if ppl else float(np.mean(values))
+            for source, values in by_source.items()}
