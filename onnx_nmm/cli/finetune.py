@@ -117,6 +117,9 @@ def run(args) -> int:
     output = Path(args.output) if args.output else source.with_name(source.stem + ".tuned.onnx")
     options = finetune_options(args, checkpoint_paths(output, args.save_at or ()), output)
     if options.layer_by_layer is None:  # decided here to say so in one line, as the rewrite does
+        data.check()  # a bad text or tokenizer is said before the model loads to be weighed
+        if options.evaluation is not None:
+            options.evaluation.check()
         reason = too_large_to_finetune_whole(source) if source.is_file() else None
         if reason is not None:
             _common.stderr.print(reason, soft_wrap=True)
