@@ -215,3 +215,14 @@ def test_a_layer_the_rewrite_kept_dense_is_passed_through_untrained(tmp_path):
     before, after = _initializers(load_model(narrowed)), _initializers(load_model(result.save(tmp_path / "t.onnx")))
     changed = {name for name in before if not np.array_equal(before[name], after[name])}
     assert len(changed) == 3 and all(name.endswith(".narrowed") for name in changed)
+
+
+def test_a_time_budget_is_shared_by_the_layers(narrowed_llama):
+    training = onnx_nmm.TrainingOptions(steps=100_000, time_budget=2.0, learning_rate=1e-4, batch=2)
+    result = onnx_nmm.finetune(narrowed_llama, onnx_nmm.TrainingData(_tokens(4, 16, seed=6)),
+                               onnx_nmm.FinetuneOptions(training, layer_by_layer=True))
+    first, second = result.layers
+    assert first.stopped_by == second.stopped_by == "time" and result.training.stopped_by == "time"
+    assert first.steps > 1 and second.steps > 1
+    assert first.seconds <= 1.0 + 2 * first.seconds / first.steps  # half the budget, about one step over at most
+    assert first.seconds + second.seconds <= 2.0 + 2 * (first.seconds / first.steps + second.seconds / second.steps)

@@ -90,14 +90,14 @@ def tune_layer_by_layer(pairs: LayerPairs, windows: np.ndarray, trained: list[st
     done = _finished(work)
     for tuning in done:
         _point_at_file(pairs.compressed_source.model, work, tuning)
-    started = time.perf_counter()
+    started, resumed_seconds = time.perf_counter(), sum(tuning.seconds for tuning in done)
     with progress.phase("layer by layer: each layer tuned to the dense layer's outputs", total=pairs.layers) as phase:
         for tuning in done:
             phase.advance(detail=f"layer {tuning.layer + 1} resumed")
         for layer in range(len(done), pairs.layers):
             budget = options.time_budget
             if budget is not None:
-                spent = sum(tuning.seconds for tuning in done) + time.perf_counter() - started
+                spent = resumed_seconds + time.perf_counter() - started  # this run's targets and forwards too
                 budget = max(budget - spent, MIN_SECONDS) / (pairs.layers - layer)
             layer_options = replace(options, batch=1, time_budget=budget)  # a step: one group of `batch` windows
             if _trains_anything(pairs, layer, trained):
