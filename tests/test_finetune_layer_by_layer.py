@@ -226,3 +226,19 @@ def test_a_time_budget_is_shared_by_the_layers(narrowed_llama):
     assert first.steps > 1 and second.steps > 1
     assert first.seconds <= 1.0 + 2 * first.seconds / first.steps  # half the budget, about one step over at most
     assert first.seconds + second.seconds <= 2.0 + 2 * (first.seconds / first.steps + second.seconds / second.steps)
+
+
+def test_adapters_on_the_factors_are_trained_layer_by_layer_and_merged_back(tmp_path):
+    rewritten = tmp_path / "svd.onnx"
+    assert main(["rewrite", str(exported_model("llama", "dynamo")), "-o", str(rewritten), "--keep", "0.5", "--align",
+                 "32", "--quiet", "--fuse-mlp"]) == 0
+    training = onnx_nmm.TrainingOptions(steps=10, learning_rate=1e-3, batch=2, adapter_rank=4)
+    result = onnx_nmm.finetune(rewritten, onnx_nmm.TrainingData(_tokens(4, 16, seed=7)),
+                               onnx_nmm.FinetuneOptions(training, layer_by_layer=True))
+    before = _initializers(load_model(rewritten))
+    factors = {name: array for name, array in before.items() if ".svd_" in name}
+    assert result.training.trainable_parameters == sum(4 * sum(array.shape) for array in factors.values())
+    after = _initializers(load_model(result.save(tmp_path / "tuned.onnx")))
+    assert all(after[name].shape == array.shape and not np.array_equal(after[name], array)
+               for name, array in factors.items())
+    assert all(np.array_equal(before[name], after[name]) for name in set(before) - set(factors))
