@@ -16,7 +16,6 @@ from onnx_nmm.ranks.sensitivity import (
     held_out_damage,
     select_for_parameters,
     select_within_budget,
-    source_means,
     spread_over_windows,
 )
 
@@ -195,7 +194,7 @@ def test_the_budget_line_gives_each_sources_mean_beside_the_worst():
     per_window = np.array([0.01, 0.03, 0.10, 0.20])
     ids = ["kjv.txt#1", "kjv.txt#2", "generated#3", "generated#4"]
     spread = spread_over_windows("ppl", per_window, ids)
-    assert source_means(spread) == pytest.approx({"kjv.txt": math.expm1(0.02), "generated": math.expm1(0.15)})
+    assert spread["by_source"] == pytest.approx({"kjv.txt": math.expm1(0.02), "generated": math.expm1(0.15)})
     line = describe_measurement({"spread": spread, "measured": held_out_damage(per_window, ids), "budget": 0.2})
     assert "4 calibration windows held out of the statistics: +16.2% (the worst source's mean; kjv.txt +2.0%, " \
            "generated +16.2%) (budget +22.1%)" in line

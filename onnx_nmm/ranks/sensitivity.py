@@ -250,18 +250,25 @@ def held_out_damage(per_window: np.ndarray, ids: list[str]) -> float:
     `source#index`), the largest of them. A budget then holds on the calibration text and on the windows the model
     wrote itself alike, not on their average: a plan shaped by the calibration text damages the model's own
     writing (the nearest the rewrite has to the user's next text) several times as much."""
+    return max(_source_means(per_window, ids).values())
+
+
+def _source_means(per_window: np.ndarray, ids: list[str]) -> dict[str, float]:
+    """The mean damage over each source's windows, by source (an id names its source, `source#index`)."""
     sources = np.array([window.rsplit("#", 1)[0] for window in ids])
-    return max(float(np.mean(per_window[sources == source])) for source in dict.fromkeys(sources))
+    return {str(source): float(np.mean(per_window[sources == source])) for source in dict.fromkeys(sources)}
 
 
 def spread_over_windows(metric: str, per_window: np.ndarray, ids: list[str]) -> dict:
     """How a measured damage varies over the windows it was measured on: for "ppl" as perplexity increases
     (exp(Δ log-loss) − 1, so 0.1 = +10 %), for "kl" in nats."""
     values = np.expm1(per_window) if metric == "ppl" else np.asarray(per_window)
+    by_source = _source_means(np.asarray(per_window), ids)
     return {"unit": "perplexity increase" if metric == "ppl" else "KL (nats)", "windows": list(ids),
             "per_window": [float(v) for v in values], "mean": float(values.mean()),
             "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
-            "min": float(values.min()), "max": float(values.max())}
+            "min": float(values.min()), "max": float(values.max()),
+            "by_source": {source: math.expm1(mean) if metric == "ppl" else mean for source, mean in by_source.items()}}
 
 
 class DamageProbe:
@@ -413,7 +420,7 @@ def describe_measurement(quality_budget: dict) -> str:
     refit = "" if sequential is None else (
         f"Refitted sequentially: {show(math.expm1(sequential['measured']) if ppl else sequential['measured'])}, "
         + ("which was written. " if sequential["written"] else "over the budget: the independent fit was written. "))
-    sources = source_means(spread)
+    sources = spread.get("by_source", {})  # each source's mean damage, in the spread's unit
     worst = "" if len(sources) < 2 else " (the worst source's mean; " + ", ".join(
         f"{source} {show(mean)}" for source, mean in sources.items()) + ")"
     return (f"{'perplexity increase' if ppl else 'KL to the dense model'} measured on {count} calibration "
@@ -422,14 +429,3 @@ def describe_measurement(quality_budget: dict) -> str:
             f"{target}; per window {show(spread['min'])} … {show(spread['max'])}, "
             f"std {show(spread['std']).lstrip('+')}. {refit}"
             "A budget holds for text like the calibration text; other text may lose more (docs/quality.md).")
-
-
-def source_means(spread: dict) -> dict[str, float]:
-    """Each source's mean over its held-out windows, from a spread_over_windows record (in its unit), taken as
-    held_out_damage takes it: for perplexity increases, over the windows' log-losses."""
-    ppl = spread["unit"] == "perplexity increase"
-    by_source: dict[str, list[float]] = {}
-    for window, value in zip(spread["windows"], spread["per_window"]):
-        by_source.setdefault(window.rsplit("#", 1)[0], []).append(math.log1p(value) if ppl else value)
-    return {source: math.expm1(float(np.mean(values))) if ppl else float(np.mean(values))
-            for source, values in by_source.items()}
