@@ -148,6 +148,17 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through `.NAME.tmp` beside it, synced to disk, then renamed into place: a work
+    folder's record is whole or absent, even after kill -9 or a power cut."""
+    staged = path.with_name(f".{path.name}.tmp")
+    with staged.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staged, path)
+
+
 def make_public(path: str | os.PathLike) -> None:
     """Give a file or folder made by tempfile (private: 0600, 0700) the permissions a plain open or mkdir
     would."""

@@ -101,6 +101,16 @@ def run_measured(command: list) -> dict:
     return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
+def measured_rewrite(log: CommandLog, rewrite: list, report_file: Path, measured_file: Path) -> tuple[dict, dict]:
+    """`onnx-nmm REWRITE` recorded as typed and run with its report in a process of its own (run_measured): its
+    wall time and peak RSS, and the report. Both are kept in their files: a second run of the study reuses them."""
+    log.kept(*rewrite)
+    if not measured_file.exists():
+        measured = run_measured([sys.executable, "-m", "onnx_nmm", *rewrite, "--report", report_file, "--force"])
+        measured_file.write_text(json.dumps(measured))
+    return json.loads(measured_file.read_text()), json.loads(Path(report_file).read_text())
+
+
 def held_out_by_source(spread: dict) -> str:
     """Each calibration source's perplexity increase on its held-out windows, from a rewrite report's
     quality_budget.spread (a report written before the spread had them: its mean over every window)."""

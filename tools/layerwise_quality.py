@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, as_typed, held_out_by_source, invocation, run_measured  # noqa: E402
+from commands import CommandLog, as_typed, held_out_by_source, invocation, measured_rewrite  # noqa: E402
 
 GB = 2**30
 
@@ -40,12 +40,7 @@ def main() -> None:
     small, report_file, measured_file = work / "small.onnx", work / "small.report.json", work / "small.measured.json"
     rewrite = ["rewrite", model, "-o", small, "--calib", calibration, "--tokenizer", gguf]
     priced = log.run(*rewrite, "--dry-run").strip()
-    log.kept(*rewrite)  # recorded as typed; run below with its report, in a process of its own
-    if not measured_file.exists():
-        measured = run_measured([sys.executable, "-m", "onnx_nmm", *rewrite, "--report", report_file, "--force"])
-        measured_file.write_text(json.dumps(measured))
-    measured = json.loads(measured_file.read_text())
-    report = json.loads(report_file.read_text())
+    measured, report = measured_rewrite(log, rewrite, report_file, measured_file)
     modern = assets.modern_text()
     before = log.perplexity(model, modern, gguf, args.eval_windows)["perplexity"]
     after = log.perplexity(small, modern, gguf, args.eval_windows)["perplexity"]

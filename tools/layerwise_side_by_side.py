@@ -12,7 +12,6 @@ each rewrite in parallel; a third with none prints the table).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import assets  # noqa: E402
 from bench_models import machine  # noqa: E402
-from commands import CommandLog, held_out_by_source, invocation, run_measured  # noqa: E402
+from commands import CommandLog, held_out_by_source, invocation, measured_rewrite  # noqa: E402
 
 GB = 2**30
 WAYS = {"memory": [], "layerwise": ["--stream"]}  # the rewrite's name in --work: its flags
@@ -45,12 +44,7 @@ def main() -> None:
         small, report_file, measured_file = (work / f"{name}.onnx", work / f"{name}.report.json",
                                              work / f"{name}.measured.json")
         rewrite = ["rewrite", model, "-o", small, "--calib", calibration, "--tokenizer", gguf, *flags]
-        log.kept(*rewrite)  # recorded as typed; run below with its report, in a process of its own
-        if not measured_file.exists():
-            measured = run_measured([sys.executable, "-m", "onnx_nmm", *rewrite, "--report", report_file, "--force"])
-            measured_file.write_text(json.dumps(measured))
-        measured = json.loads(measured_file.read_text())
-        report = json.loads(report_file.read_text())
+        measured, report = measured_rewrite(log, rewrite, report_file, measured_file)
         after = log.perplexity(small, modern, gguf, args.eval_windows)["perplexity"]
         rows.append(_row(LABELS[name], report, measured, dense, after))
     lines = [f"`{invocation()}` on {machine()}:", "",

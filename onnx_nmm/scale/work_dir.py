@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_nmm.model_io import external_data_files, load_model
+from onnx_nmm.model_io import external_data_files, load_model, write_bytes_durably
 from onnx_nmm.pipeline import LayerOutcome
 
 MANIFEST = "manifest.json"
@@ -90,12 +90,7 @@ class WorkDir:
         self.write_bytes(f"{index:04d}.json", json.dumps(asdict(outcome)).encode())
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        staged = self.folder / f".{name}.tmp"
-        with staged.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staged, self.folder / name)
+        write_bytes_durably(self.folder / name, data)
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from onnx_nmm.model_io import external_data_files
+from onnx_nmm.model_io import external_data_files, write_bytes_durably
 from onnx_nmm.model_source import ModelSource
 
 MANIFEST = "manifest.json"
@@ -49,12 +49,7 @@ class TuningWork:
         return work
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        staged = self.folder / f".{name}.tmp"
-        with staged.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staged, self.folder / name)
+        write_bytes_durably(self.folder / name, data)
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
