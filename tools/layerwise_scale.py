@@ -55,7 +55,7 @@ def main() -> None:
              "| | measured | `--dry-run` (modelled) |",
              "|---|---:|---:|",
              f"| wall time, {args.layers} layers | {measured['wall_s'] / 60:.1f} min | {plan.seconds / 60:.1f} min |",
-             f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GB | {plan.peak_bytes / GB:.2f} GB |",
+             f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB | {plan.peak_bytes / GB:.2f} GiB |",
              f"| one layer on one window | | {plan.layer_seconds:.2f} s |",
              f"| one MLP's narrowing maths (I = {LLAMA_3_8B['intermediate']}) | | {plan.maths_seconds:.1f} s |",
              "",

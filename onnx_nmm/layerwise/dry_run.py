@@ -8,9 +8,10 @@ maths, the head on one window, all timed now; the sweeps' time and the peak memo
                       linear in L for a fixed M, L(L + 1)/2 when every layer is one)
     narrowing sweeps  N·(L·(2P·t_layer + t_refit) + 2P·t_head), N = MAX_SWEEPS for a budget of damage
                       (the search's most probes), else 1; t_refit one MLP's refit at one width
-    peak memory       what the timing itself held at most, or the largest segment's weights in float32 with a
-                      window's logits over what the process held before, and the narrowing's float64 matrices
-                      of the widest MLP (GRAM_COPIES of I×I, DOWN_COPIES of I×H)
+    peak memory       the larger of what the timing itself held at most (its layer's maths among it) and,
+                      over what the process held before, the largest segment's weights in float32 with a
+                      window's logits and the narrowing's float64 matrices of the widest MLP (GRAM_COPIES of
+                      I×I, DOWN_COPIES of I×H)
 
 Sampling generated calibration windows and writing the output are not included.
 """
@@ -115,8 +116,8 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
     widest = max(segments.mlps, key=lambda mlp: mlp.width)
     gram_bytes = (GRAM_COPIES * widest.width + DOWN_COPIES * widest.down.n) * widest.width * 8
-    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a layer's and the head's sessions, torch
-    peak = max(held, before + weights + 3 * logits.nbytes) + gram_bytes
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # sessions, the maths timed, torch
+    peak = max(held, before + weights + 3 * logits.nbytes + gram_bytes)
     return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, refit_seconds, head_seconds,
                          analysis, narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
 
