@@ -206,17 +206,13 @@ def gram_graph(proto: onnx.ModelProto, plan: GramPlan, kept_outputs: int = 0) ->
     known = {value.name for value in proto.graph.input} | {node_output for node in proto.graph.node
                                                             for node_output in node.output}
     helper, numpy_helper = onnx.helper, onnx.numpy_helper
-    outputs, nodes = [], []
+    outputs: list[onnx.ValueInfoProto] = []
+    nodes: list[onnx.NodeProto] = []
     for index, (name, width) in enumerate(plan.inputs.items()):
         if name not in known:
             raise ModelError(f"cannot observe '{name}': no node of the model computes it")
         prefix = f"onnx_nmm_gram_{index}"
-        graph.initializer.append(numpy_helper.from_array(np.array([-1, width], np.int64), f"{prefix}_shape"))
-        rows = f"{prefix}_rows"
-        nodes.append(helper.make_node("Reshape", [name, f"{prefix}_shape"], [rows]))
-        if types.get(name) != onnx.TensorProto.FLOAT:  # fp16/bf16 (or, past a contrib op, unknown): square in fp32
-            nodes.append(helper.make_node("Cast", [rows], [f"{rows}_fp32"], to=onnx.TensorProto.FLOAT))
-            rows = f"{rows}_fp32"
+        rows = _float_rows(graph, nodes, name, width, prefix, types.get(name))
         edges = plan.edges[name]
         blocks = [rows]
         if len(edges) > 2:
@@ -247,12 +243,23 @@ def activation_graph(proto: onnx.ModelProto, name: str, width: int) -> onnx.Mode
     graph = proto.graph
     if name not in {output for node in graph.node for output in node.output}:
         raise ModelError(f"cannot observe '{name}': no node of the model computes it")
-    helper = onnx.helper
-    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, width], np.int64), "onnx_nmm_rows_shape"))
-    rows = "onnx_nmm_rows"
-    graph.node.append(helper.make_node("Reshape", [name, "onnx_nmm_rows_shape"], [f"{rows}_any"]))
-    graph.node.append(helper.make_node("Cast", [f"{rows}_any"], [rows], to=onnx.TensorProto.FLOAT))
+    nodes: list[onnx.NodeProto] = []
+    rows = _float_rows(graph, nodes, name, width, "onnx_nmm_activation", value_types(proto).get(name))
+    graph.node.extend(nodes)
     del graph.output[:]
-    graph.output.append(helper.make_tensor_value_info(rows, onnx.TensorProto.FLOAT, [None, width]))
+    graph.output.append(onnx.helper.make_tensor_value_info(rows, onnx.TensorProto.FLOAT, [None, width]))
     prune(graph)
     return proto
+
+
+def _float_rows(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], name: str, width: int, prefix: str,
+                value_type: int | None) -> str:
+    """The value `name` as float32 rows [tokens, `width`]: its shape an initializer of `graph`, the Reshape (and a
+    Cast unless it is float32 already) appended to `nodes`; the rows' name."""
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, width], np.int64), f"{prefix}_shape"))
+    rows = f"{prefix}_rows"
+    nodes.append(onnx.helper.make_node("Reshape", [name, f"{prefix}_shape"], [rows]))
+    if value_type != onnx.TensorProto.FLOAT:  # fp16/bf16 (or, past a contrib op, unknown): in fp32
+        nodes.append(onnx.helper.make_node("Cast", [rows], [f"{rows}_fp32"], to=onnx.TensorProto.FLOAT))
+        rows = f"{rows}_fp32"
+    return rows
