@@ -12,10 +12,11 @@ from exported_models import exported_model
 
 import onnx_nmm
 from onnx_nmm.cli import main
+from onnx_nmm.layerwise import memory
 from onnx_nmm.model_io import load_model
 from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime.backend_runner import ModelRunner
-from onnx_nmm.training import fits, layer_by_layer
+from onnx_nmm.training import layer_by_layer
 from onnx_nmm.training.layer_pairs import LayerPairs
 
 pytestmark = pytest.mark.xdist_group("lowering")
@@ -160,7 +161,7 @@ def test_a_model_too_large_to_finetune_whole_is_tuned_layer_by_layer_and_says_so
                  "--fuse-mlp"]) == 0
     np.savez(tmp_path / "train.npz", input_ids=_tokens(4, 16, seed=2))
     np.savez(tmp_path / "held-out.npz", input_ids=_tokens(1, 64, seed=5))
-    monkeypatch.setattr(fits, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1 << 20)
     output, report = tmp_path / "tuned.onnx", tmp_path / "report.json"
     code = main([str(a) for a in ("finetune", rewritten, "--text", tmp_path / "train.npz", "--steps", 10, "--lr",
                                   "1e-3", "--eval-text", tmp_path / "held-out.npz", "-o", output, "--report", report)])

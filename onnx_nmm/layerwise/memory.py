@@ -32,6 +32,12 @@ def float32_weight_bytes(model: ir.Model) -> int:
     return total
 
 
+def memory_shortfall(needed: int) -> tuple[int, int] | None:
+    """(`needed`, the memory available) when `needed` bytes are more than this machine has available, else None."""
+    available = available_memory()
+    return None if needed <= available else (needed, available)
+
+
 def available_memory() -> int:
     """MemAvailable from /proc/meminfo; elsewhere the machine's physical memory."""
     try:
@@ -52,9 +58,10 @@ def too_large_for_memory(model_path: str | os.PathLike, options: RewriteOptions)
     check_source_files(options.calibration)
     check_report_files(options.ranks)
     weights = float32_weight_bytes(load_model(Path(model_path)))
-    needed, available = IN_MEMORY_FACTOR * weights, available_memory()
-    if needed <= available:
+    shortfall = memory_shortfall(IN_MEMORY_FACTOR * weights)
+    if shortfall is None:
         return None
+    needed, available = shortfall
     return (f"{Path(model_path).name} holds {weights / GB:.1f} GB of weights in float32; rewriting it in memory "
             f"needs about {needed / GB:.0f} GB and this machine has {available / GB:.0f} GB available: "
             "rewriting it one layer at a time (docs/scale.md)")

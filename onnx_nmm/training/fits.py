@@ -8,7 +8,7 @@ same peak tuned layer by layer: 2.49 GiB, most of it the held-out perplexity's w
 
 from __future__ import annotations
 
-from onnx_nmm.layerwise.memory import GB, available_memory, float32_weight_bytes
+from onnx_nmm.layerwise.memory import GB, float32_weight_bytes, memory_shortfall
 from onnx_nmm.model_source import ModelSource
 
 WHOLE_MODEL_FACTOR = 12
@@ -19,9 +19,10 @@ def too_large_to_finetune_whole(model) -> str | None:
     line), or None if it fits."""
     source = ModelSource.of(model)
     weights = float32_weight_bytes(source.model)
-    needed, available = WHOLE_MODEL_FACTOR * weights, available_memory()
-    if needed <= available:
+    shortfall = memory_shortfall(WHOLE_MODEL_FACTOR * weights)
+    if shortfall is None:
         return None
+    needed, available = shortfall
     return (f"{source.label} holds {weights / GB:.1f} GB of weights in float32; fine-tuning it whole beside its "
             f"dense teacher needs about {needed / GB:.0f} GB and this machine has {available / GB:.0f} GB "
             "available: tuning it one layer at a time")
