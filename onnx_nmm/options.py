@@ -148,6 +148,11 @@ class RankOptions:
         return bool(self.quality_budget)
 
     @property
+    def damage_metric(self) -> str:
+        """What a measured damage is: the log-loss increase ("ppl"), or the KL to the dense model ("kl")."""
+        return "kl" if self.rule == "max_kl" else "ppl"
+
+    @property
     def needs_spectra(self) -> bool:
         """Whether choosing the ranks needs every target's (weighted) spectrum first."""
         return self.rule == "energy" or self.budget != "uniform" or self.measures_damage

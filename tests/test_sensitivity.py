@@ -198,3 +198,13 @@ def test_the_budget_line_gives_each_sources_mean_beside_the_worst():
     line = describe_measurement({"spread": spread, "measured": held_out_damage(per_window, ids), "budget": 0.2})
     assert "4 calibration windows held out of the statistics: +16.2% (the worst source's mean; kjv.txt +2.0%, " \
            "generated +16.2%) (budget +22.1%)" in line
+
+
+def test_the_log_loss_alone_is_the_log_loss_with_the_kl():
+    from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions, next_token_nll_by_positions
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50, (2, 23))
+    reference, logits = (rng.normal(size=(2, 23, 50)).astype(np.float32) for _ in range(2))
+    nll, _ = log_loss_and_kl_by_positions(logits, tokens, reference)
+    np.testing.assert_allclose(next_token_nll_by_positions(logits, tokens, positions=5), nll, rtol=1e-12)

@@ -1,5 +1,6 @@
 """A layer-wise rewrite's cost before it runs, on this machine: one layer run on one window, its narrowing's
-maths, the head on one window, all timed now; the sweeps' time and the peak memory modelled from them.
+maths, the head on one window with its damage's maths, all timed now; the sweeps' time and the peak memory
+modelled from them.
 
     analysis sweep    (L·(W + 2P) + 2P·Σ_c (L − c))·t_layer + L·t_maths + (1 + 2M)·P·t_head
                       (through every layer: the calibration windows W, the held-out windows P for the Gram and
@@ -37,6 +38,7 @@ from onnx_nmm.model_source import ModelSource
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.pipeline import find_targets
 from onnx_nmm.ranks.rank_plan import aligned_widths
+from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions, next_token_nll_by_positions
 
 # Float64 matrices the narrowing holds at once: I×I (the Gram, and one working copy for the refit's solve or the
 # Cholesky factor) and I×H (the output weight, C·W_d, and relative_errors' ordered rows, right-hand side and fit)
@@ -53,7 +55,7 @@ class LayerwisePlan:
     layer_seconds: float  # one layer on one window (measured)
     maths_seconds: float  # one MLP's narrowing maths (measured)
     refit_seconds: float  # one MLP's refit at one width, what a narrowing sweep does (measured)
-    head_seconds: float  # the head on one window (measured)
+    head_seconds: float  # the head on one window, and a path's damage from its logits (measured)
     analysis_seconds: float  # modelled
     narrowing_seconds: float  # modelled, every sweep
     peak_bytes: int  # modelled
@@ -106,6 +108,7 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
     head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})
     head_seconds, (logits,) = _timed(segments.session(head), head.outputs[:1], head_feeds)
+    head_seconds += _damage_seconds(logits, tokens, options.ranks.damage_metric)
     windows = options.calibration.samples + sum(source.samples for source in options.calibration.sources
                                                 if isinstance(source, GeneratedText))
     held_out = options.ranks.sensitivity_windows
@@ -131,6 +134,16 @@ def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, lay
                 + (1 + 2 * len(measured)) * held_out * head)
     narrowing = sweeps * (layers * (2 * held_out * layer + refit) + 2 * held_out * head)
     return (analysis, narrowing) if apart else analysis + narrowing
+
+
+def _damage_seconds(logits: np.ndarray, tokens: np.ndarray, metric: str) -> float:
+    """The time a path's damage on one window takes from its logits (probe.damage_of_paths' maths)."""
+    start = time.perf_counter()
+    if metric == "ppl":
+        next_token_nll_by_positions(logits, tokens)
+    else:
+        log_loss_and_kl_by_positions(logits, tokens, logits)
+    return time.perf_counter() - start
 
 
 def _timed(session, names, feeds) -> tuple[float, list[np.ndarray]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_nmm.layerwise.segments import LayerSegments
-from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions
+from onnx_nmm.ranks.sensitivity import log_loss_and_kl_by_positions, next_token_nll_by_positions
 
 DENSE = (-1, 0)  # the key of the dense path; a change is (layer, width)
 
@@ -83,24 +83,26 @@ class Paths:
 
 
 def damage_of_paths(segments: LayerSegments, paths: Paths, metric: str) -> dict[Key, np.ndarray]:
-    """Each path's damage on each window (log-loss increase, or KL), the dense path's zero; through the head."""
-    head = segments.cut.head
-    session = segments.session(head)
-    nll: dict[Key, list[float]] = {key: [] for key in paths.states}
-    kl: dict[Key, list[float]] = {key: [] for key in paths.states}
-    for window in range(len(paths.tokens)):
-        tokens = paths.tokens[window:window + 1]
+    """Each path's damage on each window (log-loss increase, or KL), the dense path's zero; through the head.
+    The log-loss increase needs no reference distribution: each path's log-loss is taken alone."""
+    session = segments.session(segments.cut.head)
 
-        def logits(key: Key) -> np.ndarray:
-            carried = paths.states[key][window]
-            (value,) = session.run(head.outputs[:1], segments.feeds(head, tokens, carried))
-            return value
+    def logits(key: Key, window: int) -> np.ndarray:
+        head = segments.cut.head
+        feeds = segments.feeds(head, paths.tokens[window:window + 1], paths.states[key][window])
+        return session.run(head.outputs[:1], feeds)[0]
 
-        reference = logits(DENSE)
-        for key in paths.states:
-            window_nll, window_kl = log_loss_and_kl_by_positions(logits(key), tokens, reference)
-            nll[key].append(float(window_nll[0]))
-            kl[key].append(float(window_kl[0]))
+    windows = range(len(paths.tokens))
+    if metric == "ppl":
+        nll = {key: np.array([next_token_nll_by_positions(logits(key, window), paths.tokens[window:window + 1])[0]
+                              for window in windows]) for key in paths.states}
+        return {key: nll[key] - nll[DENSE] for key in paths.states}
+    kl = {key: np.zeros(len(windows)) for key in paths.states}
+    for window in windows:
+        reference = logits(DENSE, window)
+        for key in paths.states.keys() - {DENSE}:
+            _, window_kl = log_loss_and_kl_by_positions(logits(key, window), paths.tokens[window:window + 1],
+                                                        reference)
+            kl[key][window] = window_kl[0]
         del reference
-    base = np.array(nll[DENSE])
-    return {key: (np.array(nll[key]) - base if metric == "ppl" else np.array(kl[key])) for key in paths.states}
+    return kl

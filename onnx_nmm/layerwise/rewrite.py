@@ -78,7 +78,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     calibration, held_out = data.windows(), budget_windows(data, None)
     report.calibration, report.calibration_windows = calibration.description, list(calibration.ids)
     ranks = options.ranks
-    metric = "kl" if ranks.rule == "max_kl" else "ppl"
+    metric = ranks.damage_metric
     batch = options.calibration.batch if options.calibration is not None else 1
     try:
         analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)

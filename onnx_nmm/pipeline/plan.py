@@ -156,7 +156,7 @@ class Planner:
         probe (this model with every target at full rank, every narrowed MLP at full width) or, with Fisher
         statistics, predicted."""
         ranks = self.options.ranks
-        metric = "kl" if ranks.rule == "max_kl" else "ppl"
+        metric = ranks.damage_metric
         assert self.data is not None, "a quality budget needs calibration data (RewriteOptions refuses it without)"
         held_out = budget_windows(self.data, self.statistics.grams)  # never a window the statistics came from
         probe = self._probe(model, chosen, factorizer, mlps, held_out.tokens, metric)

@@ -245,6 +245,23 @@ def log_loss_and_kl_by_positions(logits: np.ndarray, tokens: np.ndarray, referen
     return nll / predicted, kl / predicted
 
 
+def next_token_nll_by_positions(logits: np.ndarray, tokens: np.ndarray, positions: int = 64) -> np.ndarray:
+    """Per window of [B, S]: the mean next-token negative log-likelihood that log_loss_and_kl_per_window gives,
+    without the log-probabilities: each prediction's log-sum-exp less its target's logit, in float64, `positions`
+    predictions at a time (one exponential per logit, where the log-probabilities and the KL take three)."""
+    import torch
+
+    predicted = logits.shape[1] - 1
+    targets = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]))
+    nll = torch.zeros(len(logits), dtype=torch.float64)
+    for start in range(0, predicted, positions):
+        end = min(start + positions, predicted)
+        chunk = torch.from_numpy(np.ascontiguousarray(logits[:, start:end])).double()
+        target_logits = chunk.gather(-1, targets[:, start:end, None])[..., 0]
+        nll += (torch.logsumexp(chunk, dim=-1) - target_logits).sum(dim=1)
+    return (nll / predicted).numpy()
+
+
 def held_out_damage(per_window: np.ndarray, ids: list[str]) -> float:
     """The damage a budget holds: the mean over each source's held-out windows (an id names its source,
     `source#index`), the largest of them. A budget then holds on the calibration text and on the windows the model
