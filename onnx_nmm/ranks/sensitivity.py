@@ -317,20 +317,15 @@ class DamageProbe:
         self.factor_names, self.decompositions, self.metric = factor_names, decompositions, metric
         self.tokens = tokens
         self.inputs = CausalLmInputs(source)(tokens)
-        self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64))  # numpy, once
-        self.base_per_window, _ = log_loss_and_kl_per_window(self._logits(), tokens, self.reference)
-        self.base_nll = float(self.base_per_window.mean())
+        # the KL needs the dense next-token distributions (numpy, once); the log-loss increase only the dense loss
+        self.reference = log_softmax(self._logits()[:, :-1].astype(np.float64)) if metric == "kl" else None
+        self.base_per_window = self._losses() if metric == "ppl" else np.zeros(len(tokens))
 
     def __call__(self, plan: RankPlan) -> float:
-        nll, kl = self.per_window(plan)
-        return float(nll.mean()) - self.base_nll if self.metric == "ppl" else float(kl.mean())
+        return float(self.damage_per_window(plan).mean())
 
     def damage_per_window(self, plan: RankPlan) -> np.ndarray:
         """The damage of `plan` on each window: the log-loss increase ("ppl") or the KL ("kl")."""
-        nll, kl = self.per_window(plan)
-        return nll - self.base_per_window if self.metric == "ppl" else kl
-
-    def per_window(self, plan: RankPlan) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         originals = {}
@@ -338,10 +333,16 @@ class DamageProbe:
             originals[name] = self.parameters[name].data
             self.parameters[name].data = torch.from_numpy(array)
         try:
-            return log_loss_and_kl_per_window(self._logits(), self.tokens, self.reference)
+            return self._losses() - self.base_per_window
         finally:
             for factor, data in originals.items():
                 self.parameters[factor].data = data
+
+    def _losses(self) -> np.ndarray:
+        """Each window's log-loss ("ppl") or KL to the dense model ("kl"), under the parameters as they are."""
+        if self.metric == "ppl":
+            return next_token_nll_by_positions(self._logits(), self.tokens)
+        return log_loss_and_kl_per_window(self._logits(), self.tokens, self.reference)[1]
 
     def _swapped(self, plan: RankPlan):
         """(parameter, the array it holds under `plan`): each factor at its rank; a narrowed MLP's output weight
