@@ -342,6 +342,7 @@ class DamageProbe:
         """Each window's log-loss ("ppl") or KL to the dense model ("kl"), under the parameters as they are."""
         if self.metric == "ppl":
             return next_token_nll_by_positions(self._logits(), self.tokens)
+        assert self.reference is not None, "a KL probe keeps the dense log-probabilities"
         return log_loss_and_kl_per_window(self._logits(), self.tokens, self.reference)[1]
 
     def _swapped(self, plan: RankPlan):
