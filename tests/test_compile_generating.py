@@ -147,7 +147,7 @@ def test_compile_traces_the_decode_step_with_its_cache_aliased_on_the_device(rew
         calls[workdir.parent.name] = (module, example_inputs, input_output_aliases)
         return torch.jit.script(torch.nn.Identity())
 
-    monkeypatch.setattr(neuron, "missing_neuron_packages", lambda: [])
+    monkeypatch.setattr(neuron, "missing_neuron_packages", lambda tp=1: [])
     monkeypatch.setattr(neuron, "trace_for_neuron", trace_for_neuron)
     folder = tmp_path / "model.neuron"
     compile(rewritten, folder, CompileOptions(target="trn1", max_context=32, buckets=(16,)))

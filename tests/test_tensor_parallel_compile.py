@@ -15,9 +15,11 @@ from exported_models import exported_model
 import onnx_nmm
 from onnx_nmm import CompileOptions, OptionError, compile
 from onnx_nmm.cli import main
+from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import compiled_folder
 from onnx_nmm.runtime.collective_ops import ALL_GATHER, ALL_REDUCE
 from onnx_nmm.runtime.rank_programs import SimulatedGroup
+from onnx_nmm.trainium import neuron
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
 TOKENIZER = FORMATS / "genai-fp32"  # a 300-token BPE, below every test model's vocabulary
@@ -103,11 +105,28 @@ def test_a_tp_that_does_not_divide_the_query_heads_is_refused_in_one_line_and_wr
     (dict(tp=2, dry_run=True), "tp splits a model that generates: give max_context too"),
     (dict(tp=33, target="trn1", max_context=96, dry_run=True),
      "tp must be from 1 to 32, the NeuronCores of a trn1.32xlarge"),
-    (dict(tp=2, max_context=96), "the rank programs are not traced for Neuron yet"),
 ])
 def test_a_tp_without_a_cache_or_beyond_the_instance_is_refused(options, refusal):
     with pytest.raises(OptionError, match=refusal):
         CompileOptions(**options)
+
+
+def test_without_neuronx_distributed_compile_tp_names_it_and_writes_nothing(model, tmp_path, capsys, monkeypatch):
+    """Tracing the rank programs takes neuronx-distributed besides the rest of the SDK: said at once, before the
+    model is loaded, in one line, and no folder is left (tests/test_tensor_parallel_trace.py traces them with a
+    stand-in of it)."""
+    assert "neuronx-distributed" in neuron.missing_neuron_packages(2)
+    assert "neuronx-distributed" not in neuron.missing_neuron_packages(1)
+
+    def never(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ModelSource, "of", never)
+    assert main(["compile", str(model), "--max-context", "96", "--tp", "2", "-o", str(tmp_path / "out")]) == 3
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "neuronx-distributed" in error and "nothing was written" in error
+    assert list(tmp_path.iterdir()) == []
+
 
 
 def test_a_rewritten_model_splits_and_generates_its_own_tokens(tmp_path):

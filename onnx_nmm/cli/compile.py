@@ -35,8 +35,9 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, metavar="N",
                         help="with --max-context: split the model over N NeuronCores as NxD Inference splits it "
                              "(q/k/v, gate/up column-parallel; o, down row-parallel then an all-reduce; heads and KV "
-                             "cache by head): N rank programs per graph, joined by collectives, which generate runs "
-                             "on the CPU; with --dry-run, as they are not traced yet (default 1)")
+                             "cache by head): N rank programs per graph, joined by collectives, traced with "
+                             "neuronx-distributed for `generate DIR --backend neuron`; with --dry-run, not traced "
+                             "(`generate DIR --backend torch` runs them on the CPU either way) (default 1)")
     parser.add_argument("-o", "--output", metavar="DIR", help="output folder (default: MODEL.neuron/)")
     parser.add_argument("--no-fuse-mlp", action="store_true", help="keep MLPs as one SvdMatMul kernel per projection")
     parser.add_argument("--dry-run", action="store_true", help="stop before the trace: write the manifest only")
@@ -118,9 +119,11 @@ def _print_graphs(compilation: onnx_nmm.Compilation) -> None:
     _common.stdout.print(table)
     worst = max(graph["lowering_check"]["max_abs"] for graph in manifest["graphs"])
     _common.stdout.print(f"lowering check against onnxruntime: max |Δ| {worst:.2e} over every graph. "
-                         + ("Traced: " + ", ".join(graph["torchscript"] for graph in manifest["graphs"]) + ". "
+                         + ("Traced: " + ", ".join(dict.fromkeys(graph["torchscript"] for graph in manifest["graphs"]))
+                            + ". "
                             if manifest["traced"] else "Dry run: no trace. ")
-                         + f"Wrote {compilation.folder}/; run it with: {_generate_command(compilation.folder)}",
+                         + f"Wrote {compilation.folder}/; run it with: "
+                         + _generate_command(compilation.folder, manifest),
                          soft_wrap=True)
 
 
@@ -132,11 +135,14 @@ def _collectives(joins: list[dict]) -> str:
     return ", ".join(f"{count} {op}" for op, count in counts.items())
 
 
-def _generate_command(folder: Path) -> str:
+def _generate_command(folder: Path, manifest: dict) -> str:
     """`generate` on the compiled folder as it can be typed; with --tokenizer to fill in when the folder holds no
-    tokenizer (none was beside the model to copy)."""
+    tokenizer (none was beside the model to copy). Rank programs (a tp above 1) run on the NeuronCores once traced,
+    on the CPU lowered to PyTorch before (onnxruntime cannot run their collectives)."""
     prompt = shlex.quote("Why is the sky blue?")
+    backend = (f" --backend {'neuron' if manifest['traced'] else 'torch'}" if manifest.get("tp", 1) > 1 else "")
     if onnx_nmm.is_tokenizer_folder(folder):
-        return f"onnx-nmm generate {shlex.quote(str(folder))} --prompt {prompt}"
-    return (f"onnx-nmm generate {shlex.quote(str(folder))} --tokenizer TOKENIZER --prompt {prompt}, TOKENIZER being "
-            "the model's tokenizer folder or .gguf file (none was beside the model to copy into the folder)")
+        return f"onnx-nmm generate {shlex.quote(str(folder))} --prompt {prompt}{backend}"
+    return (f"onnx-nmm generate {shlex.quote(str(folder))} --tokenizer TOKENIZER --prompt {prompt}{backend}, "
+            "TOKENIZER being the model's tokenizer folder or .gguf file (none was beside the model to copy into the "
+            "folder)")

@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                         help="feed the prompt as plain text, not through the tokenizer's chat template")
     parser.add_argument("--backend", choices=(*onnx_nmm.RUN_BACKENDS, "neuron"), default="ort",
                         help="ort (default), or the PyTorch lowering with the custom ops as torch math or on the "
-                             "NKI kernels on the emulator; neuron: a compiled folder's traces, on a NeuronCore")
+                             "NKI kernels on the emulator; neuron: a compiled folder's traces, on a NeuronCore (a "
+                             "folder compiled with --tp N: on N NeuronCores, with neuronx-distributed)")
     parser.add_argument("--target", choices=("trn1", "trn2"), default="trn2", help=_common.EMULATED_TARGET)
     parser.add_argument("--threads", type=int, help="CPU threads (default: onnxruntime's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming it")

@@ -1,9 +1,10 @@
 """The PyTorch modules of the collectives that join the rank programs of a model split over NeuronCores
 (`compile --tp`; runtime/collective_ops.py).
 
-On Trainium NxD runs these as collectives over NeuronLink. On the CPU the rank programs run in lock-step in one
-process (runtime/rank_programs.py): each module is bound to the group it belongs to (`bind_collectives`), which
-hands it the joined tensor once every rank has given its own.
+Each module calls the join it is bound to (`bind_collectives`). On the CPU the rank programs run in lock-step in
+one process (runtime/rank_programs.py), and the join is their simulated group's, which hands every rank the joined
+tensor once each has given its own. On NeuronCores (`compile --tp N` traced with neuronx-distributed,
+trainium/rank_tracing.py) the join is `nxd_join`: NxD's collectives over NeuronLink, which the trace records.
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def bind_collectives(module: nn.Module, join: Join) -> int:
         if isinstance(submodule, _CollectiveModule):
             submodule.join, bound = join, bound + 1
     return bound
+
+
+def nxd_join(kind: str, tensor, axis: int):
+    """The collective as neuronx-distributed's tensor-parallel mappings compute it across the tp group: the sum
+    (`reduce_from_tensor_model_parallel_region`), or the ranks' parts concatenated in rank order
+    (`gather_from_tensor_model_parallel_region`, which gathers along the last axis: another axis is moved last
+    for the gather and back)."""
+    from neuronx_distributed.parallel_layers import mappings
+
+    if kind == ALL_REDUCE:
+        return mappings.reduce_from_tensor_model_parallel_region(tensor)
+    last = tensor.dim() - 1
+    if axis % tensor.dim() == last:
+        return mappings.gather_from_tensor_model_parallel_region(tensor)
+    gathered = mappings.gather_from_tensor_model_parallel_region(tensor.movedim(axis, last).contiguous())
+    return gathered.movedim(last, axis)
 
 
 def _all_reduce(node: OnnxNode, graph: OnnxGraph):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +33,9 @@ from onnx_nmm.runtime.backend_runner import Model, ModelRunner
 from onnx_nmm.runtime.causal_lm import CausalLm
 from onnx_nmm.runtime.graph_probe import with_past_step
 from onnx_nmm.runtime.rank_programs import RankPrograms, RankProgramsRunner
+
+if TYPE_CHECKING:
+    from onnx_nmm.runtime.device_ranks import DeviceRankRunner, DeviceRanks
 
 USUAL_BUCKETS = (128, 512, 2048)  # prompt lengths a prefill is compiled for, capped at max_context
 STATE_PREFIX = "cache."  # a decode trace's cache parameters (trainium/cache_state.CacheState.cache)
@@ -140,7 +144,8 @@ class StaticDecoder:
     past inputs. A compiled batch above 1 runs the sequence in every row.
 
     `backend`: "ort", "torch" or "emulator" run the ONNX graphs on the CPU (backend_runner); "neuron" runs each
-    graph's trace (`compile` without --dry-run, on a machine with the Neuron SDK)."""
+    graph's trace (`compile` without --dry-run, on a machine with the Neuron SDK), a graph split over NeuronCores
+    by the one NxDModel every graph's trace is in (runtime/device_ranks.py)."""
 
     def __init__(self, graphs: StaticCache, backend: str = "ort", target: str = "trn2", threads: int | None = None):
         if backend == "neuron" and not graphs.traced:
@@ -148,7 +153,8 @@ class StaticDecoder:
                               "machine with the Neuron SDK (without {dry_run})", backend="backend", dry_run="dry_run")
         self.graphs, self.backend, self.target, self.threads = graphs, backend, target, threads
         self.label = graphs.label
-        self._runners: dict[str, ModelRunner | TracedRunner | RankProgramsRunner] = {}
+        self._runners: dict[str, ModelRunner | TracedRunner | RankProgramsRunner | DeviceRankRunner] = {}
+        self._device_ranks: DeviceRanks | None = None
         self.vocabulary = self._runner("decode", graphs.decode).vocabulary
         self.position = 0
         self.cache: dict[str, np.ndarray] = {}
@@ -179,9 +185,12 @@ class StaticDecoder:
         self.position += 1
         return logits[:1, -1]
 
-    def _runner(self, name: str, graph: Model | RankPrograms) -> ModelRunner | TracedRunner | RankProgramsRunner:
+    def _runner(self, name: str, graph: Model | RankPrograms
+                ) -> ModelRunner | TracedRunner | RankProgramsRunner | DeviceRankRunner:
         if name not in self._runners:
-            if isinstance(graph, RankPrograms):  # a graph split over NeuronCores: its ranks in lock-step
+            if isinstance(graph, RankPrograms) and self.backend == "neuron":  # its ranks on the NeuronCores
+                self._runners[name] = self._on_neuroncores().runner(name)
+            elif isinstance(graph, RankPrograms):  # a graph split over NeuronCores: its ranks in lock-step
                 self._runners[name] = RankProgramsRunner(graph, dict(self.graphs.layout.cache), self.backend,
                                                          self.target)
             elif self.backend != "neuron":
@@ -193,10 +202,20 @@ class StaticDecoder:
                 self._runners[name] = TracedRunner(self.graphs.traced[name], ModelSource.of(graph))
         return self._runners[name]
 
+    def _on_neuroncores(self) -> DeviceRanks:
+        """The one NxDModel holding every graph's trace, loaded with every rank's weights (once)."""
+        if self._device_ranks is None:
+            from onnx_nmm.runtime.device_ranks import DeviceRanks
+
+            graphs = {name: graph for name, graph, _ in self.graphs.graphs() if isinstance(graph, RankPrograms)}
+            shapes = {past: shape[1:] for past, shape in self.graphs.cache_shapes.items()}  # one rank's
+            self._device_ranks = DeviceRanks(self.graphs.traced["decode"], graphs, self.graphs.layout, shapes)
+        return self._device_ranks
+
     def _run(self, name: str, graph: Model | RankPrograms, feeds: dict[str, np.ndarray]) -> np.ndarray:
         runner = self._runner(name, graph)
         outputs = runner(feeds)
-        if not isinstance(runner, StateRunner):  # a state runner keeps the cache in its trace
+        if not getattr(runner, "holds_cache", False):  # else the trace keeps the cache on the device
             self.cache = {past: outputs[present] for past, present in self.graphs.layout.cache}
         return outputs[runner.output_names[0]]
 
@@ -229,6 +248,8 @@ class StateRunner(TracedRunner):
     other inputs only. `hold` puts a prefill's cache in; with `aliased` (torch-neuronx's input/output aliasing)
     each call updates it in place on the device, and without (a trace for the CPU) the runner copies the
     present outputs back in."""
+
+    holds_cache = True
 
     def __init__(self, trace: Path, graph: ModelSource, layout: CacheLayout, step_inputs: list[str], aliased: bool):
         super().__init__(trace, graph)

@@ -38,7 +38,7 @@ def compile(model: Model, output: str | os.PathLike, options: CompileOptions | N
     options, progress = options or CompileOptions(), progress or Progress()
     output = Path(output)
     compile_steps.refuse_to_replace(output, overwrite)
-    neuron.refuse_without_sdk(options.dry_run)
+    neuron.refuse_without_sdk(options.dry_run, options.tp)
     with progress.phase("loading the model"):
         source = ModelSource.of(model)
     if options.max_context is not None:

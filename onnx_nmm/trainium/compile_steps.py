@@ -22,6 +22,7 @@ from onnx_nmm.passes.dense_mlp_fusion import fuse_every_mlp
 from onnx_nmm.passes.mlp_densify import DensifyMlpPass
 from onnx_nmm.quality import metrics
 from onnx_nmm.runtime import compiled_folder, ort_runner
+from onnx_nmm.runtime.device_ranks import NXD_FOLDER
 from onnx_nmm.trainium import neuron
 from onnx_nmm.trainium.launch_costs import choose_mlp_kernel
 
@@ -42,7 +43,7 @@ class CompileOptions:
     KV cache of max_context positions; seq_len is then unused.
 
     tp: split the model that generates over that many NeuronCores (sharded_compilation): each graph becomes tp
-    rank programs joined by collectives."""
+    rank programs joined by collectives, traced with neuronx-distributed unless a dry run (rank_tracing)."""
 
     target: str = "trn2"
     batch: int = 1
@@ -66,10 +67,6 @@ class CompileOptions:
         if self.tp > 1 and self.max_context is None:
             raise OptionError("{tp} splits a model that generates: give {max_context} too", tp="tp",
                               max_context="max_context")
-        if self.tp > 1 and not self.dry_run:
-            raise OptionError("{tp}: the rank programs are not traced for Neuron yet (docs/trainium.md says what "
-                              "that takes); add {dry_run} to write them, which generate runs on the CPU", tp="tp",
-                              dry_run="dry_run")
         if self.buckets is not None and self.max_context is None:
             raise OptionError("{buckets} are prompt lengths of a model that generates: give {max_context} too",
                               buckets="buckets", max_context="max_context")
@@ -214,8 +211,8 @@ def refuse_to_replace(output: Path, overwrite: bool) -> None:
 
 def _entries_compile_wrote(folder: Path) -> set[str]:
     """The names a compile writes into `folder`, by the manifest it left there (none without one): with
-    max_context the graphs, their weights, the tokenizer files and a trace folder per graph; at one static shape
-    the trace."""
+    max_context the graphs, their weights, the tokenizer files and a trace folder per graph (over NeuronCores, the
+    rank programs and the one NxD trace folder); at one static shape the trace."""
     try:
         manifest = json.loads((folder / compiled_folder.MANIFEST).read_text())
     except (OSError, ValueError):
@@ -225,7 +222,9 @@ def _entries_compile_wrote(folder: Path) -> set[str]:
     if "cache" in manifest and isinstance(manifest.get("graphs"), list):
         graphs = [graph for graph in manifest["graphs"] if isinstance(graph, dict)]
         ranks = [str(file) for graph in graphs if isinstance(graph.get("ranks"), list) for file in graph["ranks"]]
+        traced_ranks = [NXD_FOLDER] if ranks else []
         return {compiled_folder.MANIFEST, compiled_folder.WEIGHTS, *compiled_folder.TOKENIZER_FILES, *ranks,
+                *traced_ranks,
                 *(str(graph.get("file")) for graph in graphs), *(str(graph.get("name")) for graph in graphs)}
     if "lowering_check" in manifest and "seq_len" in manifest:
         return {compiled_folder.MANIFEST, TORCHSCRIPT, NEURON_WORKDIR}

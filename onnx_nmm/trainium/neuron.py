@@ -1,8 +1,9 @@
 """What `onnx-nmm compile` needs around the lowering: the Neuron SDK, kernel plans per node, the trace.
 
-The Neuron SDK (torch-neuronx, neuronx-cc, nki) is distributed only from AWS's package repository;
-PyPI's packages of those names are placeholders. Where it is missing, compile says so before any work and
-writes nothing (errors.NeuronSdkMissing); a dry run, which stops before the trace, needs none.
+The Neuron SDK (torch-neuronx, neuronx-cc, nki; and neuronx-distributed for a model split over NeuronCores,
+`--tp` above 1) is distributed only from AWS's package repository; PyPI's packages of those names are
+placeholders. Where it is missing, compile says so before any work and writes nothing (errors.NeuronSdkMissing);
+a dry run, which stops before the trace, needs none.
 """
 
 from __future__ import annotations
@@ -21,22 +22,26 @@ from onnx_nmm.trainium.launch_costs import best_dense_cost, kernel_cost
 
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
+# What traces the rank programs of a model split over NeuronCores (trainium/rank_tracing.py).
+TP_PACKAGES = {"neuronx_distributed": "neuronx-distributed"}
 
 
-def missing_neuron_packages() -> list[str]:
-    """The pip names of the Neuron SDK packages this machine lacks (PyPI placeholders count as lacking)."""
+def missing_neuron_packages(tp: int = 1) -> list[str]:
+    """The pip names of the Neuron SDK packages this machine lacks to trace a model over `tp` NeuronCores (PyPI
+    placeholders count as lacking)."""
     from onnx_nmm.kernels.nki_kernels.nki_api import USING_EMULATOR
 
-    missing = [pip for module, pip in NEURON_PACKAGES.items() if module != "nki"
-               and importlib.util.find_spec(module) is None]
+    needed = {**NEURON_PACKAGES, **(TP_PACKAGES if tp > 1 else {})}
+    missing = [pip for module, pip in needed.items() if module != "nki" and importlib.util.find_spec(module) is None]
     if USING_EMULATOR:
         missing.append(NEURON_PACKAGES["nki"])
     return missing
 
 
-def refuse_without_sdk(dry_run: bool) -> None:
-    """A compile that traces needs the Neuron SDK: without it, NeuronSdkMissing before any work is done."""
-    missing = [] if dry_run else missing_neuron_packages()
+def refuse_without_sdk(dry_run: bool, tp: int = 1) -> None:
+    """A compile that traces needs the Neuron SDK (with neuronx-distributed when `tp` is above 1): without it,
+    NeuronSdkMissing before any work is done."""
+    missing = [] if dry_run else missing_neuron_packages(tp)
     if missing:
         raise NeuronSdkMissing(f"the Neuron SDK is not installed (missing: {', '.join(missing)}), so nothing can be "
                                f"traced and nothing was written. On a Trainium machine: pip install --extra-index-url "

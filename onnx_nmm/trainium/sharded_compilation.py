@@ -7,11 +7,12 @@ graph becomes N rank programs joined by collectives.
           rank's widths; written as <graph>.rank<r>.onnx, one weights file for all
     generation checked against the model as given, the rank programs in lock-step (generation_check.py)
     per graph: the rank programs joined, against onnxruntime on the whole graph; kernels planned per rank
+    with the Neuron SDK: every graph traced with neuronx-distributed, rank 0's program for every rank, into one
+      NxDModel (rank_tracing.py), which `generate DIR --backend neuron` runs
     manifest: tp, how the heads split, per graph its rank programs, the collectives joining them and where, and
       how each layer split
 
-The rank programs are not traced yet: with `--tp` compile writes the folder as a dry run does (see
-docs/trainium.md for running it on a trn1.32xlarge).
+A dry run stops before the trace; `generate DIR --backend torch` runs the rank programs on the CPU either way.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.generation_check import check_generation
 from onnx_nmm.trainium.graph_sharding import rank_program
 from onnx_nmm.trainium.rank_shares import RankShares
+from onnx_nmm.trainium.rank_tracing import trace_ranks
 from onnx_nmm.trainium.shape_propagation import probe
 
 
@@ -72,11 +74,16 @@ def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, 
                                 "lowering_check": check, **kernels[0].to_dict(),
                                 "modelled_us_per_rank": [k.to_dict().get("modelled_us") for k in kernels]})
                 phase.advance(detail=name)
+        if not options.dry_run:
+            traced = trace_ranks(sharded, folder, options.target, progress)
+            for entry in entries:
+                entry.update(traced[entry["name"]])
         manifest = {"model": source.label, "target": options.target, "batch": options.batch,
                     "max_context": options.max_context, "buckets": list(graphs.buckets), "tp": options.tp,
                     "sharding": sharding_manifest(shares), "collective_ops": COLLECTIVE_OPS,
                     "cache": compiled_folder.cache_manifest(sharded), "weights": compiled_folder.WEIGHTS,
-                    "graphs": entries, "generation_check": generation.to_dict(), "dry_run": True, "traced": False}
+                    "graphs": entries, "generation_check": generation.to_dict(), "dry_run": options.dry_run,
+                    "traced": not options.dry_run}
         write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
     return Compilation(output, manifest, summaries["decode"], summaries)
 
