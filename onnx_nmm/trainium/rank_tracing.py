@@ -42,11 +42,7 @@ def trace_ranks(graphs: StaticCache, folder: Path, target: str, progress: Progre
     from onnx_nmm.lowering import NeuronKernels
     from onnx_nmm.lowering.collective_converters import bind_collectives, nxd_join
 
-    programs: dict[str, RankPrograms] = {}
-    for name, ranks, _ in graphs.graphs():
-        assert isinstance(ranks, RankPrograms), "a tp compile's graphs are rank programs"
-        check_same_program(ranks, name)
-        programs[name] = ranks
+    programs = check_same_programs(graphs)
     tp = programs["decode"].tp
     shapes = {past: shape[1:] for past, shape in graphs.cache_shapes.items()}  # one rank's cache: [tp, ...] less tp
     os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", target)
@@ -71,6 +67,16 @@ def trace_ranks(graphs: StaticCache, folder: Path, target: str, progress: Progre
             phase.advance(detail=name)
     model.save(str(workdir / NXD_MODEL))  # without weights: generate sets each rank's from its rank programs
     return traced
+
+
+def check_same_programs(graphs: StaticCache) -> dict[str, RankPrograms]:
+    """Every graph's rank programs, by name, once each is checked to trace as one program (check_same_program)."""
+    programs: dict[str, RankPrograms] = {}
+    for name, ranks, _ in graphs.graphs():
+        assert isinstance(ranks, RankPrograms), "a tp compile's graphs are rank programs"
+        check_same_program(ranks, name)
+        programs[name] = ranks
+    return programs
 
 
 def check_same_program(programs: RankPrograms, name: str) -> None:

@@ -41,7 +41,7 @@ from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.generation_check import check_generation
 from onnx_nmm.trainium.graph_sharding import rank_program
 from onnx_nmm.trainium.rank_shares import RankShares
-from onnx_nmm.trainium.rank_tracing import trace_ranks
+from onnx_nmm.trainium.rank_tracing import check_same_programs, trace_ranks
 from onnx_nmm.trainium.shape_propagation import probe
 
 
@@ -58,6 +58,8 @@ def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, 
             compiled_folder.write_graphs(folder, _rank_programs(graphs, shares, options, layers, phase))
             compiled_folder.copy_tokenizer(source.path, folder)
         sharded = as_written(graphs, folder, options.tp)
+        if not options.dry_run:  # a split NxD cannot trace is said now, not after the checks
+            check_same_programs(sharded)
         with progress.phase("checking the rank programs against the model as given"):
             generation = check_generation(source, sharded)
         entries, summaries = [], {}
