@@ -135,6 +135,7 @@ def test_a_quality_budget_chosen_layer_by_layer_is_measured_at_the_output(export
     evaluations = dict(budget["evaluations"])  # the sweeps measured: the chosen prefix and those over
     assert evaluations[budget["moves_applied"]] == budget["measured"]
     assert all(damage > np.log1p(0.05) for prefix, damage in evaluations.items() if prefix > budget["moves_applied"])
+    assert set(result.report.seconds) == {"calibration", "analysis sweep", "narrowing sweeps", "writing"}
 
 
 def test_keeping_every_neuron_a_sequential_rewrite_has_nothing_to_refit_and_writes_the_same_function(export,
@@ -163,6 +164,7 @@ def test_a_sequential_refit_keeps_the_plans_neurons_and_refits_each_layer_after_
     budget = sequential.quality_budget
     assert budget["sequential"]["written"] and budget["sequential"]["measured"] > 0
     assert budget["sequential"]["measured"] != budget["measured"] > 0  # the independent fit's, measured too
+    assert "sequential refit" in sequential.seconds and "sequential refit" not in independent.seconds
 
 
 def test_a_sequential_refit_over_the_budget_is_not_written_and_says_so():

@@ -11,6 +11,7 @@ ids (the time and memory are those of any text).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -44,23 +45,39 @@ def main() -> None:
         "random", samples=args.windows, seq_len=args.window, mix_generated=0),
         ranks=onnx_nmm.RankOptions(sensitivity_windows=args.held_out))
     plan = onnx_nmm.plan_layerwise(model, options)
-    output = work / "out" / "model.onnx"
+    output, report_file = work / "out" / "model.onnx", work / "report.json"
     measured = run_measured([sys.executable, "-m", "onnx_nmm", "rewrite", model, "-o", output, "--stream", "--quiet",
-                             *flags])
+                             "--report", report_file, *flags])
     shutil.rmtree(output.parent)
+    report = json.loads(report_file.read_text())
+    phases = report["seconds"]
+    sweeps = sum(1 for prefix, _ in report["quality_budget"].get("evaluations", []) if prefix > 0) or 1
+    per_sweep = plan.narrowing_seconds / plan.narrowing_sweeps
+    priced = plan.analysis_seconds + sweeps * per_sweep  # the dry run's model at the sweeps this run took
+    swept = phases["analysis sweep"] + phases["narrowing sweeps"]
     lines = [f"A Llama-3-8B-shaped causal LM cut to {args.layers} layers (bf16, vocab {VOCAB}), {args.windows} "
              f"calibration windows and {args.held_out} held-out ones of {args.window} tokens, on "
              f"{onnx_nmm.describe_machine()}:",
              "",
              "| | measured | `--dry-run` (modelled) |",
              "|---|---:|---:|",
-             f"| wall time, {args.layers} layers | {measured['wall_s'] / 60:.1f} min | {plan.seconds / 60:.1f} min |",
+             f"| analysis sweep | {phases['analysis sweep'] / 60:.1f} min | {plan.analysis_seconds / 60:.1f} min |",
+             f"| narrowing sweeps: {sweeps} taken, at most {plan.narrowing_sweeps} | "
+             f"{phases['narrowing sweeps'] / 60:.1f} min | {sweeps * per_sweep / 60:.1f} min "
+             f"(at most {plan.narrowing_seconds / 60:.1f}) |",
+             f"| the sweeps, {args.layers} layers | {swept / 60:.1f} min | {priced / 60:.1f} min "
+             f"({priced / swept - 1:+.0%}; at most {plan.seconds / 60:.1f}) |",
+             f"| wall time, the process (with reading, calibration windows, writing) | {measured['wall_s'] / 60:.1f} "
+             "min | |",
              f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB | {plan.peak_bytes / GB:.2f} GiB |",
              f"| one layer on one window | | {plan.layer_seconds:.2f} s |",
              f"| one MLP's narrowing maths (I = {LLAMA_3_8B['intermediate']}) | | {plan.maths_seconds:.1f} s |",
+             f"| one MLP's refit at one width | | {plan.refit_seconds:.1f} s |",
+             f"| the head and its damage on one window | | {plan.head_seconds:.1f} s |",
              "",
              *[f"The whole {name} ({layers} layers), modelled from the same measurements: "
-               f"{plan.seconds_for(layers) / 3600:.1f} h with these windows." for name, layers in WHOLE.items()]]
+               f"{plan.seconds_for(layers) / 3600:.1f} h with these windows (at most {plan.narrowing_sweeps} "
+               "narrowing sweeps)." for name, layers in WHOLE.items()]]
     print("\n".join(lines))
 
 

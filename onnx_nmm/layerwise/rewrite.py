@@ -71,9 +71,10 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     source = ModelSource(model_path)
     targets = find_targets(source.model, options)
     segments = LayerSegments.of(source, targets, options)
-    data = calibration_data(options, source, progress)
-    assert data is not None, "narrowing MLPs is calibrated (RewriteOptions refuses it without)"
     report = RewriteReport.of(options, source.model)
+    with report.timed("calibration"):
+        data = calibration_data(options, source, progress)
+    assert data is not None, "narrowing MLPs is calibrated (RewriteOptions refuses it without)"
     work = LayerWork(WorkDir.open(output, fingerprint(model_path, f"layerwise|{__version__}|{options!r}"), resume))
     calibration, held_out = data.windows(), budget_windows(data, None)
     report.calibration, report.calibration_windows = calibration.description, list(calibration.ids)
@@ -81,11 +82,17 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
     metric = ranks.damage_metric
     batch = options.calibration.batch if options.calibration is not None else 1
     try:
-        analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
-        choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out, metric, work, progress)
+        with report.timed("analysis sweep"):
+            analyses = analyse_layers(segments, calibration, held_out, batch, metric, work, progress)
+        with report.timed("narrowing sweeps"):
+            choice, rows, damage, stage = _narrowed_within_budget(segments, analyses, held_out, metric, work,
+                                                                  progress)
         narrows = any(isinstance(width, Narrowed) for width in choice.plan.values())  # else nothing to refit
-        refitted = (refit_sequentially(segments, analyses, stage, calibration, batch, held_out.tokens, metric, work,
-                                       progress) if options.sequential and narrows else None)
+        refitted = None
+        if options.sequential and narrows:
+            with report.timed("sequential refit"):
+                refitted = refit_sequentially(segments, analyses, stage, calibration, batch, held_out.tokens, metric,
+                                              work, progress)
     except Exception:
         work.work.remove_if_empty()  # refused before a layer was finished: nothing to take up
         raise
@@ -96,7 +103,7 @@ def rewrite_layerwise(model: str | os.PathLike, output: str | os.PathLike, optio
             "spread": sensitivity.spread_over_windows(metric, damage, held_out.ids)}
     if refitted is not None:
         stage = _sequential_if_within(report, choice.budget, stage, *refitted, held_out.ids)
-    with progress.phase("writing"):
+    with progress.phase("writing"), report.timed("writing"):
         _assemble(source, segments, work, stage)
         report.weight_bytes_after = weight_bytes(source.model)
         record_dense_model(source.model, model_path)

@@ -9,9 +9,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -78,18 +76,18 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     targets = find_targets(source.model, options)
     data = calibration_data(options, source, progress)  # a bad calibration source is refused before any work
     report = RewriteReport.of(options, source.model)
-    with _timed(report, "calibration"):
+    with report.timed("calibration"):
         statistics = gather_statistics(targets, data, options, source, progress)
     report.calibration, report.calibration_windows = statistics.description, statistics.windows
     factorizer = Factorizer(options.factorization, statistics.grams, options.ranks.align)
     narrowings = MlpNarrowings(statistics, options.factorization)
-    with _timed(report, "rank selection"):
+    with report.timed("rank selection"):
         choice = Planner(options, targets, factorizer, narrowings, data, statistics, source, progress).choose(
             source.model)
     report.quality_budget = choice.quality_budget
     narrowed = _narrowed(source.model, targets, choice, narrowings, report, progress)
     label = "sequential calibration and factorization" if options.sequential else "factorization"
-    with _timed(report, label):
+    with report.timed(label):
         observer = _observer(options, source, data)
         factorized = FactorizeLayers(options, choice.plan, factorizer, progress, narrowed.rows, targets.not_narrowed,
                                      observer)(source.model)
@@ -97,7 +95,7 @@ def rewrite(model: str | os.PathLike | ir.Model | onnx.ModelProto, options: Rewr
     factorizer.decompositions.clear()
     report.layers = factorized.rows
     if options.fuse_mlp:
-        with _timed(report, "fusion"):
+        with report.timed("fusion"):
             fused = FuseMlps()(source.model)
         assert isinstance(fused, FusedResult)
         report.fused_mlps, report.unfused_mlps = fused.fused, fused.unfused
@@ -117,7 +115,7 @@ def _narrowed(model: ir.Model, targets: Targets, choice: RankChoice, narrowings:
     """The MLPs narrowed (a method that narrows them), or nothing done."""
     if not targets.mlps:
         return NarrowedResult(model, modified=False)
-    with _timed(report, "narrowing"):
+    with report.timed("narrowing"):
         narrowed = NarrowMlps(targets.mlps, choice.plan, narrowings, progress)(model)
     assert isinstance(narrowed, NarrowedResult)
     return narrowed
@@ -131,14 +129,6 @@ def _observer(options: RewriteOptions, source: ModelSource, data: CalibrationDat
         return None
     assert data is not None, "sequential calibration is calibration"
     return sequential.GroupObserver(source, data.windows().batches(data.options.batch))
-
-
-@contextlib.contextmanager
-def _timed(report: RewriteReport, label: str):
-    """The block's wall time in the report, under `label`."""
-    start = time.perf_counter()
-    yield
-    report.seconds[label] = time.perf_counter() - start
 
 
 def _check_answers(source: ModelSource, report: RewriteReport, tokenizer, progress: Progress) -> None:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -143,6 +145,13 @@ class RewriteReport:
         return cls(rule=options.ranks.describe(), selection=options.selection.describe(),
                    method=options.factorization.describe() + f", {options.ranks.budget} budget",
                    weight_bytes_before=weight_bytes(model))
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """The block's wall time in `seconds`, under `phase`."""
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = time.perf_counter() - start
 
     @property
     def budget_summary(self) -> str:
