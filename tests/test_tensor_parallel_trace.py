@@ -282,3 +282,22 @@ def test_compile_prints_the_generate_command_that_runs_a_tp_folder(traced):
                                                         "the folder)")
     assert "--backend torch" in _generate_command(traced, {**manifest, "traced": False})
     assert "--backend" not in _generate_command(traced, {**manifest, "tp": 1})
+
+
+@pytest.mark.slow
+def test_smollm2_traced_over_three_neuroncores_generates_onnxruntimes_tokens(fake, tmp_path):
+    """SmolLM2's KV export (9 query heads, 3 KV heads) compiled with --tp 3 --max-context 256 and traced with the
+    stand-in: generate DIR --backend neuron prints onnxruntime's greedy tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import assets
+
+    model, gguf = assets.smollm2_kv_onnx(), assets.smollm2_gguf()
+    folder = tmp_path / "smollm2.tp3"
+    assert main(["compile", str(model), "--target", "trn1", "--max-context", "256", "--tp", "3", "-o",
+                 str(folder)]) == 0
+    assert json.loads((folder / "manifest.json").read_text())["traced"]
+    options = dict(max_new_tokens=24)
+    expected = onnx_nmm.generate(model, "What is the capital of France?", gguf, onnx_nmm.GenerateOptions(**options))
+    result = onnx_nmm.generate(folder, "What is the capital of France?", gguf,
+                               onnx_nmm.GenerateOptions(backend="neuron", **options))
+    assert result.tokens == expected.tokens
