@@ -351,7 +351,7 @@ def test_the_damage_proxy_spaces_calibration_layers_and_interpolates_ratios_in_l
 
 
 def test_with_calibration_layers_the_modelled_analysis_grows_linearly_in_depth():
-    plan = LayerwisePlan(2, 6, 2, 24, 1.0, 0.5, 0.1, 0.25, 0.0, 0.0, 0, 1, 2, reference_layers=8)
+    plan = LayerwisePlan(2, 6, 2, 24, 1.0, 0.2, 0.5, 0.1, 0.25, 0.0, 0.0, 0, 1, 2, reference_layers=8)
     analysis = [replace(plan, narrowing_sweeps=0).seconds_for(layers) for layers in (32, 64, 96)]
     assert analysis[2] - analysis[1] == pytest.approx(analysis[1] - analysis[0], rel=0.01)
     every = [replace(plan, narrowing_sweeps=0, reference_layers=0).seconds_for(layers) for layers in (32, 64, 96)]
@@ -363,6 +363,7 @@ def test_the_dry_run_times_one_layer_models_the_sweeps_and_writes_nothing(export
     plan = onnx_nmm.plan_layerwise(path, _options(max_ppl_increase=0.05))
     assert plan.layers == 2 and plan.windows == 6 and plan.held_out == 2 and plan.sample_layer == 1
     assert 0 < plan.layer_seconds and 0 < plan.refit_seconds < plan.maths_seconds and 0 < plan.head_seconds
+    assert 0 < plan.session_seconds
     assert plan.analysis_seconds > 0 and plan.narrowing_seconds > 0 and plan.peak_bytes > 0
     assert plan.narrowing_sweeps == 5 and onnx_nmm.plan_layerwise(path, _options(keep=0.5)).narrowing_sweeps == 1
     assert plan.seconds_for(plan.layers) == pytest.approx(plan.seconds)

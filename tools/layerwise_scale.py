@@ -71,6 +71,7 @@ def main() -> None:
              "min | |",
              f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB | {plan.peak_bytes / GB:.2f} GiB |",
              f"| one layer on one window | | {plan.layer_seconds:.2f} s |",
+             f"| one layer's onnxruntime session, its weights read | | {plan.session_seconds:.2f} s |",
              f"| one MLP's narrowing maths (I = {LLAMA_3_8B['intermediate']}) | | {plan.maths_seconds:.1f} s |",
              f"| one MLP's refit at one width | | {plan.refit_seconds:.1f} s |",
              f"| the head and its damage on one window | | {plan.head_seconds:.1f} s |",

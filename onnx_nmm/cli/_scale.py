@@ -96,7 +96,8 @@ def _print_layerwise_plan(options, source: Path) -> int:
     _common.stdout.print(
         f"{source.name}, layer by layer: {plan.layers} layers, {plan.windows} calibration windows and {plan.held_out} "
         f"held-out ones of {plan.seq_len} tokens. Measured on layer {plan.sample_layer} and one window: the layer "
-        f"{plan.layer_seconds:.2f} s, its narrowing's maths {plan.maths_seconds:.2f} s, the head "
+        f"{plan.layer_seconds:.2f} s, its session {plan.session_seconds:.2f} s, its narrowing's maths "
+        f"{plan.maths_seconds:.2f} s, the head "
         f"{plan.head_seconds:.2f} s. Modelled: the analysis sweep {plan.analysis_seconds / 60:,.1f} min, "
         f"{_sweeps(plan.narrowing_sweeps)} {plan.narrowing_seconds / 60:,.1f} min, {plan.seconds / 60:,.1f} min in "
         f"all (sampling generated "

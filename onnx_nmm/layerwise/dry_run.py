@@ -2,13 +2,16 @@
 maths, the head on one window with its damage's maths, all timed now; the sweeps' time and the peak memory
 modelled from them.
 
-    analysis sweep    (L·(W + 2P) + 2P·Σ_c (L − c))·t_layer + L·t_maths + (1 + 2M)·P·t_head
-                      (through every layer: the calibration windows W, the held-out windows P for the Gram and
-                      on the dense path; at each of the M calibration layers c (damage_proxy.calibration_layers),
-                      two reference paths of P windows from it to the last layer, Σ_c (L − c) ≈ M·(L + 1)/2:
-                      linear in L for a fixed M, L(L + 1)/2 when every layer is one)
-    narrowing sweeps  N·(L·(2P·t_layer + t_refit) + 2P·t_head), N = MAX_SWEEPS for a budget of damage
-                      (the search's most probes), else 1; t_refit one MLP's refit at one width
+    analysis sweep    (L·(W + 2P) + 2P·Σ_c (L − c))·t_layer + (3L + 2M)·t_session + L·t_maths + (1 + 2M)·P·t_head
+                      (through every layer: the calibration windows W, the held-out windows P for their
+                      activation and on the dense path; at each of the M calibration layers c
+                      (damage_proxy.calibration_layers), two reference paths of P windows from it to the last
+                      layer, Σ_c (L − c) ≈ M·(L + 1)/2: linear in L for a fixed M, L(L + 1)/2 when every layer is
+                      one; a layer's sessions: its Gram's, its activation's, the dense one, and at a calibration
+                      layer the two narrowed ones)
+    narrowing sweeps  N·(L·(2P·t_layer + 2·t_session + t_refit) + 2P·t_head), N = MAX_SWEEPS for a budget of
+                      damage (the search's most probes), else 1; t_refit a sweep's maths for one MLP: its
+                      narrowing at the chosen ridge, the kept neurons at one width and their refit
     peak memory       the larger of what the timing itself held at most (its layer's maths among it) and,
                       over what the process held before, the largest segment's weights in float32 with a
                       window's logits and the narrowing's float64 matrices of the widest MLP (GRAM_COPIES of
@@ -53,8 +56,9 @@ class LayerwisePlan:
     held_out: int  # windows the budget is measured on
     seq_len: int
     layer_seconds: float  # one layer on one window (measured)
+    session_seconds: float  # one layer's onnxruntime session made, its weights read (measured)
     maths_seconds: float  # one MLP's narrowing maths (measured)
-    refit_seconds: float  # one MLP's refit at one width, what a narrowing sweep does (measured)
+    refit_seconds: float  # one MLP's narrowing at its ridge, kept neurons and refit: a sweep's maths (measured)
     head_seconds: float  # the head on one window, and a path's damage from its logits (measured)
     analysis_seconds: float  # modelled
     narrowing_seconds: float  # modelled, every sweep
@@ -70,7 +74,8 @@ class LayerwisePlan:
     def seconds_for(self, layers: int) -> float:
         """The same model's sweeps with `layers` layers of this width (modelled)."""
         return _sweeps(layers, self.windows, self.held_out, self.reference_layers, self.layer_seconds,
-                       self.maths_seconds, self.refit_seconds, self.head_seconds, self.narrowing_sweeps)
+                       self.session_seconds, self.maths_seconds, self.refit_seconds, self.head_seconds,
+                       self.narrowing_sweeps)
 
 
 def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> LayerwisePlan:
@@ -87,7 +92,9 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
         outputs = segments.session(segment).run(segment.outputs, segments.feeds(segment, tokens, carried))
         carried |= dict(zip(segment.outputs, outputs))
     segment, mlp = segments.cut.segments[sample], segments.mlps[sample]
+    start = time.perf_counter()
     session, plan = segments.gram_session(sample)
+    session_seconds = time.perf_counter() - start
     feeds = segments.feeds(segment, tokens, carried)
     layer_seconds, outputs = _timed(session, None, feeds)
     carried |= dict(zip(segment.outputs, outputs[plan.block_count + 1:]))
@@ -97,13 +104,16 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     start = time.perf_counter()
     narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), options.factorization.neuron_score)
     held_rows = np.tile(rows, (options.ranks.sensitivity_windows, 1))  # as many rows as the held-out windows
-    narrowing.choose_ridge_on_rows(held_rows, reference_width(mlp.width))
+    ridge = narrowing.choose_ridge_on_rows(held_rows, reference_width(mlp.width))
     narrowing.relative_errors(aligned_widths(mlp.width, options.ranks.align))
     maths_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    del narrowing, held_rows
+    start = time.perf_counter()  # a narrowing sweep's maths: the narrowing made again at its ridge
+    narrowing = MlpNarrowing(gram, mlp.down.weight_matrix(), options.factorization.neuron_score, ridge=ridge,
+                             ridge_chosen=True)
     narrowing.refit(narrowing.kept(reference_width(mlp.width)))
     refit_seconds = time.perf_counter() - start
-    del narrowing, gram, held_rows  # as in the sweep: the head runs without the maths's matrices beside it
+    del narrowing, gram  # as in the sweep: the head runs without the maths's matrices beside it
     head = segments.cut.head
     stream = carried[segment.boundary]  # the residual stream of any layer has the head's input's shape
     head_feeds = segments.feeds(head, tokens, {name: carried.get(name, stream) for name in head.carried_inputs})
@@ -115,24 +125,27 @@ def plan_layerwise(model: str | os.PathLike, options: RewriteOptions) -> Layerwi
     ranks = options.ranks
     sweeps = MAX_SWEEPS if ranks.measures_damage and ranks.budget != "sensitivity" else 1
     analysis, narrowing_sweeps = _sweeps(layers, windows, held_out, ranks.reference_layers, layer_seconds,
-                                         maths_seconds, refit_seconds, head_seconds, sweeps, apart=True)
+                                         session_seconds, maths_seconds, refit_seconds, head_seconds, sweeps,
+                                         apart=True)
     weights = max(float32_weight_bytes(ir.serde.deserialize_model(segment.model)) for segment in segments.cut.segments)
     widest = max(segments.mlps, key=lambda mlp: mlp.width)
     gram_bytes = (GRAM_COPIES * widest.width + DOWN_COPIES * widest.down.n) * widest.width * 8
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # sessions, the maths timed, torch
     peak = max(held, before + weights + 3 * logits.nbytes + gram_bytes)
-    return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, maths_seconds, refit_seconds, head_seconds,
-                         analysis, narrowing_sweeps, int(peak), sample, sweeps, ranks.reference_layers)
+    return LayerwisePlan(layers, windows, held_out, seq_len, layer_seconds, session_seconds, maths_seconds,
+                         refit_seconds, head_seconds, analysis, narrowing_sweeps, int(peak), sample, sweeps,
+                         ranks.reference_layers)
 
 
-def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, maths: float, refit: float,
-            head: float, sweeps: int, apart: bool = False):
+def _sweeps(layers: int, windows: int, held_out: int, reference_layers: int, layer: float, session: float,
+            maths: float, refit: float, head: float, sweeps: int, apart: bool = False):
     """The analysis sweep's and the narrowing sweeps' seconds (the module's formulas); their sum unless `apart`."""
     measured = calibration_layers(layers, reference_layers)
     reference_runs = 2 * held_out * sum(layers - c for c in measured)
-    analysis = ((layers * (windows + 2 * held_out) + reference_runs) * layer + layers * maths
+    analysis = ((layers * (windows + 2 * held_out) + reference_runs) * layer
+                + (3 * layers + 2 * len(measured)) * session + layers * maths
                 + (1 + 2 * len(measured)) * held_out * head)
-    narrowing = sweeps * (layers * (2 * held_out * layer + refit) + 2 * held_out * head)
+    narrowing = sweeps * (layers * (2 * held_out * layer + 2 * session + refit) + 2 * held_out * head)
     return (analysis, narrowing) if apart else analysis + narrowing
 
 
@@ -146,12 +159,15 @@ def _damage_seconds(logits: np.ndarray, tokens: np.ndarray, metric: str) -> floa
     return time.perf_counter() - start
 
 
-def _timed(session, names, feeds) -> tuple[float, list[np.ndarray]]:
-    """One run's wall time, after a first run that sets onnxruntime up; its outputs."""
+def _timed(session, names, feeds, runs: int = 3) -> tuple[float, list[np.ndarray]]:
+    """The median wall time of `runs` runs, after a first run that sets onnxruntime up; their outputs."""
     session.run(names, feeds)
-    start = time.perf_counter()
-    outputs = session.run(names, feeds)
-    return time.perf_counter() - start, outputs
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outputs = session.run(names, feeds)
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds)), outputs
 
 
 def _resident_bytes() -> int:
