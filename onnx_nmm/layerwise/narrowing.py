@@ -42,14 +42,14 @@ def narrow_layers(segments: LayerSegments, analyses: list[LayerAnalysis], plan: 
             rows: list[LayerOutcome] = []
             sessions = {}
             if isinstance(choice, Narrowed):
-                narrowing = MlpNarrowing(np.array(work.gram(layer)), mlp.down.weight_matrix(), score,
-                                         ridge=analysis.ridge, ridge_chosen=True)
+                narrowing = MlpNarrowing(work.gram(layer), mlp.down.weight_matrix(), score, ridge=analysis.ridge,
+                                         ridge_chosen=True)
                 kept = narrowing.kept(choice.width)
                 refit = narrowing.refit(kept)
                 work.save_narrowed(stage, layer, kept, refit)
                 rows = outcomes(mlp, narrowing, mlp_keeping(mlp, kept, refit))
+                del narrowing  # the Gram and its products (GBs at 8B): not beside the layer's sessions
                 sessions[NARROWED] = segments.narrowed_session(layer, kept, refit)
-                del narrowing
             elif isinstance(choice, Dense):
                 rows = _dense_rows(mlp, choice)
             paths = paths.through(segments, layer, segments.session(segment), {}, sessions)

@@ -64,7 +64,8 @@ class LayerWork:
         os.replace(staged, path)
 
     def gram(self, layer: int) -> np.ndarray:
-        return np.load(self.folder / f"gram-{layer:04d}.npy", mmap_mode="r")
+        """Read into one array (memory-mapped, its pages would count in the process's RSS beside a copy)."""
+        return np.load(self.folder / f"gram-{layer:04d}.npy")
 
     def save_narrowed(self, stage: str, layer: int, kept: np.ndarray, refit: np.ndarray) -> None:
         buffer = io.BytesIO()
