@@ -46,6 +46,7 @@ def main() -> None:
         ranks=onnx_nmm.RankOptions(sensitivity_windows=args.held_out))
     plan = onnx_nmm.plan_layerwise(model, options)
     output, report_file = work / "out" / "model.onnx", work / "report.json"
+    report_file.unlink(missing_ok=True)  # the previous run's
     measured = run_measured([sys.executable, "-m", "onnx_nmm", "rewrite", model, "-o", output, "--stream", "--quiet",
                              "--report", report_file, *flags])
     shutil.rmtree(output.parent)
