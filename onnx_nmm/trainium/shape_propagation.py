@@ -33,9 +33,9 @@ import onnx
 import onnx_ir as ir
 
 from onnx_nmm.errors import ModelError
-from onnx_nmm.model_source import ModelSource
 from onnx_nmm.runtime import ort_runner
 from onnx_nmm.runtime.graph_probe import value_types
+from onnx_nmm.trainium.graph_session import session_of, weightless_proto
 
 _SMALL = 64  # integer tensors up to this size are shapes, axes or positions: their values are kept
 
@@ -55,8 +55,7 @@ class Probe:
 
 def probe(model: ir.Model, feeds: dict[str, np.ndarray]) -> Probe:
     """Run `model` once on onnxruntime with every value of its graph as an output."""
-    source = ModelSource.of(model)
-    proto = source.graph_proto()
+    proto, weights = weightless_proto(model)  # a static graph of a 0.5B model passes protobuf's 2 GB
     types = value_types(proto)
     present = {output.name for output in proto.graph.output}
     for node in proto.graph.node:
@@ -64,7 +63,7 @@ def probe(model: ir.Model, feeds: dict[str, np.ndarray]) -> Probe:
             if name and name not in present and name in types:
                 proto.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name], None))
                 present.add(name)
-    outputs = ort_runner.run(source.session_of(proto), feeds)
+    outputs = ort_runner.run(session_of(proto, weights, "the graph to split"), feeds)
     known = {**feeds, **outputs}
     return Probe({name: tuple(array.shape) for name, array in known.items()},
                  {name: array.dtype for name, array in known.items()},

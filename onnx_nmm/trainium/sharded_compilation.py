@@ -39,6 +39,7 @@ from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.generation_check import check_generation
+from onnx_nmm.trainium.graph_session import graph_session
 from onnx_nmm.trainium.graph_sharding import rank_program
 from onnx_nmm.trainium.rank_shares import RankShares
 from onnx_nmm.trainium.rank_tracing import check_same_programs, trace_ranks
@@ -161,7 +162,7 @@ def check_joined(model: ir.Model, programs: RankPrograms, graphs: StaticCache, s
     """The rank programs lowered to PyTorch and run together against onnxruntime on the whole graph, on the
     graph's example feeds: every output (the cache as each rank holds it)."""
     feeds = graphs.example_feeds(name)
-    expected = ort_runner.run(ModelSource.of(model).session(), feeds)
+    expected = ort_runner.run(graph_session(model, name), feeds)
     cache = dict(graphs.layout.cache)
     stacked = {key: _by_rank(value, shares) if key in cache else value for key, value in feeds.items()}
     actual = RankProgramsRunner(programs, cache)(stacked)
