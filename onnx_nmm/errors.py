@@ -50,6 +50,9 @@ class MissingDependencyError(OnnxNmmError):
     """A Python package this request needs is not installed."""
 
 
+NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"  # the Neuron SDK's only package repository
+
+
 class NeuronSdkMissing(MissingDependencyError):
     """The Neuron SDK is not installed, so nothing can be traced for Trainium."""
 

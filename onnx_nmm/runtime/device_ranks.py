@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from onnx_nmm.errors import NeuronSdkMissing
+from onnx_nmm.errors import NEURON_INDEX, NeuronSdkMissing
 from onnx_nmm.passes.static_cache import CacheLayout
 from onnx_nmm.runtime.rank_programs import RankPrograms
 
@@ -119,8 +119,6 @@ class DeviceRanks:
         import importlib.util
 
         if importlib.util.find_spec("neuronx_distributed") is None:
-            from onnx_nmm.trainium.neuron import NEURON_INDEX
-
             raise NeuronSdkMissing(f"{trace.parent.parent} was traced over {next(iter(graphs.values())).tp} "
                                    "NeuronCores, which run it with neuronx-distributed, not installed here: on a "
                                    f"Trainium machine, pip install --extra-index-url {NEURON_INDEX} "

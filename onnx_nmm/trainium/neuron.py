@@ -15,12 +15,11 @@ from pathlib import Path
 
 import onnx
 
-from onnx_nmm.errors import ModelError, NeuronSdkMissing
+from onnx_nmm.errors import NEURON_INDEX, ModelError, NeuronSdkMissing
 from onnx_nmm.kernel_table import KernelSpec, kernel_spec
 from onnx_nmm.passes import svd_ops
 from onnx_nmm.trainium.launch_costs import best_dense_cost, kernel_cost
 
-NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_PACKAGES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki"}
 # What traces the rank programs of a model split over NeuronCores (trainium/rank_tracing.py).
 TP_PACKAGES = {"neuronx_distributed": "neuronx-distributed"}
