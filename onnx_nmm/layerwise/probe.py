@@ -85,10 +85,10 @@ class Paths:
 def damage_of_paths(segments: LayerSegments, paths: Paths, metric: str) -> dict[Key, np.ndarray]:
     """Each path's damage on each window (log-loss increase, or KL), the dense path's zero; through the head.
     The log-loss increase needs no reference distribution: each path's log-loss is taken alone."""
-    session = segments.session(segments.cut.head)
+    head = segments.cut.head
+    session = segments.session(head)
 
     def logits(key: Key, window: int) -> np.ndarray:
-        head = segments.cut.head
         feeds = segments.feeds(head, paths.tokens[window:window + 1], paths.states[key][window])
         return session.run(head.outputs[:1], feeds)[0]
 

@@ -15,18 +15,24 @@ from onnx_nmm.errors import DataError, ExecutionError, ModelError
 
 
 def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
-                   extra_config: dict[str, str] | None = None, label: str | os.PathLike | None = None
-                   ) -> ort.InferenceSession:
-    """A CPU session for a model file, or for serialized bytes (`label` names it in errors)."""
+                   extra_config: dict[str, str] | None = None, label: str | os.PathLike | None = None,
+                   initializers: dict[str, np.ndarray] | None = None) -> ort.InferenceSession:
+    """A CPU session for a model file, or for serialized bytes (`label` names it in errors). `initializers`: the
+    arrays of external weights by name, read where they are (the session keeps them alive), not from files."""
     options = ort.SessionOptions()
     options.log_severity_level = 4  # errors reach the user as one line of ours, not as onnxruntime's log
     if threads:
         options.intra_op_num_threads = threads
     for key, value in (extra_config or {}).items():
         options.add_session_config_entry(key, value)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in (initializers or {}).values()]
+    if values:
+        options.add_external_initializers(list(initializers or {}), values)
     source = model if isinstance(model, bytes) else str(model)
     try:
-        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        session.external_initializers = (initializers, values)  # onnxruntime reads their memory, never a copy
+        return session
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         name = label or ("the serialized model" if isinstance(model, bytes) else model)  # never its bytes

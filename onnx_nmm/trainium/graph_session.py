@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_nmm.errors import ModelError
+from onnx_nmm.runtime import ort_runner
 
 WEIGHT_BYTES = 1 << 20  # smaller weights stay in the proto: the graph stays one message, quick to build
 
@@ -35,19 +35,7 @@ def weightless_proto(model: ir.Model) -> tuple[onnx.ModelProto, dict[str, np.nda
 def session_of(proto: onnx.ModelProto, weights: dict[str, np.ndarray], label: str):
     """An onnxruntime CPU session of `proto` (from weightless_proto), its weights read from `weights`, which it
     keeps alive."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # errors reach the user as one line of ours, not as onnxruntime's log
-    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
-    options.add_external_initializers(list(weights), values)
-    try:
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"onnxruntime cannot load {label}: {message}") from None
-    session.external_weights = (weights, values)  # onnxruntime reads the OrtValues' memory, never a copy
-    return session
+    return ort_runner.create_session(proto.SerializeToString(), label=label, initializers=weights)
 
 
 def graph_session(model: ir.Model, label: str):
