@@ -136,6 +136,8 @@ def test_a_quality_budget_chosen_layer_by_layer_is_measured_at_the_output(export
     assert evaluations[budget["moves_applied"]] == budget["measured"]
     assert all(damage > np.log1p(0.05) for prefix, damage in evaluations.items() if prefix > budget["moves_applied"])
     assert set(result.report.seconds) == {"calibration", "analysis sweep", "narrowing sweeps", "writing"}
+    marks = list(result.report.peak_rss_bytes.values())  # the high-water mark at each phase's end, in order
+    assert result.report.peak_rss_bytes.keys() == result.report.seconds.keys() and marks == sorted(marks)
 
 
 def test_keeping_every_neuron_a_sequential_rewrite_has_nothing_to_refit_and_writes_the_same_function(export,

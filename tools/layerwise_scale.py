@@ -71,6 +71,7 @@ def main() -> None:
              f"| wall time, the process (with reading, calibration windows, writing) | {measured['wall_s'] / 60:.1f} "
              "min | |",
              f"| peak RSS | {measured['peak_rss_bytes'] / GB:.2f} GiB | {plan.peak_bytes / GB:.2f} GiB |",
+             f"| peak RSS at the end of each phase | {_marks(report['peak_rss_bytes'])} | |",
              f"| one layer on one window | | {plan.layer_seconds:.2f} s |",
              f"| one layer's onnxruntime session, its weights read | | {plan.session_seconds:.2f} s |",
              f"| one MLP's narrowing maths (I = {LLAMA_3_8B['intermediate']}) | | {plan.maths_seconds:.1f} s |",
@@ -81,6 +82,11 @@ def main() -> None:
                f"{plan.seconds_for(layers) / 3600:.1f} h with these windows (at most {plan.narrowing_sweeps} "
                "narrowing sweeps)." for name, layers in WHOLE.items()]]
     print("\n".join(lines))
+
+
+def _marks(peaks: dict[str, int]) -> str:
+    """The process's high-water mark at each phase's end: the phase where it rises set the peak."""
+    return ", ".join(f"{phase} {peak / GB:.2f} GiB" for phase, peak in peaks.items())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from onnx_nmm.model_io import save_derived, weight_bytes
 from onnx_nmm.options import RewriteOptions
 from onnx_nmm.passes import LinearLayer
+from onnx_nmm.runtime.host import peak_resident_bytes
 
 
 @dataclass
@@ -131,6 +132,7 @@ class RewriteReport:
     calibration_windows: list[str] = field(default_factory=list)  # ids of the windows the statistics came from
     layers: list[LayerOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # the process's high-water mark at each phase's end
     fused_mlps: list[str] = field(default_factory=list)  # SvdGatedMLP/SvdMLP nodes made by fuse_mlp
     unfused_mlps: dict[str, str] = field(default_factory=dict)  # with fuse_mlp: MLP left alone → why
     quality_budget: dict = field(default_factory=dict)  # how the sensitivity pass chose the ranks
@@ -148,10 +150,18 @@ class RewriteReport:
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """The block's wall time in `seconds`, under `phase`."""
+        """The block's wall time in `seconds`, and the process's peak RSS so far at its end in `peak_rss_bytes`,
+        under `phase` (the phase where the mark rises is the one that set it)."""
         start = time.perf_counter()
         yield
         self.seconds[phase] = time.perf_counter() - start
+        self.mark_peak_rss(phase)
+
+    def mark_peak_rss(self, phase: str) -> None:
+        """The process's peak RSS so far, at the end of `phase` (where /proc says it)."""
+        peak = peak_resident_bytes()
+        if peak is not None:
+            self.peak_rss_bytes[phase] = peak
 
     @property
     def budget_summary(self) -> str:
@@ -193,7 +203,7 @@ class RewriteReport:
     def to_dict(self) -> dict:
         return {"rule": self.rule, "selection": self.selection, "method": self.method,
                 "calibration": self.calibration, "calibration_windows": self.calibration_windows,
-                "totals": self.totals(), "seconds": self.seconds,
+                "totals": self.totals(), "seconds": self.seconds, "peak_rss_bytes": self.peak_rss_bytes,
                 "fused_mlps": self.fused_mlps, "unfused_mlps": self.unfused_mlps, "quality_budget": self.quality_budget,
                 "answers": self.answers,
                 "layers": [asdict(layer) for layer in self.layers]}
@@ -216,4 +226,5 @@ class RewriteResult:
         written = save_derived(self.model, path, self.source_path, self.source_used_external_data, external_data,
                                overwrite_input)
         self.report.seconds["writing"] = time.perf_counter() - start
+        self.report.mark_peak_rss("writing")
         return written
