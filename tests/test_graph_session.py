@@ -2,6 +2,7 @@
 of Qwen2.5-0.5B is 2.5 GB), the weights handed over as OrtValues, not serialized."""
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from exported_models import exported_model
 
@@ -24,3 +25,14 @@ def test_a_graph_whose_weights_are_handed_over_computes_what_the_file_does(monke
     actual = ort_runner.run(graph_session.session_of(proto, weights, "the test graph"), feeds)
     assert all(np.array_equal(expected[name], actual[name]) for name in expected)
     assert model.graph.initializers[next(iter(weights))].const_value is not None  # the model itself is unchanged
+
+
+def test_graphs_read_from_one_proto_share_each_weight_as_one_array_and_write_the_same_proto():
+    proto = onnx.load(exported_model("qwen2", "dynamo", cache=True))
+    first, second = ir.from_proto(proto), ir.from_proto(proto)
+    graph_session.weights_as_arrays([first, second])
+    name = max(first.graph.initializers, key=lambda key: first.graph.initializers[key].const_value.nbytes)
+    weight = first.graph.initializers[name].const_value
+    assert not isinstance(weight, ir.TensorProtoTensor)
+    assert weight is second.graph.initializers[name].const_value and weight.numpy() is weight.numpy()  # no copies
+    assert ir.to_proto(first).SerializeToString() == proto.SerializeToString()

@@ -18,7 +18,7 @@ from onnx_nmm.trainium import graph_sharding
 from onnx_nmm.trainium.graph_sharding import rank_program
 from onnx_nmm.trainium.rank_shares import RankShares
 from onnx_nmm.trainium.shape_propagation import _reshaped, probe
-from onnx_nmm.trainium.sharded_compilation import check_joined, rank_shares
+from onnx_nmm.trainium.sharded_compilation import check_joined, rank_shares, whole_graph_run
 
 BUCKET, CONTEXT = 8, 32
 
@@ -31,13 +31,15 @@ def _split_and_checked(model_path, tp: int, folder, prepare=lambda model: None) 
     results = {}
     for name, model, tokens in graphs.graphs():
         prepare(model)
-        found = probe(model, graphs.example_feeds(name))
+        whole = whole_graph_run(model, graphs.example_feeds(name), name)
+        found = probe(model, whole.feeds)
         programs = [rank_program(model, rank, shares, found.copy(), list(graphs.cache_shapes), tokens, "trn1",
                                  graphs.layout.tokens) for rank in range(tp)]
         compiled_folder.write_graphs(folder, {f"{name}.rank{rank}": program.model
                                               for rank, program in enumerate(programs)})
         paths = RankPrograms(tuple(folder / f"{name}.rank{rank}.onnx" for rank in range(tp)))
-        results[name] = {"check": check_joined(model, paths, graphs, shares, name), "programs": programs,
+        results[name] = {"check": check_joined(paths, whole, dict(graphs.layout.cache), shares, name),
+                         "programs": programs,
                          "paths": paths}
     return results
 

@@ -51,14 +51,11 @@ def check_generation(source: ModelSource, graphs: StaticCache) -> GenerationChec
     """Run `source` and the compiled `graphs` (on the torch backend) on one prompt; GenerationMismatch when a
     step's logits differ beyond the tolerance."""
     prompt_tokens = max(1, min(graphs.buckets[0], graphs.max_context - DECODE_STEPS) - 2)
-    reference = _Reference(source)
-    prompt = reference.model.random_tokens(1, prompt_tokens, seed=0)
+    prompt, expected = _reference_steps(source, prompt_tokens)
     compiled = StaticDecoder(graphs, backend="torch")
-    expected, actual = [reference.prefill(prompt)], [compiled.prefill(prompt)]
-    for _ in range(DECODE_STEPS):
-        token = expected[-1].argmax(-1).reshape(1, 1)
-        expected.append(reference.step(token))
-        actual.append(compiled.step(token))
+    actual = [compiled.prefill(prompt)]
+    for logits in expected[:-1]:
+        actual.append(compiled.step(_greedy(logits)))
     tolerance = GENERATION_ATOL_SCALE * max(float(np.abs(logits).max()) for logits in expected)
     differences = [metrics.compare("logits", want, got).max_abs for want, got in zip(expected, actual)]
     check = GenerationCheck(prompt_tokens, differences, tolerance,
@@ -72,6 +69,23 @@ def check_generation(source: ModelSource, graphs: StaticCache) -> GenerationChec
             f"{check.compiled_tokens} against {check.reference_tokens}); nothing was written. The static cache "
             "cannot reproduce this model: please report it with the model")
     return check
+
+
+def _reference_steps(source: ModelSource, prompt_tokens: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A random prompt of `prompt_tokens`, and the logits of the model as given on it, then on each of its greedy
+    tokens, DECODE_STEPS of them. Run before the compiled graphs are lowered, so that onnxruntime's session of
+    the model is let go first: the two are never in memory at once."""
+    reference = _Reference(source)
+    prompt = reference.model.random_tokens(1, prompt_tokens, seed=0)
+    logits = [reference.prefill(prompt)]
+    for _ in range(DECODE_STEPS):
+        logits.append(reference.step(_greedy(logits[-1])))
+    return prompt, logits
+
+
+def _greedy(logits: np.ndarray) -> np.ndarray:
+    """The token [1, 1] the logits of one position pick."""
+    return logits.argmax(-1).reshape(1, 1)
 
 
 class _Reference:

@@ -1,25 +1,31 @@
 """Compile a model that generates split over N NeuronCores (`compile --max-context C --tp N`): every static-cache
 graph becomes N rank programs joined by collectives.
 
-    static cache (runtime/static_cache.py): a prefill per bucket, one decode step, the whole model's
-      └ per graph: run once on onnxruntime for its shapes (shape_propagation.probe)
-        └ per rank: the rank's program (graph_sharding.rank_program), then each MLP on its fastest kernel at the
-          rank's widths; written as <graph>.rank<r>.onnx, one weights file for all
+    static cache (runtime/static_cache.py): a prefill per bucket, one decode step, the whole model's, their
+      weights one array each that every graph reads (graph_session.weights_as_arrays)
+      └ every graph: its outputs on onnxruntime, kept; run once more for its shapes (shape_propagation.probe)
+      └ per graph, per rank: the rank's program (graph_sharding.rank_program), then each MLP on its fastest
+        kernel at the rank's widths; written as <graph>.rank<r>.onnx, one weights file for all
+    the whole graphs let go: from here on a graph is its rank programs' files
     generation checked against the model as given, the rank programs in lock-step (generation_check.py)
-    per graph: the rank programs joined, against onnxruntime on the whole graph; kernels planned per rank
+    per graph: the rank programs joined, against the whole graph's outputs kept; kernels planned per rank
     with the Neuron SDK: every graph traced with neuronx-distributed, rank 0's program for every rank, into one
       NxDModel (rank_tracing.py), which `generate DIR --backend neuron` runs
     manifest: tp, how the heads split, per graph its rank programs, the collectives joining them and where, and
       how each layer split
 
 A dry run stops before the trace; `generate DIR --backend torch` runs the rank programs on the CPU either way.
+What is in memory at once, besides the whole graphs' weights while they are split: onnxruntime's copy of them
+and a graph's every value (the probe), or two rank programs of one graph; then the lowered rank programs of two
+graphs at most (the generation check's).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +45,11 @@ from onnx_nmm.runtime.static_cache import StaticCache, static_cache
 from onnx_nmm.trainium import compile_steps, neuron
 from onnx_nmm.trainium.compile_steps import Compilation, CompileOptions
 from onnx_nmm.trainium.generation_check import check_generation
-from onnx_nmm.trainium.graph_session import graph_session
+from onnx_nmm.trainium.graph_session import graph_session, weights_as_arrays
 from onnx_nmm.trainium.graph_sharding import rank_program
 from onnx_nmm.trainium.rank_shares import RankShares
 from onnx_nmm.trainium.rank_tracing import check_same_programs, trace_ranks
-from onnx_nmm.trainium.shape_propagation import probe
+from onnx_nmm.trainium.shape_propagation import Probe, probe
 
 
 def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, progress: Progress) -> Compilation:
@@ -51,24 +57,29 @@ def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, 
     assert options.max_context is not None and options.tp > 1
     with progress.phase("building the static graphs"):
         graphs = static_cache(source, options.max_context, options.buckets, options.batch)
+        weights_as_arrays(_in_memory(graphs))  # read by every graph, split by every rank: never copied whole
         shares = rank_shares(graphs, options.tp)
     layers: dict[str, dict] = {}
+    runs: dict[str, WholeGraphRun] = {}
     with compile_steps.staged_folder(output) as folder:
         with progress.phase(f"splitting each graph over {options.tp} NeuronCores",
                             total=len(graphs.graphs()) * options.tp) as phase:
-            compiled_folder.write_graphs(folder, _rank_programs(graphs, shares, options, layers, phase))
+            compiled_folder.write_graphs(folder, _rank_programs(graphs, shares, options, layers, runs, phase))
             compiled_folder.copy_tokenizer(source.path, folder)
-        sharded = as_written(graphs, folder, options.tp)
+        graphs = as_written(graphs, folder, options.tp)  # the whole graphs and their weights are let go here
+        gc.collect()  # an onnx-ir graph is a cycle of nodes and values, which only the collector frees
         if not options.dry_run:  # a split NxD cannot trace is said now, not after the checks
-            check_same_programs(sharded)
+            check_same_programs(graphs)
         with progress.phase("checking the rank programs against the model as given"):
-            generation = check_generation(source, sharded)
+            generation = check_generation(source, graphs)
+        gc.collect()  # its lowered rank programs, torch.fx modules: cycles too
         entries, summaries = [], {}
         with progress.phase("checking each graph's rank programs against onnxruntime",
                             total=len(graphs.graphs())) as phase:
-            for (name, model, tokens), (_, programs, _) in zip(graphs.graphs(), sharded.graphs()):
-                assert isinstance(model, ir.Model) and isinstance(programs, RankPrograms)
-                check = check_joined(model, programs, graphs, shares, name)
+            for name, programs, tokens in graphs.graphs():
+                assert isinstance(programs, RankPrograms)
+                check = check_joined(programs, runs.pop(name), dict(graphs.layout.cache), shares, name)
+                gc.collect()  # this graph's lowered rank programs, before the next graph's are
                 kernels = [neuron.plan_kernels(onnx.load(path, load_external_data=False), options.batch * tokens,
                                                options.target, model_costs=_model_costs()) for path in programs.paths]
                 summaries[name] = kernels[0]
@@ -78,13 +89,13 @@ def compile_sharded(source: ModelSource, output: Path, options: CompileOptions, 
                                 "modelled_us_per_rank": [k.to_dict().get("modelled_us") for k in kernels]})
                 phase.advance(detail=name)
         if not options.dry_run:
-            traced = trace_ranks(sharded, folder, options.target, progress)
+            traced = trace_ranks(graphs, folder, options.target, progress)
             for entry in entries:
                 entry.update(traced[entry["name"]])
         manifest = {"model": source.label, "target": options.target, "batch": options.batch,
                     "max_context": options.max_context, "buckets": list(graphs.buckets), "tp": options.tp,
                     "sharding": sharding_manifest(shares), "collective_ops": COLLECTIVE_OPS,
-                    "cache": compiled_folder.cache_manifest(sharded), "weights": compiled_folder.WEIGHTS,
+                    "cache": compiled_folder.cache_manifest(graphs), "weights": compiled_folder.WEIGHTS,
                     "graphs": entries, "generation_check": generation.to_dict(), "dry_run": options.dry_run,
                     "traced": not options.dry_run}
         write_text_atomically(folder / compiled_folder.MANIFEST, json.dumps(manifest, indent=2))
@@ -139,35 +150,58 @@ def as_written(graphs: StaticCache, folder: Path, tp: int) -> StaticCache:
                    decode=programs("decode"), cache_shapes=shares)
 
 
+def _in_memory(graphs: StaticCache) -> Iterator[ir.Model]:
+    for _, model, _ in graphs.graphs():
+        assert isinstance(model, ir.Model), "static_cache builds its graphs in memory"
+        yield model
+
+
 def _rank_programs(graphs: StaticCache, shares: RankShares, options: CompileOptions, layers: dict[str, dict],
-                   phase) -> Iterator[tuple[str, ir.Model]]:
+                   runs: dict[str, WholeGraphRun], phase) -> Iterator[tuple[str, ir.Model]]:
     """Each graph's rank programs, one at a time, each MLP on its fastest kernel at the rank's widths; what each
-    graph's joins and splits are into `layers`."""
+    graph's joins and splits are into `layers`, what it computes on onnxruntime into `runs`."""
+    # Every graph is run before any rank program is made: onnxruntime's copy of the weights and every value of a
+    # graph (the probe's) are the most the split holds, and no rank program is held beside them.
+    probes: dict[str, Probe] = {}
+    for name, model, _ in graphs.graphs():
+        assert isinstance(model, ir.Model)
+        runs[name] = whole_graph_run(model, graphs.example_feeds(name), name)
+        probes[name] = probe(model, runs[name].feeds)
     for name, model, tokens in graphs.graphs():
         assert isinstance(model, ir.Model)
-        found = probe(model, graphs.example_feeds(name))
         for rank in range(shares.tp):
-            program = rank_program(model, rank, shares, found.copy(), list(graphs.cache_shapes),
+            program = rank_program(model, rank, shares, probes[name].copy(), list(graphs.cache_shapes),
                                    options.batch * tokens, options.target, graphs.layout.tokens)
             mlps = compile_steps.fuse_mlps(program.model, options.batch * tokens, options.target, options.fuse_mlp)
             if rank == 0:
                 layers[name] = {"collectives": [join.to_dict() for join in program.joins], "splits": program.splits,
                                 "fused_mlps": mlps.fused, "unfused_mlps": mlps.unfused, "mlp_kernels": mlps.chosen}
             yield f"{name}.rank{rank}", program.model
+            gc.collect()  # the program written before this one, a cycle of nodes and values holding its weights
             phase.advance(detail=f"{name}, rank {rank}")
 
 
-def check_joined(model: ir.Model, programs: RankPrograms, graphs: StaticCache, shares: RankShares,
+@dataclass(frozen=True)
+class WholeGraphRun:
+    """A graph's example feeds and its outputs on them, onnxruntime on the whole graph: what its rank programs run
+    together must give, kept so that the graph itself need not be."""
+
+    feeds: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+
+
+def whole_graph_run(model: ir.Model, feeds: dict[str, np.ndarray], name: str) -> WholeGraphRun:
+    return WholeGraphRun(feeds, ort_runner.run(graph_session(model, name), feeds))
+
+
+def check_joined(programs: RankPrograms, whole: WholeGraphRun, cache: dict[str, str], shares: RankShares,
                  name: str) -> dict:
     """The rank programs lowered to PyTorch and run together against onnxruntime on the whole graph, on the
-    graph's example feeds: every output (the cache as each rank holds it)."""
-    feeds = graphs.example_feeds(name)
-    expected = ort_runner.run(graph_session(model, name), feeds)
-    cache = dict(graphs.layout.cache)
-    stacked = {key: _by_rank(value, shares) if key in cache else value for key, value in feeds.items()}
+    graph's example feeds: every output (the cache, past → present, as each rank holds it)."""
+    stacked = {key: _by_rank(value, shares) if key in cache else value for key, value in whole.feeds.items()}
     actual = RankProgramsRunner(programs, cache)(stacked)
     worst = 0.0
-    for output, reference in expected.items():
+    for output, reference in whole.outputs.items():
         if output in cache.values():
             reference = _by_rank(reference, shares)
         comparison = metrics.compare(output, reference, actual[output],
