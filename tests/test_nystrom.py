@@ -89,6 +89,18 @@ def test_the_refit_beats_keeping_the_rows_and_the_scores_order_the_neurons():
     assert greedy.relative_error(greedy.kept(WIDTH - 1), greedy.refit(greedy.kept(WIDTH - 1))) < 1e-12
 
 
+def test_the_errors_of_every_width_are_the_same_a_block_of_rows_at_a_time(monkeypatch):
+    from onnx_nmm.decomposition import nystrom
+
+    rng = np.random.default_rng(7)
+    h = rng.standard_normal((400, WIDTH))
+    narrowing = MlpNarrowing(h.T @ h, rng.standard_normal((WIDTH, HIDDEN)))
+    widths = [1, 5, 8, 16, WIDTH]
+    whole = narrowing.relative_errors(widths)
+    monkeypatch.setattr(nystrom, "BLOCK_ROWS", 3)
+    assert narrowing.relative_errors(widths) == pytest.approx(whole, rel=1e-12, abs=1e-15)
+
+
 @pytest.mark.parametrize("score", NEURON_SCORES)
 def test_the_errors_of_every_width_at_once_are_those_of_one_refit_per_width(score):
     """The nested computation the budgets use (one Cholesky factor for every width) against a solve per width;

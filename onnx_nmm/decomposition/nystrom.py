@@ -162,7 +162,9 @@ class MlpNarrowing:
         for width in sorted(set(widths)):
             if not 0 < width <= self.width:
                 raise ValueError(f"width must be in [1, {self.width}], got {width}")
-            fit[:width] += upper_inverse[:width, done:width] @ y[done:width]
+            for start in range(0, width, BLOCK_ROWS):  # a block of rows at a time: no width×H temporary
+                stop = min(start + BLOCK_ROWS, width)
+                fit[start:stop] += upper_inverse[start:stop, done:width] @ y[done:width]
             done = width
             ridge = damping * (2 * np.einsum("ih,ih->", ordered[:width], fit[:width])
                                - np.einsum("ih,ih->", fit[:width], fit[:width]))
