@@ -155,11 +155,7 @@ class RewriteReport:
         start = time.perf_counter()
         yield
         self.seconds[phase] = time.perf_counter() - start
-        self.mark_peak_rss(phase)
-
-    def mark_peak_rss(self, phase: str) -> None:
-        """The process's peak RSS so far, at the end of `phase` (where /proc says it)."""
-        peak = peak_resident_bytes()
+        peak = peak_resident_bytes()  # None where /proc does not say
         if peak is not None:
             self.peak_rss_bytes[phase] = peak
 
@@ -222,9 +218,6 @@ class RewriteResult:
         """Write the model atomically, checked by onnx.checker first. `external_data`: weights to `<name>.data`;
         None = as the input did, or when the weights pass protobuf's 2 GB. Refuses to write over the input
         unless `overwrite_input`."""
-        start = time.perf_counter()
-        written = save_derived(self.model, path, self.source_path, self.source_used_external_data, external_data,
-                               overwrite_input)
-        self.report.seconds["writing"] = time.perf_counter() - start
-        self.report.mark_peak_rss("writing")
-        return written
+        with self.report.timed("writing"):
+            return save_derived(self.model, path, self.source_path, self.source_used_external_data, external_data,
+                                overwrite_input)

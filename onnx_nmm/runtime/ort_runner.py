@@ -31,7 +31,7 @@ def create_session(model: str | os.PathLike | bytes, threads: int | None = None,
     source = model if isinstance(model, bytes) else str(model)
     try:
         session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-        session.external_initializers = (initializers, values)  # onnxruntime reads their memory, never a copy
+        session.external_initializers = (initializers, values)  # alive as long as the session that was handed them
         return session
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
